@@ -1,0 +1,92 @@
+"""The `cllm` command line: one subcommand per pipeline step, generated from config dataclasses.
+
+`COMMANDS` maps each subcommand to ``(module, config class, function, summary)``. The function
+takes the validated config and can be called from Python just the same. Modules are imported
+lazily so that `cllm --help` stays fast. A `UserError`/`ValueError`/`FileNotFoundError` raised
+by a command is a user mistake: it is printed as one line and the exit status is 2
+(set ``CLLM_DEBUG=1`` to see the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any
+
+from cllm.config import UserError, add_dataclass_arguments, build_config, read_config_file
+
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "pretrain": ("cllm.pretrain", "PretrainConfig", "pretrain", "train the embedded target model from scratch on the stdlib corpus"),
+    "collect": ("cllm.collect", "CollectConfig", "collect", "Jacobi-decode a prompt set with the target and record trajectories"),
+    "train": ("cllm.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
+    "generate": ("cllm.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
+    "chat": ("cllm.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
+    "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),
+    "bench": ("cllm.bench", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
+    "demo": ("cllm.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
+}
+
+
+def _load(name: str) -> tuple[type, Any] | None:
+    module_name, config_name, func_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None  # not built yet
+        raise
+    return getattr(module, config_name), getattr(module, func_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cllm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cllm",
+        description="Consistency LLMs: collect Jacobi trajectories, train, measure and serve "
+        "a causal LM that decodes several tokens per forward pass, exactly.",
+    )
+    parser.add_argument("--version", action="version", version=f"cllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, _, summary) in COMMANDS.items():
+        loaded = _load(name)
+        p = sub.add_parser(name, help=summary, description=summary)
+        p.add_argument("--config", metavar="FILE", help="JSON or YAML file of options (flags override it)")
+        if loaded is None:
+            p.set_defaults(_unavailable=True)
+            continue
+        add_dataclass_arguments(p, loaded[0])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    prog = f"cllm {args.command}"
+    if getattr(args, "_unavailable", False):
+        print(f"{prog}: error: this command is not available in this version", file=sys.stderr)
+        return 2
+    config_cls, func = _load(args.command)  # type: ignore[misc]
+    try:
+        file_values = read_config_file(args.config) if args.config else None
+        config = build_config(config_cls, file_values, vars(args))
+        result = func(config)
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        if os.environ.get("CLLM_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+    return int(result) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

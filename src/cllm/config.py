@@ -1,0 +1,141 @@
+"""Config dataclasses -> CLI flags, config files, and the resolved config written next to outputs.
+
+Every subcommand is described by one dataclass whose fields carry their defaults and help text
+(``field(default=..., metadata={"help": "..."})``) and which validates itself in
+``__post_init__`` by raising ``ValueError`` with a one-line message. This module turns such a
+dataclass into argparse flags (``max_new_tokens`` -> ``--max-new-tokens``), merges a
+``--config FILE`` (JSON or YAML) under the command-line flags, and writes the resolved config
+as JSON. It knows nothing about any particular command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+class UserError(ValueError):
+    """A mistake in the user's input; the CLI prints it as one line, without a traceback."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is_optional) for `X | None` / `Optional[X]`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _list_parser(inner: Any):
+    def parse(text: str) -> list:
+        return [inner(part) for part in text.split(",") if part.strip() != ""]
+
+    return parse
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one optional flag per dataclass field. Defaults stay None so that a config file can
+    fill what the command line leaves unset; the dataclass supplies the real defaults."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        tp, _ = _unwrap_optional(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if typing.get_origin(tp) is typing.Literal:
+            choices = typing.get_args(tp)
+            kwargs.update(type=type(choices[0]), choices=choices)
+        elif tp is bool:
+            kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
+        elif typing.get_origin(tp) in (list, tuple):
+            inner = typing.get_args(tp)[0] if typing.get_args(tp) else str
+            kwargs.update(type=_list_parser(inner), metavar="A,B,...")
+        elif tp in (int, float, str):
+            kwargs.update(type=tp)
+        else:
+            kwargs.update(type=str)
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML mapping; a missing or malformed file is a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
+        raise UserError(f"cannot parse config file {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of option names to values")
+    return data
+
+
+def build_config(cls: type[C], file_values: dict[str, Any] | None, cli_values: dict[str, Any]) -> C:
+    """Defaults < config file < command line. Unknown keys in the file are an error."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for key, value in (file_values or {}).items():
+        key = key.replace("-", "_")
+        if key not in names:
+            raise UserError(f"unknown option {key!r} in config file")
+        values[key] = value
+    values.update({k: v for k, v in cli_values.items() if k in names and v is not None})
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise UserError(str(exc)) from None
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def write_config(config: Any, path: str | Path) -> Path:
+    """Write the resolved config as JSON (the record of what produced an artifact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config_to_dict(config), indent=2, sort_keys=True) + "\n")
+    return path
