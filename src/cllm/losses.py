@@ -1,0 +1,111 @@
+"""CLLM training losses as pure functions of tensors (Kou et al. 2024, section 3.2).
+
+Shapes: B batch, N block positions (or T sequence positions for the AR term), V vocab.
+Every loss returns a *sum* over counted positions divided by `normalizer`, the number of
+counted positions in the whole (global, all accumulation steps, all processes) batch. With
+that convention, accumulating k micro-batches gives exactly the gradient of one big batch.
+If `normalizer` is None the local count is used (convenient for tests and single steps).
+
+- Global consistency (GC, eq. 4): D(q_theta-( . | x, y*) || q_theta( . | x, y)) for a state y
+  sampled from the trajectory, y* its fixed point, theta- = stop-gradient.
+- Local consistency (LC, eq. 5): the same between adjacent states y^(j+1) and y^(j).
+- AR (eq. 6): next-token cross-entropy on prompt + generated text or ground truth.
+
+The caller computes the logits; these functions never call a model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Distance = Literal["fkl", "rkl", "jsd"]
+
+
+def _normalise(total: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None):
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    return total / normalizer
+
+
+def token_distance(
+    target_logits: torch.Tensor, student_logits: torch.Tensor, distance: Distance = "fkl",
+    *, jsd_beta: float = 0.5,
+) -> torch.Tensor:
+    """Per-position distance between the target (detached inside) and the student.
+
+    target_logits, student_logits: (..., V) -> (...). "fkl" = KL(target || student), the
+    reference's soft cross-entropy up to the target's entropy, which carries no gradient;
+    "rkl" = KL(student || target); "jsd" = generalised JSD with weight `jsd_beta` (GKD).
+    """
+    target_logp = F.log_softmax(target_logits.detach().float(), dim=-1)
+    student_logp = F.log_softmax(student_logits.float(), dim=-1)
+    if distance == "fkl":
+        return (target_logp.exp() * (target_logp - student_logp)).sum(-1)
+    if distance == "rkl":
+        return (student_logp.exp() * (student_logp - target_logp)).sum(-1)
+    if distance == "jsd":
+        # mixture m = beta * target + (1 - beta) * student, in log space for stability
+        log_beta = torch.log(torch.tensor(jsd_beta, device=target_logp.device))
+        log_1m_beta = torch.log(torch.tensor(1.0 - jsd_beta, device=target_logp.device))
+        mix_logp = torch.logsumexp(
+            torch.stack([target_logp + log_beta, student_logp + log_1m_beta]), dim=0
+        )
+        kl_t = (target_logp.exp() * (target_logp - mix_logp)).sum(-1)
+        kl_s = (student_logp.exp() * (student_logp - mix_logp)).sum(-1)
+        return jsd_beta * kl_t + (1.0 - jsd_beta) * kl_s
+    raise ValueError(f"unknown distance {distance!r}; choose fkl, rkl or jsd")
+
+
+def consistency_loss(
+    target_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    distance: Distance = "fkl",
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GC or LC: sum of per-position distances over `mask`, divided by `normalizer`.
+
+    target_logits: (B, N, V) from the model on the fixed point (GC) or on the next state (LC);
+    gradients never flow into it. student_logits: (B, N, V) from the model on the state.
+    mask: (B, N) bool, True where a position counts.
+    """
+    if target_logits.shape != student_logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(target_logits.shape)} vs {tuple(student_logits.shape)}")
+    if mask.shape != student_logits.shape[:-1]:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match logits {tuple(student_logits.shape[:-1])}")
+    per_position = token_distance(target_logits, student_logits, distance)  # (B, N)
+    total = (per_position * mask).sum()
+    return _normalise(total, mask, normalizer)
+
+
+def ar_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next-token cross-entropy. logits (B, T, V) already aligned with labels (B, T): the
+    logits at t predict labels[t]. mask (B, T) selects counted positions."""
+    per_position = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), reduction="none",
+        label_smoothing=label_smoothing,
+    ).view(labels.shape)
+    total = (per_position * mask).sum()
+    return _normalise(total, mask, normalizer)
+
+
+def from_first_difference(state: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, N) mask of positions from the first one where `state` differs from `fixed_point`.
+
+    The reference counts only these positions in GC: the leading tokens that already equal
+    the fixed point have nothing left to learn. A row equal to its fixed point counts nothing.
+    """
+    differs = (state != fixed_point) & valid
+    after_first = differs.int().cummax(dim=1).values.bool()
+    return after_first & valid

@@ -1,0 +1,106 @@
+"""Losses on hand-sized tensors: zeros, agreement with torch, masks, stop-gradient, accumulation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cllm.losses import ar_loss, consistency_loss, from_first_difference, token_distance
+
+
+def logits(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * 2
+
+
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+def test_distance_is_zero_for_identical_inputs(distance):
+    x = logits(2, 3, 11)
+    assert torch.allclose(token_distance(x, x.clone(), distance), torch.zeros(2, 3), atol=1e-6)
+
+
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+def test_distance_is_positive_for_different_inputs(distance):
+    assert (token_distance(logits(4, 7), logits(4, 7, seed=1), distance) > 0).all()
+
+
+def test_forward_kl_agrees_with_torch_kl_div():
+    t, s = logits(2, 3, 11), logits(2, 3, 11, seed=1)
+    expected = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True,
+                        reduction="none").sum(-1)
+    assert torch.allclose(token_distance(t, s, "fkl"), expected, atol=1e-5)
+
+
+def test_reverse_kl_is_forward_kl_with_roles_swapped():
+    t, s = logits(5, 9), logits(5, 9, seed=1)
+    assert torch.allclose(token_distance(t, s, "rkl"), token_distance(s, t, "fkl"), atol=1e-5)
+
+
+def test_jsd_is_symmetric_at_half_and_bounded_by_log2():
+    t, s = logits(5, 9) * 10, logits(5, 9, seed=1) * 10
+    a, b = token_distance(t, s, "jsd"), token_distance(s, t, "jsd")
+    assert torch.allclose(a, b, atol=1e-5)
+    assert (a <= torch.log(torch.tensor(2.0)) + 1e-5).all()
+
+
+def test_unknown_distance_is_rejected():
+    with pytest.raises(ValueError, match="unknown distance"):
+        token_distance(logits(2, 3), logits(2, 3), "l2")
+
+
+def test_ar_loss_agrees_with_cross_entropy_and_label_smoothing():
+    x = logits(2, 4, 13)
+    y = torch.randint(0, 13, (2, 4), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    for smoothing in (0.0, 0.1):
+        expected = F.cross_entropy(x.view(-1, 13), y.view(-1), label_smoothing=smoothing)
+        assert torch.allclose(ar_loss(x, y, mask, label_smoothing=smoothing), expected, atol=1e-5)
+
+
+def test_masked_positions_are_ignored():
+    t, s = logits(2, 4, 7), logits(2, 4, 7, seed=1)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    garbage = s.clone()
+    garbage[~mask] = 1e4 * torch.randn_like(garbage[~mask])
+    assert torch.allclose(consistency_loss(t, s, mask), consistency_loss(t, garbage, mask))
+    y = torch.zeros(2, 4, dtype=torch.long)
+    assert torch.allclose(ar_loss(s, y, mask), ar_loss(garbage, y, mask))
+
+
+def test_no_gradient_flows_into_the_target():
+    t = logits(2, 3, 5).requires_grad_()
+    s = logits(2, 3, 5, seed=1).requires_grad_()
+    consistency_loss(t, s, torch.ones(2, 3, dtype=torch.bool)).backward()
+    assert t.grad is None
+    assert s.grad is not None and s.grad.abs().sum() > 0
+
+
+def test_two_accumulation_steps_give_the_gradient_of_one_double_step():
+    # Two micro-batches with different numbers of counted positions: normalising by the global
+    # count makes the summed micro-gradients equal the full-batch gradient exactly.
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 9)
+    h, ht = torch.randn(4, 5, 6), torch.randn(4, 5, 9)
+    mask = torch.rand(4, 5) > 0.3
+    full = consistency_loss(ht, head(h), mask)
+    full.backward()
+    expected = head.weight.grad.clone()
+    head.zero_grad()
+    total = mask.sum()
+    for rows in (slice(0, 1), slice(1, 4)):
+        consistency_loss(ht[rows], head(h[rows]), mask[rows], normalizer=total).backward()
+    assert torch.allclose(head.weight.grad, expected, atol=1e-6)
+
+
+def test_from_first_difference_masks_the_already_correct_prefix():
+    fixed = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    state = torch.tensor([[1, 9, 3, 4], [1, 2, 3, 4], [7, 2, 3, 4]])
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    expected = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(from_first_difference(state, fixed, valid), expected)
+
+
+def test_mismatched_shapes_are_rejected():
+    with pytest.raises(ValueError, match="shapes differ"):
+        consistency_loss(logits(2, 3, 5), logits(2, 4, 5), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask shape"):
+        consistency_loss(logits(2, 3, 5), logits(2, 3, 5), torch.ones(2, 4, dtype=torch.bool))
