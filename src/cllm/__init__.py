@@ -1,2 +1,46 @@
-"""cllm: Consistency Large Language Models."""
+"""cllm: Consistency Large Language Models.
+
+Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast without torch):
+
+    from cllm import greedy_decode, jacobi_decode, DecodeOutput
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "DecodeOutput",
+    "DecodeStats",
+    "IterationEvent",
+    "__version__",
+    "greedy_decode",
+    "jacobi_decode",
+]
+
+# public name -> module that defines it
+_EXPORTS = {name: "cllm.decoding" for name in __all__ if name != "__version__"}
+
+if TYPE_CHECKING:
+    from cllm.decoding import (
+        DecodeOutput,
+        DecodeStats,
+        IterationEvent,
+        greedy_decode,
+        jacobi_decode,
+    )
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'cllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

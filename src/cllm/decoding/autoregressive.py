@@ -1,0 +1,69 @@
+"""Greedy autoregressive decoding: the oracle every fast decoder is tested against.
+
+Deliberately plain: one token per row per forward, KV cache, left-padded batches. Works on
+token ids only; it knows nothing of tokenizers or chat templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from cllm.decoding import cache as kv
+from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.stats import DecodeOutput, DecodeStats
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 128,
+    eos_token_id: int | Iterable[int] | None = None,
+) -> DecodeOutput:
+    """Greedy decoding, `y_i = argmax p(. | x, y_<i)`, with a KV cache.
+
+    Args:
+        model: a causal LM (any transformers `*ForCausalLM`).
+        input_ids: (B, T) prompt token ids, left-padded when rows differ in length.
+        attention_mask: (B, T), 0 on the left padding; None means no padding.
+        max_new_tokens: at most this many new tokens per row.
+        eos_token_id: a row stops after producing it (or any of them); it is included.
+
+    Returns:
+        DecodeOutput; `forward_passes` equals the longest row's number of new tokens (the
+        prefill produces every row's first token).
+    """
+    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    eos = eos_set(eos_token_id)
+    B = prompt.batch_size
+    new_tokens: list[list[int]] = [[] for _ in range(B)]
+    stats = DecodeStats()
+    if max_new_tokens == 0:
+        return DecodeOutput(new_tokens=new_tokens, forward_passes=0, stats=stats)
+
+    # 1. prefill: one forward over the prompts gives every row its first token
+    rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
+    stats.forward_passes = 1
+    next_ids = logits.argmax(dim=-1)  # (B,)
+    active = [True] * B
+    while True:
+        # 2. record the new token of every row still running (one device sync per step)
+        for r, token in enumerate(next_ids.tolist()):
+            if active[r]:
+                new_tokens[r].append(token)
+                stats.accepted.append(1)
+                active[r] = token not in eos and len(new_tokens[r]) < max_new_tokens
+        if not any(active):
+            break
+        # 3. feed it back; finished rows ride along and their outputs are ignored
+        logits = kv.feed(model, rc, next_ids[:, None], fed=[1] * B)  # (B, 1, V)
+        kv.commit(rc, keep=[1] * B, fed=1)
+        stats.forward_passes += 1
+        next_ids = logits[:, -1].argmax(dim=-1)
+
+    stats.new_tokens = sum(len(t) for t in new_tokens)
+    return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)

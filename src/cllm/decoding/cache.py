@@ -1,0 +1,226 @@
+"""The one adapter between our decoders and the transformers KV cache.
+
+Nothing else in the package touches the cache or how a model is handed one: the API moved
+between transformers 4.x and 5.x (`past_key_values=` became `cache=`, `crop` changed its
+argument), so every model call and every cache edit goes through the functions here. No
+monkey-patching: only `DynamicCache`'s public methods and its layers' `keys` / `values`.
+
+Rows of a batch commit different numbers of tokens per Jacobi iteration, but a DynamicCache is
+one rectangular tensor per layer, `(B, heads, S, head_dim)`. We keep it rectangular and let the
+attention mask do the bookkeeping:
+
+- after a forward that appended `L` entries to every row, row `r` keeps only its first `keep[r]`
+  of them; the entries no row keeps are cropped off the end, the others become *holes* that
+  the row's key-validity mask hides from attention;
+- positions are logical (the count of a row's valid entries), never physical, so a hole
+  changes nothing a row computes; causality stays physical, which is right because every row's
+  entries are in order;
+- when the holes (plus left padding) waste a sizeable part of the cache, `compact` gathers each
+  row's valid entries into a fresh left-padded layout.
+
+Batch 1 never has holes: rejected entries are simply cropped (no copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+# Compact when the cache holds more than this many columns beyond the longest row's valid
+# entries, and they are at least this fraction of the cache (amortises the copy).
+COMPACT_MIN_WASTE = 32
+COMPACT_WASTE_FRACTION = 0.25
+
+
+@dataclass
+class RowCache:
+    """A DynamicCache plus which of its entries each row may attend to (state only)."""
+
+    kv: DynamicCache
+    lengths: list[int]  # per row: valid entries = the position id of the row's next token
+    valid: torch.Tensor | None  # (B, S) bool key-validity mask; None while every entry is valid
+
+    @property
+    def physical_length(self) -> int:
+        return self.kv.get_seq_length()
+
+
+def prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[RowCache, torch.Tensor]:
+    """One forward over a left-padded prompt batch (B, T): its cache and the last logits (B, V)."""
+    valid = attention_mask.bool()
+    dense = bool(valid.all())
+    # positions count real tokens only, so a left-padded row reads exactly like an unpadded one
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+    kv = DynamicCache()
+    logits = model_forward(
+        model, kv, input_ids, position_ids, None if dense else valid, last_only=True
+    )
+    rc = RowCache(kv=kv, lengths=valid.sum(dim=1).tolist(), valid=None if dense else valid)
+    return rc, logits[:, -1]
+
+
+def feed(
+    model: torch.nn.Module, rc: RowCache, input_ids: torch.Tensor, fed: list[int]
+) -> torch.Tensor:
+    """One forward over `input_ids` (B, L): row r's first `fed[r]` tokens are real, the rest pad.
+
+    Every row's tokens continue its own sequence (positions from `rc.lengths`). All L entries
+    are appended to the cache; call `commit` next to say which of them each row keeps.
+    Returns logits (B, L, V).
+    """
+    B, L = input_ids.shape
+    positions = [
+        [n + min(i, f - 1) for i in range(L)] for n, f in zip(rc.lengths, fed, strict=True)
+    ]
+    position_ids = torch.tensor(positions, device=input_ids.device)  # (B, L)
+    mask = attention_mask_for(rc, fed, L)
+    return model_forward(model, rc.kv, input_ids, position_ids, mask)
+
+
+def model_forward(
+    model: torch.nn.Module,
+    kv: DynamicCache,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """Call a transformers causal LM with our cache, whatever its version calls the argument."""
+    kwargs = {_cache_kwarg(model): kv, "use_cache": True}
+    if last_only and _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = 1  # the prefill needs the last position's logits only
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    )
+    return out.logits
+
+
+def attention_mask_for(rc: RowCache, fed: list[int], width: int) -> torch.Tensor | None:
+    """The 2D mask (B, S + width) for a forward feeding `fed[r]` real tokens per row, right-padded
+    to `width`. None when nothing needs hiding (lets the attention kernel take its fast path)."""
+    if rc.valid is None and all(f == width for f in fed):
+        return None
+    B, S = len(fed), rc.physical_length
+    past = rc.valid
+    if past is None:
+        past = torch.ones(B, S, dtype=torch.bool, device=_cache_device(rc))
+    fed_t = torch.tensor(fed, device=past.device)
+    new = torch.arange(width, device=past.device)[None, :] < fed_t[:, None]  # (B, width)
+    return torch.cat([past, new], dim=1)
+
+
+def commit(rc: RowCache, keep: list[int], fed: int) -> None:
+    """After a forward appended `fed` entries to every row, keep the first `keep[r]` of row r.
+
+    Entries that no row keeps are cropped; the rest of the rejected ones become holes.
+    """
+    kept = max(keep)
+    if fed > kept:
+        rc.kv.crop(-(fed - kept))  # negative = remove that many, in transformers 4.56+ and 5.x
+    rc.lengths = [n + k for n, k in zip(rc.lengths, keep, strict=True)]
+    if rc.valid is None and all(k == kept for k in keep):
+        return  # still dense: nothing to record
+    B = len(keep)
+    if rc.valid is None:
+        S_old = rc.physical_length - kept
+        device = _cache_device(rc)
+        rc.valid = torch.ones(B, S_old, dtype=torch.bool, device=device)
+    keep_t = torch.tensor(keep, device=rc.valid.device)
+    new = torch.arange(kept, device=rc.valid.device)[None, :] < keep_t[:, None]  # (B, kept)
+    rc.valid = torch.cat([rc.valid, new], dim=1)
+
+
+def select_rows(rc: RowCache, rows: list[int]) -> None:
+    """Keep only batch rows `rows` (e.g. drop the finished ones); copies the cache once."""
+    index = torch.tensor(rows, device=_cache_device(rc))
+    rc.kv.batch_select_indices(index)
+    rc.lengths = [rc.lengths[r] for r in rows]
+    if rc.valid is not None:
+        rc.valid = rc.valid[index]
+    maybe_compact(rc)
+
+
+def maybe_compact(rc: RowCache) -> bool:
+    """Compact when holes and padding waste enough of the cache; returns whether it did."""
+    if rc.valid is None:
+        return False
+    S, longest = rc.physical_length, max(rc.lengths)
+    waste = S - longest
+    if waste < COMPACT_MIN_WASTE or waste < COMPACT_WASTE_FRACTION * S:
+        return False
+    compact(rc)
+    return True
+
+
+def compact(rc: RowCache) -> None:
+    """Gather every row's valid entries, in order, into a left-padded cache of the longest
+    row's length: the holes go, the positions (logical) are unchanged."""
+    assert rc.valid is not None
+    S_new = max(rc.lengths)
+    # A stable sort on validity puts each row's invalid entries first and its valid ones last,
+    # in their original order; the last S_new columns are then exactly what we keep.
+    order = torch.sort(rc.valid.to(torch.int8), dim=1, stable=True).indices  # (B, S)
+    index = order[:, -S_new:]  # (B, S_new)
+    for layer in rc.kv.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue  # a layer that holds nothing (e.g. one that shares another's KV)
+        layer.keys = _gather_time(layer.keys, index)
+        layer.values = _gather_time(layer.values, index)
+    lengths = torch.tensor(rc.lengths, device=rc.valid.device)
+    rc.valid = torch.arange(S_new, device=rc.valid.device)[None, :] >= (S_new - lengths)[:, None]
+    if bool(rc.valid.all()):
+        rc.valid = None
+
+
+def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, D), index (B, S_new) -> (B, H, S_new, D)."""
+    B, H, _, D = x.shape
+    idx = index.to(x.device)[:, None, :, None].expand(B, H, index.shape[1], D)
+    return x.gather(2, idx)
+
+
+def _cache_device(rc: RowCache) -> torch.device:
+    if rc.valid is not None:
+        return rc.valid.device
+    for layer in rc.kv.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.numel() > 0:
+            return keys.device
+    return torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_parameters(forward_fn) -> frozenset[str]:
+    return frozenset(inspect.signature(forward_fn).parameters)
+
+
+def _forward_parameters(model: torch.nn.Module) -> frozenset[str]:
+    forward = model.forward
+    return _signature_parameters(getattr(forward, "__func__", forward))
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the forward argument that takes the cache: `cache` (5.x) or `past_key_values` (4.x).
+
+    Wrappers that only take **kwargs (e.g. peft) get the name of the installed version.
+    """
+    params = _forward_parameters(model)
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    return "cache" if _TRANSFORMERS_MAJOR >= 5 else "past_key_values"
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in _forward_parameters(model)

@@ -1,0 +1,68 @@
+"""The cache adapter alone: crop, holes, row selection and compaction on a real DynamicCache."""
+
+import torch
+from transformers import DynamicCache
+
+from cllm.decoding import cache
+
+
+def _filled(valid: list[list[int]]) -> cache.RowCache:
+    """A 1-layer cache whose key at (row, t) is 100 * row + t, with the given validity."""
+    B, S = len(valid), len(valid[0])
+    keys = (100 * torch.arange(B)[:, None] + torch.arange(S)[None, :]).float()[:, None, :, None]
+    kv = DynamicCache()
+    kv.update(keys, keys.clone(), 0)
+    mask = torch.tensor(valid, dtype=torch.bool)
+    return cache.RowCache(kv=kv, lengths=mask.sum(1).tolist(), valid=mask)
+
+
+def _keys(rc: cache.RowCache) -> list[list[int]]:
+    return rc.kv.layers[0].keys[:, 0, :, 0].long().tolist()
+
+
+def test_commit_crops_entries_no_row_keeps_and_marks_holes():
+    rc = _filled([[1, 1], [1, 1]])
+    rc.valid = None
+    rc.kv.update(torch.zeros(2, 1, 3, 1), torch.zeros(2, 1, 3, 1), 0)  # a forward fed 3 per row
+    cache.commit(rc, keep=[1, 2], fed=3)
+    assert rc.physical_length == 4  # the third entry went for both rows
+    assert rc.lengths == [3, 4]
+    assert rc.valid.int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_commit_at_batch_one_only_crops():
+    rc = _filled([[1, 1, 1]])
+    rc.valid = None
+    rc.kv.update(torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), 0)
+    cache.commit(rc, keep=[2], fed=4)
+    assert rc.physical_length == 5 and rc.valid is None and rc.lengths == [5]
+
+
+def test_compact_gathers_valid_entries_in_order_left_padded():
+    rc = _filled([[0, 1, 0, 1, 1], [1, 1, 1, 0, 1]])
+    cache.compact(rc)
+    assert rc.valid.int().tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]  # row 0: slot 0 is padding
+    keys = _keys(rc)
+    assert keys[0][1:] == [1, 3, 4] and keys[1] == [100, 101, 102, 104]
+    assert rc.kv.get_seq_length() == 4
+
+
+def test_compact_to_equal_lengths_becomes_dense():
+    rc = _filled([[0, 1, 1, 0], [1, 0, 1, 0]])
+    cache.compact(rc)
+    assert rc.valid is None and _keys(rc) == [[1, 2], [100, 102]]
+
+
+def test_select_rows_drops_finished_rows():
+    rc = _filled([[1, 1, 1], [0, 1, 1], [0, 0, 1]])
+    cache.select_rows(rc, [0, 2])
+    assert rc.lengths == [3, 1]
+    assert _keys(rc)[1][-1] == 202
+
+
+def test_attention_mask_hides_holes_and_tail_padding():
+    rc = _filled([[1, 0, 1], [1, 1, 1]])
+    mask = cache.attention_mask_for(rc, fed=[1, 2], width=2)
+    assert mask.int().tolist() == [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]]
+    rc.valid = None
+    assert cache.attention_mask_for(rc, fed=[2, 2], width=2) is None
