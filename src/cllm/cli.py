@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "pretrain": ("cllm.pretrain", "PretrainConfig", "pretrain", "train the embedded target model from scratch on the stdlib corpus"),
     "collect": ("cllm.collect", "CollectConfig", "collect", "Jacobi-decode a prompt set with the target and record trajectories"),
     "train": ("cllm.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
+    "distill": ("cllm.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
     "generate": ("cllm.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
     "chat": ("cllm.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
     "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),

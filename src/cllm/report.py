@@ -63,7 +63,7 @@ def show_token(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") or "∅"
 
 
-def render_block_terminal(block: BlockTrajectory, decode_token) -> "list":
+def render_block_terminal(block: BlockTrajectory, decode_token) -> list:
     """rich `Text` lines, one per state of the block: `decode_token(id) -> str`."""
     from rich.text import Text
 
