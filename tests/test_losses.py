@@ -4,7 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cllm.losses import ar_loss, consistency_loss, from_first_difference, token_distance
+from cllm.losses import (
+    ar_loss,
+    block_logits,
+    consistency_loss,
+    from_first_difference,
+    gc_loss,
+    gc_mask,
+    lc_loss,
+    lc_mask,
+    token_distance,
+)
 
 
 def logits(*shape, seed=0):
@@ -104,3 +114,47 @@ def test_mismatched_shapes_are_rejected():
         consistency_loss(logits(2, 3, 5), logits(2, 4, 5), torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask shape"):
         consistency_loss(logits(2, 3, 5), logits(2, 3, 5), torch.ones(2, 4, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------
+# From a forward over prefix + block to the GC / LC terms
+
+
+def test_block_logits_are_the_predictions_for_each_block_token():
+    # logits[b, t] "name" their position t: block token i is predicted at position P - 1 + i
+    P, N, V = 5, 3, 16
+    logits = torch.eye(V)[: P + N].expand(2, P + N, V)  # (B, T, V)
+    positions = block_logits(logits, N).argmax(-1)  # (B, N)
+    assert positions.tolist() == [[P - 1, P, P + 1]] * 2
+    # the same from the last N + 1 positions only (logits_to_keep)
+    assert torch.equal(block_logits(logits[:, -(N + 1) :], N), block_logits(logits, N))
+    with pytest.raises(ValueError, match="do not cover"):
+        block_logits(logits[:, -N:], N)
+
+
+def test_gc_is_zero_for_a_state_at_its_fixed_point_and_counts_from_the_first_difference():
+    fixed = torch.tensor([[1, 2, 3, 4]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    t, s = logits(1, 4, 7), logits(1, 4, 7, seed=1)
+    assert not gc_mask(fixed, fixed, valid).any()
+    assert gc_loss(s, t, gc_mask(fixed, fixed, valid)) == 0
+    state = torch.tensor([[1, 2, 9, 4]])
+    mask = gc_mask(state, fixed, valid)
+    assert mask.tolist() == [[False, False, True, True]]
+    expected = token_distance(t, s)[0, 2:].mean()
+    assert torch.allclose(gc_loss(s, t, mask), expected, atol=1e-6)
+
+
+def test_lc_targets_the_next_state_and_counts_where_the_two_states_part():
+    state = torch.tensor([[1, 7, 7, 7]])
+    next_state = torch.tensor([[1, 2, 7, 7]])  # one Jacobi step later
+    fixed = torch.tensor([[1, 2, 3, 4]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    assert lc_mask(state, next_state, valid).tolist() == [[False, True, True, True]]
+    assert lc_mask(next_state, next_state, valid).sum() == 0 < gc_mask(next_state, fixed, valid).sum()
+    s, t_next = logits(1, 4, 7).requires_grad_(), logits(1, 4, 7, seed=2).requires_grad_()
+    mask = lc_mask(state, next_state, valid)
+    loss = lc_loss(s, t_next, mask, distance="rkl")
+    assert torch.allclose(loss, consistency_loss(t_next, s, mask, distance="rkl"))
+    loss.backward()
+    assert t_next.grad is None and s.grad is not None  # the next state's logits are a target

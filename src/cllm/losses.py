@@ -11,7 +11,9 @@ If `normalizer` is None the local count is used (convenient for tests and single
 - Local consistency (LC, eq. 5): the same between adjacent states y^(j+1) and y^(j).
 - AR (eq. 6): next-token cross-entropy on prompt + generated text or ground truth.
 
-The caller computes the logits; these functions never call a model.
+The caller computes the logits; these functions never call a model. `block_logits` cuts the
+(B, N, V) block-aligned logits these losses take out of a forward over ``prefix + block``, and
+`gc_mask` / `lc_mask` say which block positions count.
 """
 
 from __future__ import annotations
@@ -109,3 +111,69 @@ def from_first_difference(state: torch.Tensor, fixed_point: torch.Tensor, valid:
     differs = (state != fixed_point) & valid
     after_first = differs.int().cummax(dim=1).values.bool()
     return after_first & valid
+
+
+# ---------------------------------------------------------------------------------------------
+# From model logits to the losses of one batch of trajectory records
+
+
+def block_logits(logits: torch.Tensor, block_width: int) -> torch.Tensor:
+    """The logits that predict the block's tokens, from a forward over ``prefix + block``.
+
+    logits: (B, T, V) over rows whose last `block_width` columns are the block (prefix
+    left-padded, block right-padded, so the block starts at the same column in every row), or
+    only the last ``block_width + 1`` of them (``logits_to_keep``). Returns (B, N, V) where
+    ``[:, i]`` is ``p(. | x, y_<i)``: the last prefix position predicts ``y_0``, and the last
+    block position, which points past the block, is dropped (as in the reference).
+    """
+    if logits.dim() != 3 or logits.shape[1] < block_width + 1:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not cover a block of {block_width} tokens "
+            "and the prefix position before it"
+        )
+    return logits[:, logits.shape[1] - block_width - 1 : -1]
+
+
+def gc_mask(state: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, N) positions GC counts: from the first one where the state differs from the fixed
+    point (the reference). Before it the two inputs agree, so the distance is zero anyway."""
+    return from_first_difference(state, fixed_point, valid)
+
+
+def lc_mask(state: torch.Tensor, next_state: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, N) positions LC counts: from the first one where state j differs from state j+1."""
+    return from_first_difference(state, next_state, valid)
+
+
+def gc_loss(
+    state_logits: torch.Tensor,
+    fixed_point_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    distance: Distance = "fkl",
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Global consistency (eq. 4): D(q_theta-(. | x, y*) || q_theta(. | x, y)).
+
+    state_logits: (B, N, V) block logits of the model on ``prefix + y`` (gradients flow);
+    fixed_point_logits: (B, N, V) on ``prefix + y*`` (detached here, whatever the caller did);
+    mask: `gc_mask(y, y*, valid)`.
+    """
+    return consistency_loss(fixed_point_logits, state_logits, mask, distance=distance, normalizer=normalizer)
+
+
+def lc_loss(
+    state_logits: torch.Tensor,
+    next_state_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    distance: Distance = "fkl",
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Local consistency (eq. 5): D(q_theta-(. | x, y^(j+1)) || q_theta(. | x, y^(j))).
+
+    The target is the model's own (detached) prediction on the *next* state of the trajectory,
+    not the fixed point: each state learns to jump one Jacobi step ahead of itself.
+    mask: `lc_mask(y^(j), y^(j+1), valid)`.
+    """
+    return consistency_loss(next_state_logits, state_logits, mask, distance=distance, normalizer=normalizer)

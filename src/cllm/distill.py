@@ -1,0 +1,261 @@
+"""`cllm distill`: from a target model to a CLLM in one command: collect Jacobi trajectories,
+consistency-train, evaluate target against CLLM.
+
+    OUT/trajectories/     `cllm collect` output (resumes prompt by prompt)
+    OUT/model/            `cllm train` output: the CLLM, an ordinary HF checkpoint + MODEL_CARD.md
+                          (resumes from OUT/model/checkpoints/last.pt)
+    OUT/evaluation.json   target vs CLLM on held-out prompts: Jacobi tokens per forward at each
+                          block size, CLLM Jacobi == CLLM greedy, AR validation loss, agreement
+    OUT/distill_config.json
+
+Rerunning the same command skips every stage that is done (collection skips finished prompts,
+training a finished run, evaluation an up-to-date evaluation.json) and continues an
+interrupted one. Launched as several processes (`accelerate launch --multi_gpu --num_processes
+2 -m cllm.cli distill ...`, with ``CUDA_VISIBLE_DEVICES=""`` on a CPU machine) collection and
+training use them all; the evaluation runs on the main process.
+
+The defaults aim at the embedded `stdlib-coder` on 2 CPU cores in about an hour, from the
+calibration in REFERENCE.md (1,000 prompts x 64 tokens collected in 200 s by two processes;
+~18 records/s of GC + AR training): ~2,000 prompts (~8,000 records, ~7-13 min), 4 epochs
+(~30 min), AR on the ground truth without label smoothing (the calibration's damage came from
+AR on the target's own outputs with smoothing), evaluation ~2 min. They are fields, to be tuned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cllm import losses
+from cllm.config import UserError, config_to_dict, write_config
+from cllm.train import ArTarget, Consistency, TrainConfig
+
+log = logging.getLogger(__name__)
+
+EVALUATION = "evaluation.json"
+
+
+@dataclass
+class DistillConfig:
+    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, checkpoint dir or hub id"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or JSONL/Parquet file)"})
+    out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, evaluation.json); rerun to resume"})
+    # collection
+    max_prompts: int | None = field(default=2000, metadata={"help": "collect on the first N prompts (None: all)"})
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
+    max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in collection"})
+    collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
+    guess: Literal["prompt", "repeat", "random"] = field(default="prompt", metadata={"help": "initial guess of a block (collection)"})
+    # training
+    consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: gc, lc or gc+lc"})
+    distance: losses.Distance = field(default="fkl", metadata={"help": "consistency distance: fkl, rkl, jsd"})
+    ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
+    ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
+    epochs: int = field(default=4, metadata={"help": "passes over the records"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
+    batch_size: int = field(default=16, metadata={"help": "records per optimizer step"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation)"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (merged on save) instead of all weights"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "training forwards in float32 or bfloat16 autocast"})
+    train_eval_count: int = field(default=16, metadata={"help": "held-out prompts evaluated during training"})
+    eval_interval: int = field(default=250, metadata={"help": "evaluate during training every N steps"})
+    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
+    seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
+    # evaluation
+    eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set for the evaluations"})
+    eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
+    eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Jacobi block sizes of the final evaluation"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluations"})
+    eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluations"})
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.eval_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.eval_block_sizes):
+            raise UserError(f"eval-block-sizes must be positive integers, got {self.eval_block_sizes!r}")
+        if not self.out:
+            raise UserError("out must name a directory")
+        self.train_config()  # validates the training options
+
+    def collect_config(self):
+        from cllm.collect import CollectConfig
+
+        return CollectConfig(model=self.model, prompts=self.prompts, out=str(Path(self.out) / "trajectories"),
+                             block_size=self.block_size, max_new_tokens=self.max_new_tokens,
+                             max_prompts=self.max_prompts, guess=self.guess, seed=self.seed,
+                             batch_size=self.collect_batch_size)
+
+    def train_config(self) -> TrainConfig:
+        out = Path(self.out)
+        return TrainConfig(
+            model=self.model, data=str(out / "trajectories"), out=str(out / "model"),
+            consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
+            ar_target=self.ar_target, label_smoothing=self.label_smoothing, lr=self.lr,
+            warmup_ratio=self.warmup_ratio, epochs=self.epochs, max_steps=self.max_steps,
+            batch_size=self.batch_size, micro_batch_size=self.micro_batch_size, lora=self.lora,
+            dtype=self.dtype, seed=self.seed, eval_prompts=self.eval_prompts,
+            eval_count=self.train_eval_count, eval_max_new_tokens=self.eval_max_new_tokens,
+            eval_batch_size=self.eval_batch_size, eval_interval=self.eval_interval,
+            checkpoint_interval=self.checkpoint_interval,
+        )
+
+    def eval_settings(self) -> dict:
+        return {"prompts": self.eval_prompts, "count": self.eval_count, "block_sizes": list(self.eval_block_sizes),
+                "max_new_tokens": self.eval_max_new_tokens, "seed": self.seed}
+
+
+@dataclass
+class DistillSummary:
+    out: str
+    skipped: list[str]  # stages found done: "train", "evaluate" (collection always checks)
+    evaluation: dict
+
+
+def _fraction(flags) -> float:
+    flags = list(flags)
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillConfig) -> dict:
+    """Target vs CLLM on held-out prompts, both loaded in float32 from disk, greedy.
+
+    tokens_per_forward[model][n]: Jacobi at block size n (REFERENCE.md counting);
+    cllm_jacobi_equals_greedy[n]: fraction of prompts whose CLLM Jacobi output is its greedy one;
+    ar_loss[model]: nats/token on the references; greedy_agreement: fraction of prompts whose
+    CLLM greedy output equals the target's, token_agreement: the same per token position.
+    """
+    from cllm.decoding.inputs import position_limit
+    from cllm.models import fingerprint, load_model, load_tokenizer
+    from cllm.train import (
+        accepts_logits_to_keep,
+        ar_validation_loss,
+        decode_prompts,
+        load_eval_prompts,
+    )
+
+    tokenizer = load_tokenizer(cllm_dir)
+    models = {"target": load_model(target_name), "cllm": load_model(str(cllm_dir))}
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
+                                max_new_tokens=config.eval_max_new_tokens,
+                                context=position_limit(models["cllm"]))
+    common = dict(max_new_tokens=config.eval_max_new_tokens, batch_size=config.eval_batch_size,
+                  eos_token_id=eos, pad_id=pad, seed=config.seed)
+    greedy = {name: decode_prompts(m, prompts, method="greedy", **common) for name, m in models.items()}
+    result: dict = {"settings": config.eval_settings(), "prompts_evaluated": len(prompts),
+                    "cllm_fingerprint": fingerprint(cllm_dir), "target_fingerprint": fingerprint(target_name),
+                    "tokens_per_forward": {"target": {}, "cllm": {}}, "cllm_jacobi_equals_greedy": {}}
+    for n in config.eval_block_sizes:
+        for name, model in models.items():
+            jacobi = decode_prompts(model, prompts, method="jacobi", block_size=n, **common)
+            result["tokens_per_forward"][name][str(n)] = jacobi.tokens_per_forward
+            if name == "cllm":
+                pairs = zip(jacobi.new_tokens, greedy["cllm"].new_tokens, strict=True)
+                result["cllm_jacobi_equals_greedy"][str(n)] = _fraction(a == b for a, b in pairs)
+    result["ar_loss"] = {name: ar_validation_loss(m, prompts, batch_size=config.eval_batch_size, pad_id=pad,
+                                                  logits_to_keep=accepts_logits_to_keep(m))
+                         for name, m in models.items()}
+    pairs = list(zip(greedy["cllm"].new_tokens, greedy["target"].new_tokens, strict=True))
+    result["greedy_agreement"] = _fraction(a == b for a, b in pairs)
+    result["token_agreement"] = _fraction(x == y for a, b in pairs for x, y in zip(a, b))
+    return result
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def evaluation_table(ev: dict) -> str:
+    """Markdown table of an evaluation.json."""
+    tpf, exact = ev["tokens_per_forward"], ev["cllm_jacobi_equals_greedy"]
+    lines = ["| | target | CLLM |", "|---|---|---|"]
+    for n in tpf["cllm"]:
+        lines.append(f"| Jacobi tokens per forward, n = {n} | {_fmt(tpf['target'][n])} | {_fmt(tpf['cllm'][n])} |")
+    for n, value in exact.items():
+        lines.append(f"| CLLM Jacobi == CLLM greedy, n = {n} | | {value:.0%} of prompts |")
+    lines.append(f"| AR validation loss (nats/token) | {_fmt(ev['ar_loss']['target'])} | {_fmt(ev['ar_loss']['cllm'])} |")
+    lines.append(f"| greedy output == target's | | {ev['greedy_agreement']:.0%} of prompts, "
+                 f"{ev['token_agreement']:.0%} of tokens |")
+    return "\n".join(lines)
+
+
+def _train_done(config: TrainConfig) -> bool:
+    from cllm.train import CONFIG, SUMMARY
+
+    out = Path(config.out)
+    if not (out / SUMMARY).is_file() or not (out / CONFIG).is_file():
+        return False
+    return json.loads((out / CONFIG).read_text()) == config_to_dict(config)
+
+
+def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict | None:
+    from cllm.models import fingerprint
+
+    if not path.is_file():
+        return None
+    ev = json.loads(path.read_text())
+    if ev.get("settings") != config.eval_settings() or ev.get("cllm_fingerprint") != fingerprint(cllm_dir):
+        return None
+    return ev
+
+
+def distill(config: DistillConfig) -> DistillSummary:
+    """Collect, train and evaluate (each stage resumable); returns what the run did.
+
+    Args:
+        config: a validated `DistillConfig`.
+    """
+    from accelerate import PartialState
+
+    from cllm.collect import collect
+    from cllm.models import resolve_model_path
+    from cllm.train import CARD, SUMMARY, model_card, train
+
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    resolve_model_path(config.model)  # a missing model fails before the prompt set is read
+    collect_config, train_config = config.collect_config(), config.train_config()
+    state = PartialState()
+    skipped: list[str] = []
+
+    # 1. trajectories (collect skips the prompts it already finished)
+    collect(collect_config)
+    if state.is_main_process:
+        write_config(config, out / "distill_config.json")
+
+    # 2. the CLLM (train resumes from its checkpoint; a finished run with this config is kept)
+    if _train_done(train_config):
+        skipped.append("train")
+    else:
+        train(train_config)
+    model_dir = Path(train_config.out)
+
+    # 3. target vs CLLM, on the main process
+    evaluation: dict = {}
+    if state.is_main_process:
+        path = out / EVALUATION
+        evaluation = _evaluation_done(path, config, model_dir)
+        if evaluation is not None:
+            skipped.append("evaluate")
+        else:
+            evaluation = evaluate_distilled(config.model, model_dir, config)
+            path.write_text(json.dumps(evaluation, indent=2) + "\n")
+        info = json.loads((model_dir / SUMMARY).read_text())
+        section = (f"\n## Distillation evaluation\n\n`cllm distill`, {evaluation['prompts_evaluated']} held-out "
+                   f"prompts of `{config.eval_prompts}`, {config.eval_max_new_tokens} new tokens, greedy, "
+                   f"both models in float32.\n\n{evaluation_table(evaluation)}\n")
+        (model_dir / CARD).write_text(model_card(info, section))
+        print(f"distilled {config.model} -> {model_dir}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
+        print(evaluation_table(evaluation))
+    state.wait_for_everyone()
+    return DistillSummary(out=str(out), skipped=skipped, evaluation=evaluation)
+

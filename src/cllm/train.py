@@ -1,0 +1,875 @@
+"""`cllm train`: consistency (GC / LC) + AR fine-tuning on collected Jacobi trajectories
+(Kou et al. 2024, Algorithm 1), as a visible loop on `accelerate`.
+
+One optimizer step, for a global batch of `batch_size` records (all processes, all micro-batches):
+
+1. pick the records (a seeded permutation per epoch; the step number says where we are) and,
+   per record, one state y^(j) uniformly among its non-fixed states (a generator seeded from
+   (seed, step)): the batch depends neither on the process count nor on resumes;
+2. build every micro-batch of the *global* batch and count its counted positions (GC, LC, AR):
+   masks depend on tokens only, so every process knows the global counts without talking;
+3. for each of this process's micro-batches: one forward *with* gradients over the rows that
+   need them (prefix + y^(j); prefix + y* when the AR target is the fixed point; prompt + the
+   block's slice of the ground truth when it is the labels), one forward *without* over the rows
+   that are only targets (prefix + y* for GC unless already in the first; prefix + y^(j+1) for
+   LC), then ONE backward of ``consistency + ar_weight * ar``, each term a sum over counted
+   positions divided by its *global* count: accumulation and processes give exactly the
+   gradient of the whole batch;
+4. clip, AdamW step, cosine schedule step.
+
+Every row is ``prefix (left-padded) + block (right-padded)``, so rows of all kinds stack into one
+forward and `losses.block_logits` reads them all the same way. Positions count real tokens
+only, as in the decoders, so a padded row computes what it would alone.
+
+RNG: torch's global generator is reseeded from (seed, step, process) before every step (dropout,
+LoRA dropout) and the data generators from (seed, epoch) and (seed, step): the step number *is*
+the RNG and data-order state, so a resumed run draws exactly what the uninterrupted one drew.
+The checkpoint (OUT/checkpoints/last.pt: trainable weights, optimizer, scheduler, step, data
+position, last evaluation) is written atomically every `checkpoint_interval` steps, at the end
+and on Ctrl-C; rerunning the same command resumes from it.
+
+OUT ends up an ordinary HF checkpoint (safetensors; LoRA merged) + tokenizer, with
+train_config.json, train_log.jsonl (one record per step, evaluations at their steps),
+train_summary.json and MODEL_CARD.md beside it.
+
+Processes: `accelerate launch --multi_gpu --num_processes K -m cllm.cli train ...` (DDP); with
+``CUDA_VISIBLE_DEVICES=""`` the same command runs K gloo CPU processes. Rank 0 alone prints,
+evaluates and writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from cllm import losses
+from cllm.config import UserError, config_to_dict, write_config
+from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
+
+log = logging.getLogger(__name__)
+
+Consistency = Literal["gc", "lc", "gc+lc"]
+ArTarget = Literal["labels", "fixed_points", "both"]
+
+CHECKPOINT = "checkpoints/last.pt"
+CONFIG = "train_config.json"
+LOG = "train_log.jsonl"
+SUMMARY = "train_summary.json"
+CARD = "MODEL_CARD.md"
+# Options that may change between a run and its resumption without changing what it computes
+# (a different micro-batch size changes only the order of float sums).
+RESUME_FREE = {"resume", "stop_at_step", "checkpoint_interval", "eval_interval", "micro_batch_size"}
+
+
+@dataclass
+class TrainConfig:
+    model: str = field(default="stdlib-coder", metadata={"help": "the target the trajectories were collected with (shipped name, checkpoint dir or hub id); training starts from it"})
+    data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect`"})
+    out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, checkpoints/); rerun to resume"})
+    consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), local (LC), or both"})
+    distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD"})
+    ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR (reference 10)"})
+    ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on the ground truth (labels), on the target's fixed points, or both"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B models"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then cosine decay to 0"})
+    epochs: int = field(default=1, metadata={"help": "passes over the records (ignored when max-steps is set)"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
+    batch_size: int = field(default=16, metadata={"help": "records per optimizer step, all processes together"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation); default batch-size / processes"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16 = autocast for forwards; weights, optimizer and checkpoint stay float32"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged into the saved checkpoint"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+    lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or comma-separated module names"})
+    augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
+    seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
+    eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set (name or JSONL/Parquet file) for evaluation"})
+    eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no evaluation)"})
+    eval_block_size: int | None = field(default=None, metadata={"help": "Jacobi block size of the evaluation (default: the data's)"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps the reference tokens of the AR validation loss"})
+    eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluation"})
+    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after the last)"})
+    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the end and on Ctrl-C)"})
+    stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is reached; rerun without it to continue"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false starts over"})
+    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval prompt file"})
+
+    def __post_init__(self) -> None:
+        positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size",
+                    "eval_interval", "checkpoint_interval", "lora_r", "lora_alpha"]
+        positive += [n for n in ("max_steps", "micro_batch_size", "eval_block_size", "stop_at_step")
+                     if getattr(self, n) is not None]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd"),
+                   "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size {self.micro_batch_size}")
+        for name in ("ar_weight", "lr", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
+        if self.lr == 0:
+            raise UserError("lr must be positive")
+        if not 0 <= self.label_smoothing < 1 or not 0 <= self.warmup_ratio < 1 or not 0 <= self.lora_dropout < 1:
+            raise UserError("label-smoothing, warmup-ratio and lora-dropout must be in [0, 1)")
+        if self.augmented and self.consistency != "gc":
+            raise UserError("augmented states break the adjacency LC needs: use --augmented only with --consistency gc")
+        if self.eval_count < 0 or self.seed < 0:
+            raise UserError("eval-count and seed must be >= 0")
+        if not self.out or not self.data:
+            raise UserError("data and out must name directories")
+
+    @property
+    def uses_gc(self) -> bool:
+        return self.consistency in ("gc", "gc+lc")
+
+    @property
+    def uses_lc(self) -> bool:
+        return self.consistency in ("lc", "gc+lc")
+
+    @property
+    def ar_on_fixed_points(self) -> bool:
+        return self.ar_weight > 0 and self.ar_target in ("fixed_points", "both")
+
+    @property
+    def ar_on_labels(self) -> bool:
+        return self.ar_weight > 0 and self.ar_target in ("labels", "both")
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts (the same in every process and every run)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up to 1, then cosine decay to 0 at `total` steps (a LambdaLR factor)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows: prefix (left-padded) + block (right-padded), the one shape every forward takes
+
+
+@dataclass
+class Rows:
+    prefix_ids: torch.Tensor  # (R, P) left-padded
+    prefix_mask: torch.Tensor  # (R, P) 1 on real tokens
+    block_ids: torch.Tensor  # (R, N) right-padded
+    block_mask: torch.Tensor  # (R, N) 1 on real tokens
+
+    def __len__(self) -> int:
+        return self.block_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.block_ids.shape[1]
+
+    def to(self, device) -> Rows:
+        return Rows(*(t.to(device) for t in (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)))
+
+
+def _pad(t: torch.Tensor, width: int, value: int, *, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+
+def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> Rows:
+    P, N = max(map(len, prefixes)), max(map(len, blocks))
+    ids = torch.full((len(prefixes), P), pad_id, dtype=torch.long)
+    pmask = torch.zeros_like(ids)
+    bids = torch.full((len(blocks), N), pad_id, dtype=torch.long)
+    bmask = torch.zeros_like(bids)
+    for r, (p, b) in enumerate(zip(prefixes, blocks, strict=True)):
+        if p:
+            ids[r, P - len(p):], pmask[r, P - len(p):] = torch.tensor(list(p)), 1
+        if b:
+            bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
+    return Rows(ids, pmask, bids, bmask)
+
+
+def stack_rows(groups: Sequence[Rows], pad_id: int) -> Rows:
+    """Rows of several groups as one batch: prefixes padded on the left, blocks on the right."""
+    P = max(g.prefix_ids.shape[1] for g in groups)
+    N = max(g.width for g in groups)
+    return Rows(
+        torch.cat([_pad(g.prefix_ids, P, pad_id, left=True) for g in groups]),
+        torch.cat([_pad(g.prefix_mask, P, 0, left=True) for g in groups]),
+        torch.cat([_pad(g.block_ids, N, pad_id, left=False) for g in groups]),
+        torch.cat([_pad(g.block_mask, N, 0, left=False) for g in groups]),
+    )
+
+
+def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.Tensor:
+    """Block-aligned logits (R, N, V) of one forward over ``prefix + block``: [:, i] predicts
+    block token i. Positions count real tokens only, as in the decoders."""
+    input_ids = torch.cat([rows.prefix_ids, rows.block_ids], 1)  # (R, P + N)
+    mask = torch.cat([rows.prefix_mask, rows.block_mask], 1)
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    device = next(model.parameters()).device
+    kwargs = {"logits_to_keep": rows.width + 1} if logits_to_keep else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                position_ids=position_ids.to(device), use_cache=False, **kwargs)
+    return losses.block_logits(out.logits, rows.width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batches and their counted positions
+
+
+@dataclass
+class MicroBatch:
+    state: Rows  # prefix + y^(j), the sampled non-fixed state
+    fixed_point: Rows  # prefix + y*
+    next_state: Rows  # prefix + y^(j+1) (the fixed point when j is the last non-fixed state)
+    labels: Rows | None  # prompt + ground truth before this block + its slice of the ground truth
+    gc_mask: torch.Tensor  # (B, N) bool
+    lc_mask: torch.Tensor  # (B, N) bool
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(self.state.to(device), self.fixed_point.to(device), self.next_state.to(device),
+                          None if self.labels is None else self.labels.to(device),
+                          self.gc_mask.to(device), self.lc_mask.to(device))
+
+
+@dataclass
+class Counts:
+    """Counted positions of a global batch: the normalisers of the three loss terms."""
+
+    gc: int = 0
+    lc: int = 0
+    ar: int = 0
+
+    def add(self, mb: MicroBatch, config: TrainConfig) -> None:
+        self.gc += int(mb.gc_mask.sum()) if config.uses_gc else 0
+        self.lc += int(mb.lc_mask.sum()) if config.uses_lc else 0
+        self.ar += int(mb.fixed_point.block_mask.sum()) if config.ar_on_fixed_points else 0
+        self.ar += int(mb.labels.block_mask.sum()) if config.ar_on_labels else 0
+
+
+def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
+    """The AR rows on the ground truth: record k of a prompt counts labels[k*n : (k+1)*n], after
+    the prompt and the labels before them, so each label token (within the trajectories' token
+    budget) counts once per epoch however many blocks its prompt has."""
+    prefixes, blocks = [], []
+    for r in records:
+        labels, start = list(r.labels or []), r.block_index * block_size
+        prefixes.append(list(r.prefix_ids[: r.prompt_len]) + labels[:start])
+        blocks.append(labels[start : start + block_size])
+    return rows_from_lists(prefixes, blocks, pad_id)
+
+
+def make_micro_batch(
+    records: Sequence[TrajectoryRecord], draws: torch.Tensor, *, pad_id: int, block_size: int,
+    config: TrainConfig,
+) -> MicroBatch:
+    """Tensors for `records`; `draws` (B,) uniform in [0, 1) pick each record's state."""
+    b = collate(records, pad_id=pad_id, include_augmented=config.augmented)
+    rows = torch.arange(len(records))
+    # j uniform over the non-fixed states; a record that starts at its fixed point counts nothing
+    j = (draws * (b.num_states - 1).clamp(min=1)).long()  # (B,)
+    j_next = torch.minimum(j + 1, b.num_states - 1)
+    state, next_state = b.states[rows, j], b.states[rows, j_next]  # (B, N) each
+    valid = b.block_mask.bool()
+    mask = b.block_mask
+
+    def with_block(block: torch.Tensor) -> Rows:
+        return Rows(b.prefix_ids, b.prefix_mask, block, mask)
+
+    return MicroBatch(
+        state=with_block(state), fixed_point=with_block(b.fixed_point),
+        next_state=with_block(next_state),
+        labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
+        gc_mask=losses.gc_mask(state, b.fixed_point, valid),
+        lc_mask=losses.lc_mask(state, next_state, valid),
+    )
+
+
+@dataclass
+class StepLosses:
+    gc: torch.Tensor
+    lc: torch.Tensor
+    ar: torch.Tensor
+    total: torch.Tensor
+
+
+def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig, pad_id: int,
+                     *, logits_to_keep: bool = True) -> StepLosses:
+    """This micro-batch's share of ``consistency + ar_weight * ar`` for the global batch."""
+    device = next(model.parameters()).device
+    mb = mb.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
+    need_fp = config.uses_gc or config.ar_on_fixed_points
+    # 1. one forward with gradients: the state, the fixed point if AR learns it, the labels
+    grad_groups = {"state": mb.state}
+    if config.ar_on_fixed_points:
+        grad_groups["fixed_point"] = mb.fixed_point
+    if config.ar_on_labels:
+        grad_groups["labels"] = mb.labels
+    with autocast:
+        logits = _split(forward_blocks(model, stack_rows(list(grad_groups.values()), pad_id),
+                                       logits_to_keep=logits_to_keep), grad_groups)
+    # 2. one forward without: the targets not computed above
+    target_groups = {}
+    if need_fp and "fixed_point" not in logits:
+        target_groups["fixed_point"] = mb.fixed_point
+    if config.uses_lc:
+        target_groups["next_state"] = mb.next_state
+    if target_groups:
+        with torch.no_grad(), autocast:
+            logits |= _split(forward_blocks(model, stack_rows(list(target_groups.values()), pad_id),
+                                            logits_to_keep=logits_to_keep), target_groups)
+    # 3. the terms, each normalised by its global count
+    zero = logits["state"].new_zeros(())
+    gc = lc = ar = zero
+    if config.uses_gc:
+        gc = losses.gc_loss(logits["state"], logits["fixed_point"], mb.gc_mask,
+                            distance=config.distance, normalizer=max(counts.gc, 1))
+    if config.uses_lc:
+        lc = losses.lc_loss(logits["state"], logits["next_state"], mb.lc_mask,
+                            distance=config.distance, normalizer=max(counts.lc, 1))
+    for name in ("fixed_point", "labels"):
+        if name in grad_groups:
+            rows = grad_groups[name]
+            ar = ar + losses.ar_loss(logits[name], rows.block_ids, rows.block_mask.bool(),
+                                     label_smoothing=config.label_smoothing,
+                                     normalizer=max(counts.ar, 1))
+    return StepLosses(gc, lc, ar, gc + lc + config.ar_weight * ar)
+
+
+def _split(logits: torch.Tensor, groups: dict[str, Rows]) -> dict[str, torch.Tensor]:
+    """Undo `stack_rows`: each group's rows and its own block width."""
+    out, start = {}, 0
+    for name, rows in groups.items():
+        out[name] = logits[start : start + len(rows), : rows.width]
+        start += len(rows)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation on held-out prompts (also used by `cllm distill`)
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    ids: list[int]  # the prompt, as the target's tokenizer encodes it
+    reference: list[int]  # ground-truth continuation (first max_new_tokens tokens; may be empty)
+
+
+def load_eval_prompts(name: str, tokenizer, *, count: int, max_new_tokens: int, context: int | None,
+                      text_field: str = "prompt") -> list[EvalPrompt]:
+    """The first `count` prompts of a prompt set, tokenized; cut from the left to fit `context`."""
+    from cllm.data.prompts import load_prompts
+
+    keep = (context - max_new_tokens) if context else None
+    if keep is not None and keep < 1:
+        raise UserError(f"eval-max-new-tokens {max_new_tokens} leaves no room for a prompt in {context} positions")
+    out = []
+    for p in load_prompts(name, text_field=text_field, limit=count):
+        ids = tokenizer(p.text)["input_ids"]
+        ids = ids[-keep:] if keep else ids
+        reference = tokenizer(p.reference, add_special_tokens=False)["input_ids"] if p.reference else []
+        if ids:
+            out.append(EvalPrompt(list(ids), list(reference[:max_new_tokens])))
+    return out
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    new_tokens: list[list[int]]  # per prompt
+    row_forwards: int  # forward passes each row took part in, summed over rows
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return sum(map(len, self.new_tokens)) / max(self.row_forwards, 1)
+
+
+@torch.no_grad()
+def decode_prompts(model, prompts: Sequence[EvalPrompt], *, method: Literal["jacobi", "greedy"],
+                   block_size: int = 16, max_new_tokens: int = 64, batch_size: int = 8,
+                   eos_token_id=None, pad_id: int = 0, seed: int = 0) -> DecodeResult:
+    """Decode every prompt (left-padded batches); Jacobi guesses are seeded per prompt, so the
+    result does not depend on the batch size."""
+    from cllm.decoding import greedy_decode, jacobi_decode
+
+    device = next(model.parameters()).device
+    new_tokens, row_forwards = [], 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        rows = rows_from_lists([p.ids for p in chunk], [[]] * len(chunk), pad_id)
+        ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
+        if method == "jacobi":
+            generators = [torch.Generator().manual_seed(derived_seed(seed, "guess", start + i)) for i in range(len(chunk))]
+            out = jacobi_decode(model, ids, mask, block_size=block_size, max_new_tokens=max_new_tokens,
+                                eos_token_id=eos_token_id, generator=generators)
+        else:
+            out = greedy_decode(model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        new_tokens += out.new_tokens
+        row_forwards += out.stats.row_forwards
+    return DecodeResult(new_tokens, row_forwards)
+
+
+@torch.no_grad()
+def ar_validation_loss(model, prompts: Sequence[EvalPrompt], *, batch_size: int = 8, pad_id: int = 0,
+                       logits_to_keep: bool = True) -> float | None:
+    """Mean next-token cross-entropy (nats/token) on the references after their prompts."""
+    scored = [p for p in prompts if p.reference]
+    total, count = 0.0, 0
+    for start in range(0, len(scored), batch_size):
+        chunk = scored[start : start + batch_size]
+        rows = rows_from_lists([p.ids for p in chunk], [p.reference for p in chunk], pad_id)
+        logits = forward_blocks(model, rows, logits_to_keep=logits_to_keep).float()
+        mask = rows.block_mask.bool().to(logits.device)
+        total += float(losses.ar_loss(logits, rows.block_ids.to(logits.device), mask, normalizer=1))
+        count += int(mask.sum())
+    return total / count if count else None
+
+
+def accepts_logits_to_keep(model) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,
+             batch_size: int, eos_token_id, pad_id: int, bf16: bool = False, seed: int = 0) -> dict:
+    """Jacobi tokens per forward (greedy, REFERENCE.md counting) and AR validation loss."""
+    was_training = model.training
+    model.eval()
+    device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        decoded = decode_prompts(model, prompts, method="jacobi", block_size=block_size,
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                 eos_token_id=eos_token_id, pad_id=pad_id, seed=seed)
+        ar = ar_validation_loss(model, prompts, batch_size=batch_size, pad_id=pad_id,
+                                logits_to_keep=accepts_logits_to_keep(model))
+    model.train(was_training)
+    return {"tokens_per_forward": decoded.tokens_per_forward, "ar_loss": ar}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, checkpoints, export
+
+
+def open_data(config: TrainConfig) -> tuple[TrajectoryReader, list[TrajectoryRecord]]:
+    """The trajectory directory, checked against --model; every problem is one UserError."""
+    from cllm.models import fingerprint, tokenizer_fingerprint
+
+    path = Path(config.data)
+    if not path.is_dir():
+        raise UserError(f"trajectory directory not found: {path}")
+    reader = TrajectoryReader(path)
+    meta = reader.meta
+    if meta.tokenizer_fingerprint != tokenizer_fingerprint(config.model):
+        raise UserError(f"{path} was collected with another tokenizer than --model {config.model} "
+                        f"({meta.tokenizer_fingerprint} != {tokenizer_fingerprint(config.model)})")
+    if meta.model_fingerprint != fingerprint(config.model):
+        raise UserError(f"{path} was collected with another model ({meta.model!r}, fingerprint "
+                        f"{meta.model_fingerprint}) than --model {config.model} ({fingerprint(config.model)})")
+    records = reader.records()
+    if len(records) < config.batch_size:
+        raise UserError(f"{path} holds {len(records)} records, fewer than batch-size {config.batch_size}")
+    if config.ar_on_labels and not any(r.labels for r in records):
+        raise UserError(f"{path} has no ground-truth labels (its prompts had no references): "
+                        "use --ar-target fixed_points")
+    return reader, records
+
+
+def data_digest(records: Sequence[TrajectoryRecord]) -> str:
+    h = hashlib.sha256()
+    for r in records:
+        h.update(repr((r.prompt_id, r.block_index, r.fixed_point, len(r.states))).encode())
+    return h.hexdigest()[:16]
+
+
+def check_out_dir(out: Path, config: TrainConfig) -> None:
+    from cllm.models import resolve_model_path
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    model_dir = Path(resolve_model_path(config.model))
+    for other, what in ((model_dir, "--model"), (Path(config.data), "--data")):
+        if other.exists() and out.resolve() == other.resolve():
+            raise UserError(f"--out {out} is the {what} directory; choose another")
+    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG).exists():
+        raise UserError(f"--out {out} holds other files (no {CONFIG}); use a new directory")
+
+
+def check_resumable(saved: dict, config: TrainConfig, digest: str) -> None:
+    current = config_to_dict(config)
+    for key in sorted(set(saved["config"]) | set(current)):
+        if key not in RESUME_FREE and saved["config"].get(key) != current.get(key):
+            raise UserError(f"{config.out} holds a run with {key}={saved['config'].get(key)!r}, not "
+                            f"{current.get(key)!r}: use another --out or --resume false")
+    if saved["data_digest"] != digest:
+        raise UserError(f"the records in {config.data} changed since {config.out} was checkpointed: "
+                        "use another --out or --resume false")
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The weights training changes: all of them, or the LoRA adapter's."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(state) != names:
+        raise UserError(f"checkpoint weights do not match the model ({len(set(state) ^ names)} names differ)")
+    model.load_state_dict(state, strict=False)
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write-then-rename: a crash mid-write never leaves a broken checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def add_lora(model, config: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.lora_targets if config.lora_targets == "all-linear" else [
+        t.strip() for t in config.lora_targets.split(",") if t.strip()]
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:
+        raise UserError(f"cannot add LoRA: {str(exc).splitlines()[0]}") from None
+
+
+def export(model, tokenizer, out: Path, *, lora: bool) -> None:
+    """An ordinary HF checkpoint: LoRA merged into the weights, float32, safetensors."""
+    if lora:
+        model = model.merge_and_unload()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def sigint_flag():
+    """Ctrl-C sets a flag checked between steps (a step is never cut in half); a second one
+    interrupts at once."""
+    flag = {"set": False}
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if flag["set"]:
+                raise KeyboardInterrupt
+            flag["set"] = True
+
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: plain KeyboardInterrupt
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop records after `step`: those steps are about to be redone."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class TrainSummary:
+    out: str
+    finished: bool  # False when stopped early by --stop-at-step
+    steps: int
+    total_steps: int
+    records: int
+    train_time_s: float
+    final_loss: float | None
+    eval_before: dict | None  # the untrained model (the target)
+    eval_after: dict | None
+
+
+def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: int, seed: int) -> list[TrajectoryRecord]:
+    """The global batch of `step`: a fresh seeded permutation per epoch, its remainder dropped."""
+    per_epoch = len(records) // batch_size
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(derived_seed(seed, "epoch", epoch)))
+    return [records[i] for i in order[index * batch_size : (index + 1) * batch_size].tolist()]
+
+
+def train(config: TrainConfig) -> TrainSummary:
+    """Consistency-train `config.model` on `config.data` into `config.out` (resumable).
+
+    Args:
+        config: a validated `TrainConfig`. Rerunning with the same config resumes from the last
+            checkpoint; Ctrl-C saves one before stopping.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import parse_flag_from_env
+    from tqdm.auto import tqdm
+
+    from cllm.decoding.inputs import position_limit
+    from cllm.models import fingerprint, load_model, load_tokenizer
+
+    # Without a GPU, several launched processes are gloo CPU processes (see cllm.collect).
+    use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=use_cpu, mixed_precision="no")
+    is_main, P, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    out = Path(config.out)
+    ckpt_path, log_path = out / CHECKPOINT, out / LOG
+
+    # 1. inputs: records (checked against --model), output dir, batch geometry, schedule length
+    reader, records = open_data(config)
+    meta = reader.meta
+    check_out_dir(out, config)
+    micro = config.micro_batch_size or max(config.batch_size // P, 1)
+    if config.batch_size % (micro * P):
+        raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
+                        f"x {P} processes")
+    per_epoch = len(records) // config.batch_size
+    total = config.max_steps or config.epochs * per_epoch
+    warmup = round(config.warmup_ratio * total)
+    digest = data_digest(records)
+    state = None
+    if ckpt_path.exists() and config.resume:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        check_resumable(state, config, digest)
+    accelerator.wait_for_everyone()
+    if is_main:
+        if state is None:
+            for stale in (ckpt_path, log_path, out / SUMMARY):
+                stale.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(config, out / CONFIG)
+
+    # 2. model (+ LoRA), AdamW, warm-up + cosine; restored from the checkpoint when resuming
+    tokenizer = load_tokenizer(config.model)
+    torch.manual_seed(config.seed)
+    model = load_model(config.model, dtype="float32")
+    if config.lora:
+        model = add_lora(model, config)
+    model.train()
+    base = model.get_base_model() if config.lora else model  # what decoding and HF calls see
+    keep = accepts_logits_to_keep(base)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    step, elapsed, eval_before, eval_last = 0, 0.0, None, None
+    if state is not None:
+        load_trainable_state(accelerator.unwrap_model(model), state["trainable"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, elapsed = state["step"], state["elapsed_s"]
+        eval_before, eval_last = state["eval_before"], state["eval_last"]
+        if is_main:
+            _truncate_log(log_path, step)
+        log.info("resuming %s from step %d of %d", out, step, total)
+
+    # 3. held-out prompts, evaluated by the main process alone
+    context = position_limit(base)
+    block = config.eval_block_size or meta.block_size
+    eval_prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
+                                     max_new_tokens=config.eval_max_new_tokens, context=context,
+                                     text_field=config.text_field) if config.eval_count and is_main else []
+
+    def run_eval() -> dict | None:
+        result = None
+        if eval_prompts:
+            result = evaluate(base, eval_prompts, block_size=block, max_new_tokens=config.eval_max_new_tokens,
+                              batch_size=config.eval_batch_size, eos_token_id=meta.eos_token_id,
+                              pad_id=meta.pad_token_id, bf16=config.dtype == "bfloat16", seed=config.seed)
+        accelerator.wait_for_everyone()
+        return result
+
+    def snapshot() -> dict:
+        epoch, index = divmod(step, per_epoch)
+        return {"step": step, "elapsed_s": elapsed, "config": config_to_dict(config),
+                "data_digest": digest, "data_position": {"epoch": epoch, "batch_in_epoch": index},
+                "trainable": trainable_state(accelerator.unwrap_model(model)),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "eval_before": eval_before, "eval_last": eval_last}
+
+    if state is None:
+        eval_before = eval_last = run_eval()
+        if is_main and eval_before:
+            _append_jsonl(log_path, {"step": 0, **{f"eval_{k}": v for k, v in eval_before.items()}})
+
+    # 4. the loop
+    stop_at = min(total, config.stop_at_step or total)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not is_main,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    loss = None
+    with sigint_flag() as interrupted:
+        while step < stop_at:
+            t0 = time.perf_counter()
+            # 4.1 the global batch: records, one state each, micro-batches, global counts
+            torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
+            batch = step_records(records, step, batch_size=config.batch_size, seed=config.seed)
+            draws = torch.rand(len(batch), generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
+            mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
+                                    block_size=meta.block_size, config=config)
+                   for i in range(0, len(batch), micro)]
+            counts = Counts()
+            for mb in mbs:
+                counts.add(mb, config)
+            # 4.2 this process's micro-batches: forwards and ONE backward each; DDP syncs the last
+            mine = mbs[rank::P]
+            sums = torch.zeros(4, dtype=torch.float64)
+            for k, mb in enumerate(mine):
+                with nullcontext() if k == len(mine) - 1 else accelerator.no_sync(model):
+                    parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep)
+                    # DDP averages gradients over processes; the terms are already global sums
+                    accelerator.backward(parts.total * P)
+                sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar]).detach().double().cpu()
+            # 4.3 clip, AdamW, schedule
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            # 4.4 log, evaluate, checkpoint (every process takes the same branches)
+            if P > 1:
+                sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+                flag = torch.tensor([float(interrupted["set"])], device=accelerator.device)
+                interrupted["set"] = bool(accelerator.reduce(flag, "sum").item())
+            loss, gc, lc, ar = sums.tolist()
+            record = {"step": step, "epoch": round(step / per_epoch, 4), "loss": loss, "gc": gc, "lc": lc,
+                      "ar": ar, "lr": lr, "grad_norm": float(grad_norm)}
+            if step % config.eval_interval == 0 or step == total:
+                eval_last = run_eval()
+                if eval_last:
+                    record |= {f"eval_{k}": v for k, v in eval_last.items()}
+            elapsed += time.perf_counter() - t0
+            record["elapsed_s"] = round(elapsed, 3)
+            if is_main:
+                _append_jsonl(log_path, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tpf=f"{eval_last['tokens_per_forward']:.2f}" if eval_last else "-",
+                            refresh=False)
+            if step % config.checkpoint_interval == 0 or step == stop_at or interrupted["set"]:
+                if is_main:
+                    save_checkpoint(ckpt_path, snapshot())
+                accelerator.wait_for_everyone()
+            if interrupted["set"] and step < total:
+                bar.close()
+                raise KeyboardInterrupt(f"stopped at step {step}; rerun the command to resume")
+    bar.close()
+
+    # 5. the HF checkpoint, summary and model card (a finished run only)
+    finished = step >= total
+    summary = TrainSummary(out=str(out), finished=finished, steps=step, total_steps=total,
+                           records=len(records), train_time_s=round(elapsed, 1),
+                           final_loss=loss if loss is not None else _last_loss(log_path),
+                           eval_before=eval_before, eval_after=eval_last if finished else None)
+    if finished and is_main:
+        export(accelerator.unwrap_model(model), tokenizer, out, lora=config.lora)
+        info = {"summary": asdict(summary), "base_model": config.model,
+                "base_fingerprint": fingerprint(config.model), "model_fingerprint": fingerprint(out),
+                "data": config.data, "data_meta": asdict(meta), "config": config_to_dict(config),
+                "processes": P,
+                "eval_settings": {"prompts": config.eval_prompts, "count": len(eval_prompts),
+                                  "block_size": block, "max_new_tokens": config.eval_max_new_tokens}}
+        (out / SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
+        (out / CARD).write_text(model_card(info))
+    accelerator.wait_for_everyone()
+    if is_main:
+        _print_summary(summary)
+    return summary
+
+
+def _last_loss(log_path: Path) -> float | None:
+    lines = [json.loads(x) for x in log_path.read_text().splitlines()] if log_path.exists() else []
+    losses_ = [r["loss"] for r in lines if "loss" in r]
+    return losses_[-1] if losses_ else None
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def model_card(info: dict, extra: str = "") -> str:
+    """MODEL_CARD.md from train_summary.json (and an optional extra section, e.g. distill's)."""
+    s, meta, ev = info["summary"], info["data_meta"], info["eval_settings"]
+    before, after = s["eval_before"] or {}, s["eval_after"] or {}
+    return f"""# CLLM distilled from `{info['base_model']}`
+
+A consistency LLM (Kou et al. 2024): the base model fine-tuned with `cllm train` so that greedy
+Jacobi decoding converges in fewer forward passes. An ordinary Hugging Face checkpoint (no extra
+heads); decode it with `cllm.jacobi_decode`, whose output equals greedy decoding exactly.
+
+- base model: `{info['base_model']}` (fingerprint `{info['base_fingerprint']}`)
+- this checkpoint: fingerprint `{info['model_fingerprint']}`
+- trajectories: `{info['data']}` ({s['records']} records; collected from `{meta['prompts']}` with block
+  size {meta['block_size']}, {meta['max_new_tokens']} new tokens, guess `{meta['guess']}`, {meta['dtype']})
+- training: {s['steps']} steps, {s['train_time_s']} s, final loss {_fmt(s['final_loss'])}
+  (consistency `{info['config']['consistency']}` / `{info['config']['distance']}` + {info['config']['ar_weight']} x AR on `{info['config']['ar_target']}`)
+
+## Evaluation
+
+Held-out prompts `{ev['prompts']}` (first {ev['count']}), greedy, Jacobi block size {ev['block_size']},
+{ev['max_new_tokens']} new tokens. Tokens per forward = new tokens / forward passes, prefill
+included (REFERENCE.md); AR loss = mean nats/token on the prompts' references.
+
+| | base model | this CLLM |
+|---|---|---|
+| Jacobi tokens per forward | {_fmt(before.get('tokens_per_forward'))} | {_fmt(after.get('tokens_per_forward'))} |
+| AR validation loss | {_fmt(before.get('ar_loss'))} | {_fmt(after.get('ar_loss'))} |
+{extra}
+## Config
+
+```json
+{json.dumps(info['config'], indent=2, sort_keys=True)}
+```
+
+## Trajectory meta
+
+```json
+{json.dumps(meta, indent=2, sort_keys=True)}
+```
+"""
+
+
+def _print_summary(s: TrainSummary) -> None:
+    before, after = s.eval_before or {}, s.eval_after or {}
+    state = "trained" if s.finished else "stopped (rerun to continue)"
+    print(f"{state}: {s.steps}/{s.total_steps} steps on {s.records} records in {s.train_time_s:.0f} s -> {s.out}")
+    if after:
+        print(f"  Jacobi tokens per forward {_fmt(before.get('tokens_per_forward'))} -> "
+              f"{_fmt(after.get('tokens_per_forward'))}, AR validation loss "
+              f"{_fmt(before.get('ar_loss'))} -> {_fmt(after.get('ar_loss'))}")

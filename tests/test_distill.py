@@ -1,0 +1,68 @@
+"""`cllm distill` end to end on the synthetic language of tests/test_train.py: one command
+collects, trains and evaluates; a rerun skips every finished stage."""
+
+import json
+
+import pytest
+
+from cllm.cli import main as cli_main
+from cllm.config import UserError
+from cllm.distill import DistillConfig, distill
+from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    target = pretrain_target(root / "target", make_tokenizer())
+    return root, target, write_prompts(root / "train.jsonl", 48, seed=1), write_prompts(root / "val.jsonl", 12, seed=2)
+
+
+def config(setup, **overrides) -> DistillConfig:
+    root, target, train_prompts, val_prompts = setup
+    values = dict(model=str(target), prompts=str(train_prompts), out=str(root / "out"), max_prompts=None,
+                  block_size=BLOCK, max_new_tokens=NEW, collect_batch_size=16, max_steps=100, lr=1e-3,
+                  train_eval_count=4, eval_interval=100, eval_prompts=str(val_prompts), eval_count=12,
+                  eval_block_sizes=[BLOCK, 2 * BLOCK], eval_max_new_tokens=2 * NEW)
+    values.update(overrides)
+    return DistillConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def distilled(setup):
+    return distill(config(setup))
+
+
+def test_one_command_gives_a_faster_exact_cllm_and_an_evaluation(setup, distilled):
+    out = setup[0] / "out"
+    ev = distilled.evaluation
+    assert json.loads((out / "evaluation.json").read_text()) == ev
+    assert ev["prompts_evaluated"] == 12
+    for n in (str(BLOCK), str(2 * BLOCK)):
+        assert ev["tokens_per_forward"]["cllm"][n] > ev["tokens_per_forward"]["target"][n] + 0.5
+        assert ev["cllm_jacobi_equals_greedy"][n] == 1.0
+    assert ev["ar_loss"]["cllm"] is not None and ev["ar_loss"]["target"] is not None
+    assert (out / "trajectories" / "meta.json").is_file()
+    assert (out / "model" / "model.safetensors").is_file()
+    assert "## Distillation evaluation" in (out / "model" / "MODEL_CARD.md").read_text()
+    assert json.loads((out / "distill_config.json").read_text())["block_size"] == BLOCK
+
+
+def test_rerun_skips_every_finished_stage(setup, distilled):
+    out = setup[0] / "out"
+    before = {p: p.stat().st_mtime_ns for p in [out / "evaluation.json", out / "model" / "train_log.jsonl",
+                                                *sorted((out / "trajectories").glob("shard-*"))]}
+    again = distill(config(setup))
+    assert again.skipped == ["train", "evaluate"]
+    assert again.evaluation == distilled.evaluation
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_bad_distill_input_is_a_one_line_error(setup, tmp_path, capsys):
+    with pytest.raises(UserError, match="eval-block-sizes"):
+        config(setup, eval_block_sizes=[0])
+    with pytest.raises(UserError, match="micro-batch-size"):
+        config(setup, micro_batch_size=5)  # training options are checked up front
+    assert cli_main(["distill", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cllm distill: error:") and "\n" not in err and "not found" in err

@@ -1,0 +1,396 @@
+"""`cllm train` end to end on a tiny Llama and a synthetic language where consistency training
+has a clear, learnable effect.
+
+The language: a prompt is six filler words and one content word ``c``; the continuation repeats
+``c``. The target is pretrained (here, in seconds) on continuations that switch content words at
+random, so it learns to *copy the previous token*: its greedy output repeats ``c``, but a Jacobi
+guess (filler words sampled from the prompt) derails it, so plain Jacobi decoding gains almost
+nothing. A CLLM must learn to output ``c`` whatever the (wrong) tokens before it: one attention
+head's worth, so a hundred steps show it on held-out prompts.
+"""
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from cllm.cli import main as cli_main
+from cllm.collect import CollectConfig, collect
+from cllm.config import UserError
+from cllm.data.trajectories import TrajectoryReader
+from cllm.train import (
+    CHECKPOINT,
+    Counts,
+    TrainConfig,
+    decode_prompts,
+    load_eval_prompts,
+    make_micro_batch,
+    micro_batch_loss,
+    train,
+)
+
+FILLER = [f"r{i}" for i in range(16)]
+CONTENT = [f"c{i}" for i in range(8)]
+VOCAB = ["<eot>", *FILLER, *CONTENT]
+BLOCK, NEW = 8, 16
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+# ------------------------------------------------------------------------------------------
+# The synthetic world (shared with tests/test_distill.py)
+
+
+def make_tokenizer(vocab=VOCAB) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<eot>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eot>", pad_token="<eot>",
+                                   bos_token="<eot>")
+
+
+def random_prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(FILLER) for _ in range(6)) + " " + rng.choice(CONTENT)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=64, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def pretrain_target(directory: Path, tokenizer, *, steps: int = 250, seed: int = 0) -> Path:
+    """Teacher-forced training on prompts + continuations that switch content words (p = 1/4)."""
+    rng = random.Random(seed)
+    model = tiny_llama(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def sample() -> list[int]:
+        words = random_prompt(rng).split()
+        for _ in range(NEW):
+            words.append(rng.choice(CONTENT) if rng.random() < 0.25 else words[-1])
+        return tokenizer(" ".join(words))["input_ids"]
+
+    for _ in range(steps):
+        x = torch.tensor([sample() for _ in range(32)])
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_prompts(path: Path, n: int, seed: int, *, references: bool = True) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            p = random_prompt(rng)
+            row = {"id": f"s{seed}-{i}", "prompt": p}
+            if references:
+                row["reference"] = (" " + p.split()[-1]) * NEW
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+@dataclasses.dataclass
+class World:
+    root: Path
+    target: Path
+    tokenizer: PreTrainedTokenizerFast
+    train_prompts: Path
+    val_prompts: Path
+    data: Path
+
+
+def build_world(root: Path) -> World:
+    tokenizer = make_tokenizer()
+    target = pretrain_target(root / "target", tokenizer)
+    train_prompts = write_prompts(root / "train.jsonl", 48, seed=1)
+    val_prompts = write_prompts(root / "val.jsonl", 16, seed=2)
+    data = root / "trajectories"
+    collect(CollectConfig(model=str(target), prompts=str(train_prompts), out=str(data),
+                          block_size=BLOCK, max_new_tokens=NEW, batch_size=16))
+    return World(root, target, tokenizer, train_prompts, val_prompts, data)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("train"))
+
+
+def config(world: World, out, **overrides) -> TrainConfig:
+    values = dict(model=str(world.target), data=str(world.data), out=str(out),
+                  eval_prompts=str(world.val_prompts), eval_count=16, eval_max_new_tokens=NEW,
+                  batch_size=16, lr=1e-3, label_smoothing=0.0, max_steps=120, eval_interval=60,
+                  checkpoint_interval=50)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def cli_args(cfg: TrainConfig) -> list[str]:
+    args = ["train"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is not None:
+            args += ["--" + f.name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+    return args
+
+
+def step_losses(out: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["gc"], r["lc"], r["ar"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def trained(world):
+    out = world.root / "cllm"
+    return out, train(config(world, out))
+
+
+# ------------------------------------------------------------------------------------------
+# What training does
+
+
+def test_consistency_training_raises_jacobi_tokens_per_forward_on_held_out_prompts(trained):
+    _, summary = trained
+    before = summary.eval_before["tokens_per_forward"]
+    after = summary.eval_after["tokens_per_forward"]
+    assert before < 1.4  # plain Jacobi on the target: derailed by the guess
+    assert after > before + 0.7, (before, after)
+    assert summary.eval_after["ar_loss"] < summary.eval_before["ar_loss"]  # labels kept it an LM
+
+
+def test_trained_model_decodes_by_jacobi_exactly_as_by_greedy(world, trained):
+    out, _ = trained
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = load_eval_prompts(str(world.val_prompts), world.tokenizer, count=16,
+                                max_new_tokens=2 * NEW, context=64)
+    greedy = decode_prompts(model, prompts, method="greedy", max_new_tokens=2 * NEW, eos_token_id=0)
+    for n in (BLOCK, 2 * BLOCK):
+        jacobi = decode_prompts(model, prompts, method="jacobi", block_size=n,
+                                max_new_tokens=2 * NEW, eos_token_id=0)
+        assert jacobi.new_tokens == greedy.new_tokens
+        assert jacobi.tokens_per_forward > 1.8
+
+
+def test_output_dir_is_an_hf_checkpoint_with_config_log_and_model_card(world, trained):
+    out, summary = trained
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "train_config.json",
+                 "train_log.jsonl", "train_summary.json", "MODEL_CARD.md", CHECKPOINT):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "train_config.json").read_text())["consistency"] == "gc"
+    card = (out / "MODEL_CARD.md").read_text()
+    info = json.loads((out / "train_summary.json").read_text())
+    assert info["base_fingerprint"] in card and str(world.data) in card
+    assert f"{summary.eval_after['tokens_per_forward']:.3f}" in card
+    evals = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval_tokens_per_forward" in r] == [0, 60, 120]
+
+
+def test_rerunning_a_finished_run_trains_nothing_more(world, trained):
+    out, summary = trained
+    log_before = (out / "train_log.jsonl").read_text()
+    again = train(config(world, out))
+    assert again.finished and again.steps == summary.steps
+    assert (out / "train_log.jsonl").read_text() == log_before
+
+
+# ------------------------------------------------------------------------------------------
+# Exactness of the loop: accumulation, resume, Ctrl-C
+
+
+def test_accumulated_micro_batches_give_the_full_batch_gradient(world):
+    cfg = config(world, world.root / "unused", consistency="gc+lc", ar_target="both")
+    reader = TrajectoryReader(world.data)
+    records = reader.records()[:12]
+    draws = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    model = tiny_llama(3)
+
+    def gradient(micro: int) -> torch.Tensor:
+        mbs = [make_micro_batch(records[i : i + micro], draws[i : i + micro], pad_id=0,
+                                block_size=BLOCK, config=cfg) for i in range(0, 12, micro)]
+        counts = Counts()
+        for mb in mbs:
+            counts.add(mb, cfg)
+        model.zero_grad()
+        for mb in mbs:
+            micro_batch_loss(model, mb, counts, cfg, pad_id=0).total.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    full = gradient(12)
+    assert counts_are_mixed(records)
+    assert torch.allclose(gradient(4), full, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(gradient(3), full, atol=1e-6, rtol=1e-4)
+
+
+def counts_are_mixed(records) -> bool:
+    """The micro-batches differ in counted positions (else any normalisation would pass)."""
+    return len({len(r.states) for r in records}) > 1
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(consistency="gc+lc", ar_target="both", distance="jsd"),
+    dict(lora=True, lora_dropout=0.1, ar_target="fixed_points", micro_batch_size=8),
+    dict(consistency="lc", distance="rkl", dtype="bfloat16", label_smoothing=0.1),
+], ids=["full-gc+lc-jsd", "lora-dropout", "bf16-lc-rkl"])
+def test_run_stopped_and_resumed_reproduces_the_uninterrupted_losses(world, tmp_path, overrides):
+    common = dict(max_steps=14, eval_count=0, checkpoint_interval=5, **overrides)
+    train(config(world, tmp_path / "straight", **common))
+    stopped = train(config(world, tmp_path / "resumed", stop_at_step=8, **common))
+    assert not stopped.finished and stopped.steps == 8
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    assert torch.load(tmp_path / "resumed" / CHECKPOINT, weights_only=False)["step"] == 8
+    train(config(world, tmp_path / "resumed", **common))
+    assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(world, tmp_path):
+    cfg = config(world, tmp_path / "run", max_steps=80, eval_count=0, checkpoint_interval=1000)
+    log = tmp_path / "run" / "train_log.jsonl"
+    with open(tmp_path / "stderr.txt", "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "cllm.cli", *cli_args(cfg)], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                if log.exists() and len(log.read_text().splitlines()) >= 2:
+                    break
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    assert rc == 130, (tmp_path / "stderr.txt").read_text()[-1500:]
+    saved = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["step"]
+    assert 2 <= saved < 80
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    train(cfg)
+    train(dataclasses.replace(cfg, out=str(tmp_path / "straight")))
+    assert step_losses(tmp_path / "run") == step_losses(tmp_path / "straight")
+
+
+# ------------------------------------------------------------------------------------------
+# LoRA, several processes
+
+
+def test_lora_run_merges_the_adapter_into_an_ordinary_checkpoint(world, tmp_path):
+    out = tmp_path / "lora"
+    train(config(world, out, lora=True, lora_r=4, max_steps=10, eval_count=0, lr=3e-3))
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(world.target)
+    merged, original = model.state_dict(), base.state_dict()
+    assert set(merged) == set(original)  # no lora_A / lora_B left
+    changed = [k for k in merged if not torch.equal(merged[k], original[k])]
+    assert any("q_proj" in k for k in changed) and "model.embed_tokens.weight" not in changed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_save_a_loadable_checkpoint(world, tmp_path):
+    cfg = config(world, tmp_path / "two", max_steps=6, eval_count=4, eval_interval=6,
+                 consistency="gc+lc", ar_target="both")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), "-m", "cllm.cli", *cli_args(cfg)]
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("trained:") == 1  # rank 0 alone prints
+    AutoModelForCausalLM.from_pretrained(tmp_path / "two")
+    assert json.loads((tmp_path / "two" / "train_summary.json").read_text())["processes"] == 2
+    # the same global batches in one process (two accumulated micro-batches): the same losses
+    train(dataclasses.replace(cfg, out=str(tmp_path / "one"), micro_batch_size=8))
+    two, one = step_losses(tmp_path / "two"), step_losses(tmp_path / "one")
+    assert [r[0] for r in two] == [r[0] for r in one] == list(range(1, 7))
+    assert torch.allclose(torch.tensor(two)[:, 1:], torch.tensor(one)[:, 1:], rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+
+
+def foreign_model(world: World, kind: str) -> Path:
+    directory = world.root / f"foreign-{kind}"
+    if not directory.exists():
+        if kind == "tokenizer":  # the same weights, words in another order
+            tiny = AutoModelForCausalLM.from_pretrained(world.target)
+            tokenizer = make_tokenizer(["<eot>", *CONTENT, *FILLER])
+        else:
+            tiny, tokenizer = tiny_llama(seed=7), world.tokenizer
+        tiny.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing data", "trajectory directory not found"),
+    ("not trajectories", "no meta.json"),
+    ("other model", "collected with another model"),
+    ("other tokenizer", "another tokenizer"),
+    ("no labels", "no ground-truth labels"),
+    ("batch too big", "fewer than batch-size"),
+    ("bad option", "consistency must be one of"),
+    ("foreign out", "holds other files"),
+])
+def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
+    overrides = {}
+    if case == "missing data":
+        overrides["data"] = str(tmp_path / "nowhere")
+    elif case == "not trajectories":
+        (tmp_path / "empty").mkdir()
+        overrides["data"] = str(tmp_path / "empty")
+    elif case in ("other model", "other tokenizer"):
+        overrides["model"] = str(foreign_model(world, case.split()[1]))
+    elif case == "no labels":
+        prompts = write_prompts(tmp_path / "bare.jsonl", 16, seed=3, references=False)
+        collect(CollectConfig(model=str(world.target), prompts=str(prompts), out=str(tmp_path / "bare"),
+                              block_size=BLOCK, max_new_tokens=NEW, batch_size=16))
+        overrides["data"] = str(tmp_path / "bare")
+    elif case == "batch too big":
+        overrides["batch_size"] = 4096
+    elif case == "foreign out":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "notes.txt").write_text("mine")
+    if case == "bad option":
+        with pytest.raises(UserError, match=message):
+            config(world, tmp_path / "out", consistency="xc")
+        args = cli_args(config(world, tmp_path / "out"))
+        args += ["--micro-batch-size", "5"]  # batch-size 16 is not a multiple of it
+        capsys.readouterr()
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("cllm train: error:") and "\n" not in err and "micro-batch-size" in err
+        return
+    cfg = config(world, tmp_path / "out", **overrides)
+    with pytest.raises(UserError, match=message):
+        train(cfg)
+    capsys.readouterr()
+    assert cli_main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cllm train: error:") and "\n" not in err and message in err
