@@ -34,12 +34,11 @@ from cllm.cli import main as cli_main
 from cllm.collect import CollectConfig, collect
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryReader
+from cllm.evaluate import decode_prompts, load_eval_prompts
 from cllm.train import (
     CHECKPOINT,
     Counts,
     TrainConfig,
-    decode_prompts,
-    load_eval_prompts,
     make_micro_batch,
     micro_batch_loss,
     train,

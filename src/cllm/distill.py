@@ -132,13 +132,13 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     CLLM greedy output equals the target's, token_agreement: the same per token position.
     """
     from cllm.decoding.inputs import position_limit
-    from cllm.models import fingerprint, load_model, load_tokenizer
-    from cllm.train import (
+    from cllm.evaluate import (
         accepts_logits_to_keep,
         ar_validation_loss,
         decode_prompts,
         load_eval_prompts,
     )
+    from cllm.models import fingerprint, load_model, load_tokenizer
 
     tokenizer = load_tokenizer(cllm_dir)
     models = {"target": load_model(target_name), "cllm": load_model(str(cllm_dir))}

@@ -43,12 +43,10 @@ import hashlib
 import json
 import logging
 import math
-import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -58,6 +56,9 @@ import torch
 from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
+from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
+from cllm.rows import Rows, derived_seed, forward_blocks, rows_from_lists, stack_rows
+from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -158,83 +159,11 @@ class TrainConfig:
         return self.ar_weight > 0 and self.ar_target in ("labels", "both")
 
 
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (the same in every process and every run)."""
-    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def lr_factor(step: int, total: int, warmup: int) -> float:
     """Linear warm-up to 1, then cosine decay to 0 at `total` steps (a LambdaLR factor)."""
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows: prefix (left-padded) + block (right-padded), the one shape every forward takes
-
-
-@dataclass
-class Rows:
-    prefix_ids: torch.Tensor  # (R, P) left-padded
-    prefix_mask: torch.Tensor  # (R, P) 1 on real tokens
-    block_ids: torch.Tensor  # (R, N) right-padded
-    block_mask: torch.Tensor  # (R, N) 1 on real tokens
-
-    def __len__(self) -> int:
-        return self.block_ids.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.block_ids.shape[1]
-
-    def to(self, device) -> Rows:
-        return Rows(*(t.to(device) for t in (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)))
-
-
-def _pad(t: torch.Tensor, width: int, value: int, *, left: bool) -> torch.Tensor:
-    extra = width - t.shape[1]
-    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
-
-
-def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> Rows:
-    P, N = max(map(len, prefixes)), max(map(len, blocks))
-    ids = torch.full((len(prefixes), P), pad_id, dtype=torch.long)
-    pmask = torch.zeros_like(ids)
-    bids = torch.full((len(blocks), N), pad_id, dtype=torch.long)
-    bmask = torch.zeros_like(bids)
-    for r, (p, b) in enumerate(zip(prefixes, blocks, strict=True)):
-        if p:
-            ids[r, P - len(p):], pmask[r, P - len(p):] = torch.tensor(list(p)), 1
-        if b:
-            bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
-    return Rows(ids, pmask, bids, bmask)
-
-
-def stack_rows(groups: Sequence[Rows], pad_id: int) -> Rows:
-    """Rows of several groups as one batch: prefixes padded on the left, blocks on the right."""
-    P = max(g.prefix_ids.shape[1] for g in groups)
-    N = max(g.width for g in groups)
-    return Rows(
-        torch.cat([_pad(g.prefix_ids, P, pad_id, left=True) for g in groups]),
-        torch.cat([_pad(g.prefix_mask, P, 0, left=True) for g in groups]),
-        torch.cat([_pad(g.block_ids, N, pad_id, left=False) for g in groups]),
-        torch.cat([_pad(g.block_mask, N, 0, left=False) for g in groups]),
-    )
-
-
-def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.Tensor:
-    """Block-aligned logits (R, N, V) of one forward over ``prefix + block``: [:, i] predicts
-    block token i. Positions count real tokens only, as in the decoders."""
-    input_ids = torch.cat([rows.prefix_ids, rows.block_ids], 1)  # (R, P + N)
-    mask = torch.cat([rows.prefix_mask, rows.block_mask], 1)
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    device = next(model.parameters()).device
-    kwargs = {"logits_to_keep": rows.width + 1} if logits_to_keep else {}
-    out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                position_ids=position_ids.to(device), use_cache=False, **kwargs)
-    return losses.block_logits(out.logits, rows.width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,107 +300,6 @@ def _split(logits: torch.Tensor, groups: dict[str, Rows]) -> dict[str, torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation on held-out prompts (also used by `cllm distill`)
-
-
-@dataclass(frozen=True)
-class EvalPrompt:
-    ids: list[int]  # the prompt, as the target's tokenizer encodes it
-    reference: list[int]  # ground-truth continuation (first max_new_tokens tokens; may be empty)
-
-
-def load_eval_prompts(name: str, tokenizer, *, count: int, max_new_tokens: int, context: int | None,
-                      text_field: str = "prompt") -> list[EvalPrompt]:
-    """The first `count` prompts of a prompt set, tokenized; cut from the left to fit `context`."""
-    from cllm.data.prompts import load_prompts
-
-    keep = (context - max_new_tokens) if context else None
-    if keep is not None and keep < 1:
-        raise UserError(f"eval-max-new-tokens {max_new_tokens} leaves no room for a prompt in {context} positions")
-    out = []
-    for p in load_prompts(name, text_field=text_field, limit=count):
-        ids = tokenizer(p.text)["input_ids"]
-        ids = ids[-keep:] if keep else ids
-        reference = tokenizer(p.reference, add_special_tokens=False)["input_ids"] if p.reference else []
-        if ids:
-            out.append(EvalPrompt(list(ids), list(reference[:max_new_tokens])))
-    return out
-
-
-@dataclass(frozen=True)
-class DecodeResult:
-    new_tokens: list[list[int]]  # per prompt
-    row_forwards: int  # forward passes each row took part in, summed over rows
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return sum(map(len, self.new_tokens)) / max(self.row_forwards, 1)
-
-
-@torch.no_grad()
-def decode_prompts(model, prompts: Sequence[EvalPrompt], *, method: Literal["jacobi", "greedy"],
-                   block_size: int = 16, max_new_tokens: int = 64, batch_size: int = 8,
-                   eos_token_id=None, pad_id: int = 0, seed: int = 0) -> DecodeResult:
-    """Decode every prompt (left-padded batches); Jacobi guesses are seeded per prompt, so the
-    result does not depend on the batch size."""
-    from cllm.decoding import greedy_decode, jacobi_decode
-
-    device = next(model.parameters()).device
-    new_tokens, row_forwards = [], 0
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        rows = rows_from_lists([p.ids for p in chunk], [[]] * len(chunk), pad_id)
-        ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
-        if method == "jacobi":
-            generators = [torch.Generator().manual_seed(derived_seed(seed, "guess", start + i)) for i in range(len(chunk))]
-            out = jacobi_decode(model, ids, mask, block_size=block_size, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos_token_id, generator=generators)
-        else:
-            out = greedy_decode(model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        new_tokens += out.new_tokens
-        row_forwards += out.stats.row_forwards
-    return DecodeResult(new_tokens, row_forwards)
-
-
-@torch.no_grad()
-def ar_validation_loss(model, prompts: Sequence[EvalPrompt], *, batch_size: int = 8, pad_id: int = 0,
-                       logits_to_keep: bool = True) -> float | None:
-    """Mean next-token cross-entropy (nats/token) on the references after their prompts."""
-    scored = [p for p in prompts if p.reference]
-    total, count = 0.0, 0
-    for start in range(0, len(scored), batch_size):
-        chunk = scored[start : start + batch_size]
-        rows = rows_from_lists([p.ids for p in chunk], [p.reference for p in chunk], pad_id)
-        logits = forward_blocks(model, rows, logits_to_keep=logits_to_keep).float()
-        mask = rows.block_mask.bool().to(logits.device)
-        total += float(losses.ar_loss(logits, rows.block_ids.to(logits.device), mask, normalizer=1))
-        count += int(mask.sum())
-    return total / count if count else None
-
-
-def accepts_logits_to_keep(model) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,
-             batch_size: int, eos_token_id, pad_id: int, bf16: bool = False, seed: int = 0) -> dict:
-    """Jacobi tokens per forward (greedy, REFERENCE.md counting) and AR validation loss."""
-    was_training = model.training
-    model.eval()
-    device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-        decoded = decode_prompts(model, prompts, method="jacobi", block_size=block_size,
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                 eos_token_id=eos_token_id, pad_id=pad_id, seed=seed)
-        ar = ar_validation_loss(model, prompts, batch_size=batch_size, pad_id=pad_id,
-                                logits_to_keep=accepts_logits_to_keep(model))
-    model.train(was_training)
-    return {"tokens_per_forward": decoded.tokens_per_forward, "ar_loss": ar}
-
-
-# ---------------------------------------------------------------------------------------------
 # Inputs, checkpoints, export
 
 
@@ -542,14 +370,6 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write-then-rename: a crash mid-write never leaves a broken checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def add_lora(model, config: TrainConfig):
     from peft import LoraConfig, get_peft_model
 
@@ -569,41 +389,6 @@ def export(model, tokenizer, out: Path, *, lora: bool) -> None:
         model = model.merge_and_unload()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-
-
-@contextmanager
-def sigint_flag():
-    """Ctrl-C sets a flag checked between steps (a step is never cut in half); a second one
-    interrupts at once."""
-    flag = {"set": False}
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            if flag["set"]:
-                raise KeyboardInterrupt
-            flag["set"] = True
-
-        signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: plain KeyboardInterrupt
-        yield flag
-        return
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop records after `step`: those steps are about to be redone."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,7 +482,7 @@ def train(config: TrainConfig) -> TrainSummary:
         step, elapsed = state["step"], state["elapsed_s"]
         eval_before, eval_last = state["eval_before"], state["eval_last"]
         if is_main:
-            _truncate_log(log_path, step)
+            truncate_log(log_path, step)
         log.info("resuming %s from step %d of %d", out, step, total)
 
     # 3. held-out prompts, evaluated by the main process alone
@@ -727,7 +512,7 @@ def train(config: TrainConfig) -> TrainSummary:
     if state is None:
         eval_before = eval_last = run_eval()
         if is_main and eval_before:
-            _append_jsonl(log_path, {"step": 0, **{f"eval_{k}": v for k, v in eval_before.items()}})
+            append_jsonl(log_path, {"step": 0, **{f"eval_{k}": v for k, v in eval_before.items()}})
 
     # 4. the loop
     stop_at = min(total, config.stop_at_step or total)
@@ -778,7 +563,7 @@ def train(config: TrainConfig) -> TrainSummary:
             elapsed += time.perf_counter() - t0
             record["elapsed_s"] = round(elapsed, 3)
             if is_main:
-                _append_jsonl(log_path, record)
+                append_jsonl(log_path, record)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tpf=f"{eval_last['tokens_per_forward']:.2f}" if eval_last else "-",
                             refresh=False)

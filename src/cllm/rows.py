@@ -1,0 +1,83 @@
+"""Rows: prefix (left-padded) + block (right-padded), the one shape every training and
+evaluation forward takes. Positions count real tokens only, as in the decoders."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cllm import losses
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts (the same in every process and every run)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+
+@dataclass
+class Rows:
+    prefix_ids: torch.Tensor  # (R, P) left-padded
+    prefix_mask: torch.Tensor  # (R, P) 1 on real tokens
+    block_ids: torch.Tensor  # (R, N) right-padded
+    block_mask: torch.Tensor  # (R, N) 1 on real tokens
+
+    def __len__(self) -> int:
+        return self.block_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.block_ids.shape[1]
+
+    def to(self, device) -> Rows:
+        return Rows(*(t.to(device) for t in (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)))
+
+
+def _pad(t: torch.Tensor, width: int, value: int, *, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+
+def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> Rows:
+    P, N = max(map(len, prefixes)), max(map(len, blocks))
+    ids = torch.full((len(prefixes), P), pad_id, dtype=torch.long)
+    pmask = torch.zeros_like(ids)
+    bids = torch.full((len(blocks), N), pad_id, dtype=torch.long)
+    bmask = torch.zeros_like(bids)
+    for r, (p, b) in enumerate(zip(prefixes, blocks, strict=True)):
+        if p:
+            ids[r, P - len(p):], pmask[r, P - len(p):] = torch.tensor(list(p)), 1
+        if b:
+            bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
+    return Rows(ids, pmask, bids, bmask)
+
+
+def stack_rows(groups: Sequence[Rows], pad_id: int) -> Rows:
+    """Rows of several groups as one batch: prefixes padded on the left, blocks on the right."""
+    P = max(g.prefix_ids.shape[1] for g in groups)
+    N = max(g.width for g in groups)
+    return Rows(
+        torch.cat([_pad(g.prefix_ids, P, pad_id, left=True) for g in groups]),
+        torch.cat([_pad(g.prefix_mask, P, 0, left=True) for g in groups]),
+        torch.cat([_pad(g.block_ids, N, pad_id, left=False) for g in groups]),
+        torch.cat([_pad(g.block_mask, N, 0, left=False) for g in groups]),
+    )
+
+
+def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.Tensor:
+    """Block-aligned logits (R, N, V) of one forward over ``prefix + block``: [:, i] predicts
+    block token i. Positions count real tokens only, as in the decoders."""
+    input_ids = torch.cat([rows.prefix_ids, rows.block_ids], 1)  # (R, P + N)
+    mask = torch.cat([rows.prefix_mask, rows.block_mask], 1)
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    device = next(model.parameters()).device
+    kwargs = {"logits_to_keep": rows.width + 1} if logits_to_keep else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                position_ids=position_ids.to(device), use_cache=False, **kwargs)
+    return losses.block_logits(out.logits, rows.width)
+
+
