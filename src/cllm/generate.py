@@ -1,0 +1,425 @@
+"""`cllm generate` and `cllm chat`: text in, text streamed out as it becomes final.
+
+The one place that joins a tokenizer to the token-level decoders (`cllm.decoding`), shared by
+the CLI and the HTTP server (`server.py`), so that both produce the same text:
+
+- "jacobi": greedy Jacobi decoding; a block's text is emitted as soon as it reaches its fixed
+  point (the `on_iteration` hook's converged event);
+- "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
+  greedy decoding exactly (one token per forward);
+- temperature > 0: sampled autoregressive decoding with transformers' `generate`; not exact,
+  reproducible with a seed.
+
+Text is detokenized incrementally (`TextStream`): a chunk is released only when it cannot change
+any more (no half UTF-8 character at its end, no possible start of a stop string). Output is cut
+at the first stop string and decoding halts there, by raising out of the decoder's hook.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from cllm.config import UserError
+from cllm.decoding import IterationEvent, jacobi_decode
+
+METHODS = ("jacobi", "ar")
+
+
+class TextCodec:
+    """A tokenizer behind a lock (fast tokenizers must not be used by two threads at once)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The prompt for the assistant's next turn: the chat template when the tokenizer has
+        one, else the plain concatenation of every message's text (a base model continues it)."""
+        if not self.has_chat_template:
+            return self.encode("".join(m["content"] for m in messages))
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+            # the template writes any BOS itself
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class TextStream:
+    """Token ids in, final text out (`on_text(chunk)`), cut at the first stop string."""
+
+    def __init__(self, codec: TextCodec, stop: Sequence[str] = (), on_text=None) -> None:
+        self.codec, self.stop, self.on_text = codec, tuple(stop), on_text
+        self.tokens: list[int] = []
+        self.text = ""  # released so far
+        self.stopped = False  # a stop string was seen
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        if self.stopped:
+            return
+        self.tokens.extend(tokens)
+        full = self.codec.decode(self.tokens)
+        hits = [i for i in (full.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._release(full[: max(min(hits), len(self.text))])
+            return
+        end = len(full.rstrip("\ufffd"))  # a trailing U+FFFD may be half a UTF-8 character
+        end -= _held_back(full[:end], self.stop)
+        self._release(full[:end])
+
+    def finish(self) -> None:
+        """Release whatever was held back: decoding is over."""
+        if not self.stopped:
+            self._release(self.codec.decode(self.tokens))
+
+    def _release(self, upto: str) -> None:
+        if len(upto) > len(self.text) and upto.startswith(self.text):
+            chunk, self.text = upto[len(self.text) :], upto
+            if self.on_text is not None:
+                self.on_text(chunk)
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could be the start of a stop string."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """How to decode one request (validated by the CLI configs and the server)."""
+
+    method: str = "jacobi"  # greedy method: "jacobi" or "ar"; ignored when sampling
+    block_size: int = 16
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0  # > 0: sampled AR decoding
+    top_p: float = 1.0
+    seed: int | None = None  # sampling seed; Jacobi guesses always use seed 0
+
+    @property
+    def label(self) -> str:
+        """The decoder actually used: "jacobi", "ar" or "ar_sample" (for logs and metrics)."""
+        return "ar_sample" if self.temperature > 0 else self.method
+
+
+@dataclass
+class Completion:
+    text: str  # cut at the first stop string
+    tokens: list[int]  # new tokens decoded (EOS included if produced)
+    prompt_tokens: int
+    forward_passes: int  # model calls, prefill included
+    seconds: float  # wall clock of the decode
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    method: str  # DecodeParams.label
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / self.forward_passes if self.forward_passes else 0.0
+
+    def summary(self) -> str:
+        return (f"[{self.method}] {len(self.tokens)} tokens · {self.forward_passes} forward passes · "
+                f"{self.tokens_per_forward:.2f} tokens/forward · {self.tokens_per_second:.1f} tokens/s"
+                f" · finish: {self.finish_reason}")
+
+
+class _Halt(Exception):
+    """Raised from a decoder hook to stop early (stop string seen, or the caller gave up)."""
+
+
+def complete(
+    model: torch.nn.Module,
+    codec: TextCodec,
+    prompt_ids: Sequence[int],
+    params: DecodeParams,
+    *,
+    on_text: Callable[[str], None] | None = None,
+    on_iteration: Callable[[IterationEvent], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> Completion:
+    """Decode one prompt, calling `on_text` with each final chunk of text.
+
+    Args:
+        model: a causal LM in eval mode.
+        codec: its tokenizer.
+        prompt_ids: the prompt's token ids (non-empty).
+        params: method, budget, stop strings, sampling.
+        on_text: gets the text as it becomes final; the chunks add up to `Completion.text`.
+        on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
+        cancelled: polled after every step; True stops decoding (e.g. the client went away).
+    """
+    stream = TextStream(codec, params.stop, on_text)
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
+    forwards = [0]
+    handle = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    start = time.perf_counter()
+    try:
+        if params.temperature > 0:
+            _sample(model, input_ids, params, stream, codec.eos_token_id, cancelled)
+        else:
+            _greedy(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled)
+    except _Halt:
+        pass
+    finally:
+        handle.remove()
+    seconds = time.perf_counter() - start
+    stream.finish()
+    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
+    return Completion(
+        text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
+        forward_passes=forwards[0], seconds=seconds,
+        finish_reason="stop" if ended else "length", method=params.label,
+    )
+
+
+def _greedy(model, input_ids, params, stream, eos, on_iteration, cancelled) -> None:
+    def hook(event: IterationEvent) -> None:
+        if on_iteration is not None:
+            on_iteration(event)
+        if event.converged:  # state[:committed] is the block's fixed point: final tokens
+            stream.feed(event.state[: event.committed])
+        if stream.stopped or (cancelled is not None and cancelled()):
+            raise _Halt
+
+    jacobi_decode(
+        model, input_ids,
+        block_size=params.block_size if params.method == "jacobi" else 1,
+        max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+        generator=torch.Generator().manual_seed(0), on_iteration=hook,
+    )
+
+
+def _sample(model, input_ids, params, stream, eos, cancelled) -> None:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Feed:  # a transformers streamer: the first put is the prompt, then each new token
+        prompt_seen = False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.prompt_seen:
+                stream.feed(value.reshape(-1).tolist())
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    class Halt(StoppingCriteria):
+        def __call__(self, ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            halt = stream.stopped or (cancelled is not None and cancelled())
+            return torch.full((ids.shape[0],), halt, dtype=torch.bool, device=ids.device)
+
+    if params.seed is not None:
+        torch.manual_seed(params.seed)  # one decode at a time: the global RNG is ours
+    device = next(model.parameters()).device
+    model.generate(
+        input_ids=input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
+        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+        max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+        streamer=Feed(), stopping_criteria=StoppingCriteriaList([Halt()]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The two commands
+
+
+def unescape(text: str) -> str:
+    r"""`\n`, `\t` and `\\` typed on a command line -> the characters."""
+    out, i = [], 0
+    while i < len(text):
+        pair = text[i : i + 2]
+        if pair in ("\\n", "\\t", "\\\\"):
+            out.append({"\\n": "\n", "\\t": "\t", "\\\\": "\\"}[pair])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+@dataclass
+class _DecodeOptions:
+    model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
+    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder: Jacobi (blocks) or AR (token by token)"})
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n"})
+    max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
+    stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples autoregressively"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
+    seed: int | None = field(default=None, metadata={"help": "sampling seed"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop = [unescape(s) for s in self.stop]
+        if any(s == "" for s in self.stop):
+            raise ValueError("--stop strings must not be empty")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+
+    def params(self) -> DecodeParams:
+        return DecodeParams(method=self.method, block_size=self.block_size,
+                            max_new_tokens=self.max_new_tokens, stop=tuple(self.stop),
+                            temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def load(self):
+        from transformers.utils import logging as hf_logging
+
+        from cllm.models import load_model, load_tokenizer
+
+        hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        tokenizer = load_tokenizer(self.model)
+        return load_model(self.model, dtype=self.dtype, device=self.device), TextCodec(tokenizer)
+
+
+@dataclass
+class GenerateConfig(_DecodeOptions):
+    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when no prompt is given)"})
+    prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
+    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured (final / correct / wrong)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("give either --prompt or --prompt-file, not both")
+        if self.show_trajectory and (self.method != "jacobi" or self.temperature > 0):
+            raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
+
+
+def read_prompt(config: GenerateConfig) -> str:
+    if config.prompt_file is not None:
+        path = Path(config.prompt_file)
+        if not path.is_file():
+            raise UserError(f"prompt file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    elif config.prompt == "-" or (config.prompt is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    elif config.prompt is None:
+        raise UserError("no prompt: give --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
+    else:
+        text = config.prompt
+    if not text:
+        raise UserError("the prompt is empty")
+    return text
+
+
+def _write(chunk: str) -> None:
+    sys.stdout.write(chunk)
+    sys.stdout.flush()
+
+
+def generate(config: GenerateConfig) -> int:
+    """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
+    from rich.console import Console
+
+    from cllm.report import TrajectoryRecorder, render_block_terminal
+
+    prompt = read_prompt(config)
+    model, codec = config.load()
+    prompt_ids = codec.encode(prompt)
+    if not prompt_ids:
+        raise UserError("the prompt encodes to no tokens")
+
+    on_iteration, on_text = None, _write
+    if config.show_trajectory:
+        console, recorder = Console(file=sys.stdout, highlight=False), TrajectoryRecorder()
+        on_text = None  # the text comes after the trajectories
+
+        def on_iteration(event: IterationEvent) -> None:
+            recorder(event)
+            if event.converged:
+                block = recorder.blocks[event.row][-1]
+                console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations")
+                for line in render_block_terminal(block, lambda t: codec.decode([t])):
+                    console.print(line)
+
+    result = complete(model, codec, prompt_ids, config.params(),
+                      on_text=on_text, on_iteration=on_iteration)
+    if config.show_trajectory:
+        console.rule("text")
+        _write(result.text)
+    _write("\n")
+    print(result.summary(), file=sys.stderr)
+    return 0
+
+
+@dataclass
+class ChatConfig(_DecodeOptions):
+    system: str | None = field(default=None, metadata={"help": "system message (used with a chat template)"})
+
+
+def chat(config: ChatConfig) -> int:
+    """Read a user turn per line from stdin, stream the reply; `/exit` or EOF quits.
+
+    With a chat template, turns are formatted by it; without one, the model continues the plain
+    concatenation of every turn's text (a base model's "chat").
+    """
+    model, codec = config.load()
+    interactive = sys.stdin.isatty()
+    if not codec.has_chat_template:
+        print("(this tokenizer has no chat template: the model continues the conversation's "
+              "plain text)", file=sys.stderr)
+    messages: list[dict] = []
+    if config.system and codec.has_chat_template:
+        messages.append({"role": "system", "content": config.system})
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if line == "" or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            result = complete(model, codec, codec.chat_ids(messages), config.params(), on_text=_write)
+        except ValueError as exc:  # e.g. the history outgrew the model's context
+            messages.pop()
+            print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+            continue
+        _write("\n")
+        print(result.summary(), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
