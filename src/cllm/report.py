@@ -1,4 +1,4 @@
-"""Showing what decoding did: trajectories as coloured terminal text (and, later, HTML/plots).
+"""Showing what decoding did: trajectories (terminal, HTML), bench plots, tables.
 
 A trajectory is recorded with `TrajectoryRecorder` (an `on_iteration` hook). Each token of each
 state is classed against the block's fixed point:
@@ -6,15 +6,28 @@ state is classed against the block's fixed point:
 - "final": part of the committed prefix (input == output from the left),
 - "correct": equal to the fixed point but after a still-wrong token (stationary, or about to be
   fast-forwarded),
-- "wrong": not yet the fixed point's token.
+- "wrong": not yet the fixed point's token;
+
+and marked (REFERENCE.md "Counting") as
+
+- fast-forwarded: this update newly made it correct, in the contiguous correct run from the left;
+- stationary: already correct, unchanged in every later state, while a token before it is wrong.
+
+Plots are matplotlib (Agg, no pyplot state) PNGs; the trajectory page is one self-contained HTML
+file (inline CSS, every token's text escaped). Nothing here runs a model.
 """
 
 from __future__ import annotations
 
+import html
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from cllm.decoding import IterationEvent
+from cllm.decoding.stats import correct_prefix_length, fast_forwarded_per_update, stationary_count
 
 STYLES = {"final": "bold green", "correct": "yellow", "wrong": "red"}
 
@@ -58,20 +71,274 @@ def classify(state: tuple[int, ...], committed: int, fixed_point: tuple[int, ...
     return classes
 
 
+@dataclass(frozen=True)
+class Mark:
+    cls: str  # final / correct / wrong
+    fast_forwarded: bool  # newly correct from the left in the update that produced this state
+    stationary: bool  # correct and settled for good while a token before it is still wrong
+
+
+def token_marks(block: BlockTrajectory) -> list[list[Mark]]:
+    """Per state, per token (up to the fixed point's length): its class and marks."""
+    fp, states = block.fixed_point, block.states
+    prefix = [correct_prefix_length(s, fp) for s in states]
+    # settled[i]: the first state from which position i equals the fixed point for good
+    settled = []
+    for i, target in enumerate(fp):
+        j = len(states)
+        while j > 0 and states[j - 1][i] == target:
+            j -= 1
+        settled.append(j)
+    marks = []
+    for j, (state, committed) in enumerate(zip(states, block.committed)):
+        classes = classify(state, committed, fp)
+        marks.append([
+            Mark(cls, fast_forwarded=j > 0 and prefix[j - 1] <= i < prefix[j],
+                 stationary=j >= settled[i] and prefix[j] < i)
+            for i, cls in enumerate(classes)
+        ])
+    return marks
+
+
 def show_token(text: str) -> str:
     """A token's text made visible in one cell: newlines and tabs escaped."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") or "∅"
 
 
 def render_block_terminal(block: BlockTrajectory, decode_token) -> list:
-    """rich `Text` lines, one per state of the block: `decode_token(id) -> str`."""
+    """rich `Text` lines, one per state of the block: `decode_token(id) -> str`.
+    Fast-forwarded tokens are underlined, stationary ones overlined."""
     from rich.text import Text
 
     lines = []
-    for j, (state, committed) in enumerate(zip(block.states, block.committed)):
+    for j, (state, marks) in enumerate(zip(block.states, token_marks(block))):
         line = Text(f"  it {j:>2} │ ", style="dim")
-        for token, cls in zip(state, classify(state, committed, block.fixed_point)):
-            line.append(show_token(decode_token(token)), style=STYLES[cls])
+        for token, mark in zip(state, marks):
+            style = STYLES[mark.cls] + (" underline" if mark.fast_forwarded else "") + (" overline" if mark.stationary else "")
+            line.append(show_token(decode_token(token)), style=style)
             line.append("·", style="dim")
         lines.append(line)
     return lines
+
+
+# ------------------------------------------------------------------------------------------
+# HTML trajectory picture (the paper's figure: one row per iteration, target beside CLLM)
+
+CSS = """
+body { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 13px; margin: 1.5em; color: #222; }
+h1 { font-size: 18px; } h2 { font-size: 15px; margin: 1.2em 0 .3em; } h3 { font-size: 13px; margin: .4em 0; }
+.legend span.t { margin-right: .8em; }
+.row { display: flex; gap: 2em; align-items: flex-start; border-top: 1px solid #ddd; padding-top: .4em; }
+.panel { flex: 1; min-width: 0; }
+table.traj { border-collapse: collapse; }
+td.it { color: #888; padding-right: .6em; white-space: nowrap; vertical-align: top; }
+span.t { display: inline-block; padding: 0 2px; margin: 1px; border-radius: 3px; white-space: pre; }
+.final { background: #b7e4c7; } .correct { background: #fff3b0; } .wrong { background: #f4c2c2; }
+.ff { outline: 2px solid #2d6a4f; } .stationary { border-bottom: 3px solid #1d4ed8; }
+pre.prompt { background: #f6f6f6; padding: .6em; white-space: pre-wrap; }
+.meta { color: #666; }
+"""
+
+
+def _html_block(block: BlockTrajectory | None, decode_token: Callable[[int], str]) -> str:
+    if block is None:
+        return '<div class="panel meta">(no such block)</div>'
+    fp = block.fixed_point
+    ff = fast_forwarded_per_update(block.states, fp)
+    head = (f"<h3>block {block.block_index} · {len(block.states) - 1} updates · fast-forwarded per "
+            f"update {ff} · stationary {stationary_count(block.states, fp)}</h3>")
+    rows = []
+    for j, (state, marks) in enumerate(zip(block.states, token_marks(block))):
+        spans = []
+        for token, mark in zip(state, marks):
+            cls = " ".join(["t", mark.cls] + ["ff"] * mark.fast_forwarded + ["stationary"] * mark.stationary)
+            text = html.escape(show_token(decode_token(token)))
+            spans.append(f'<span class="{cls}" title="id {token}: {mark.cls}">{text}</span>')
+        rows.append(f'<tr><td class="it">it {j}</td><td>{"".join(spans)}</td></tr>')
+    return f'<div class="panel">{head}<table class="traj">{"".join(rows)}</table></div>'
+
+
+def trajectory_html(panels: Sequence[tuple[str, Sequence[BlockTrajectory]]], decode_token: Callable[[int], str],
+                    *, prompt: str = "", title: str = "Jacobi trajectories") -> str:
+    """One page: per block, one row; per model (panel), one column; one line per iteration."""
+    legend = ('<p class="legend"><span class="t final">final</span><span class="t correct">correct, not yet final</span>'
+              '<span class="t wrong">wrong</span><span class="t correct ff">fast-forwarded by this update</span>'
+              '<span class="t correct stationary">stationary</span></p>')
+    names = "".join(f'<div class="panel"><h2>{html.escape(name)}</h2></div>' for name, _ in panels)
+    body = [f"<h1>{html.escape(title)}</h1>", legend, "<h2>prompt</h2>",
+            f'<pre class="prompt">{html.escape(prompt)}</pre>', f'<div class="row">{names}</div>']
+    for b in range(max((len(blocks) for _, blocks in panels), default=0)):
+        cells = [_html_block(blocks[b] if b < len(blocks) else None, decode_token) for _, blocks in panels]
+        body.append(f'<div class="row">{"".join(cells)}</div>')
+    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_trajectory_html(path: str | Path, panels, decode_token, *, prompt: str = "", title: str = "Jacobi trajectories") -> Path:
+    path = Path(path)
+    path.write_text(trajectory_html(panels, decode_token, prompt=prompt, title=title), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------
+# Plots (bench JSON in, PNG out)
+
+
+def _figure(width: float = 6.4, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots()
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666")
+    ax.set_axis_off()
+
+
+def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
+    """Wall-clock speedup over target AR per method, tokens per forward annotated."""
+    fig, ax = _figure(6.4, 0.5 + 0.45 * max(len(methods), 1))
+    names = list(methods)[::-1]
+    values = [methods[m]["speedup_vs_ar"] for m in names]
+    colors = ["#2d6a4f" if m.startswith("cllm") else "#4c78a8" if m.startswith("target") else "#999" for m in names]
+    ax.barh(names, values, color=colors)
+    ax.axvline(1.0, color="#333", lw=1, ls="--")
+    for y, m in enumerate(names):
+        ax.text(values[y], y, f" {values[y]:.2f}x · {methods[m]['tokens_per_forward']:.2f} tok/fwd", va="center", fontsize=8)
+    ax.set_xlim(0, max(values + [1.0]) * 1.45)
+    ax.set_xlabel("speedup over target AR (wall clock, same prompts and budget)")
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
+                             which: Sequence[str] = ("target_jacobi", "cllm_jacobi")) -> Path:
+    """Share of forwards that made k tokens final, target Jacobi vs CLLM Jacobi."""
+    fig, ax = _figure()
+    shown = [m for m in which if methods.get(m, {}).get("accepted_histogram")]
+    if not shown:
+        _empty(ax, "no Jacobi histogram in this run")
+    width = 0.8 / max(len(shown), 1)
+    for s, m in enumerate(shown):
+        hist = {int(k): v for k, v in methods[m]["accepted_histogram"].items()}
+        total = sum(hist.values())
+        ks = sorted(hist)
+        ax.bar([k + (s - (len(shown) - 1) / 2) * width for k in ks], [hist[k] / total for k in ks], width=width,
+               color="#2d6a4f" if m.startswith("cllm") else "#4c78a8", label=f"{m} (mean {methods[m]['tokens_per_forward']:.2f})")
+    if shown:
+        ax.set_xticks(sorted({int(k) for m in shown for k in methods[m]["accepted_histogram"]}))
+        ax.set_xlabel("tokens made final by one forward pass")
+        ax.set_ylabel("share of forward passes")
+        ax.legend()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def plot_tpf_vs_block_size(sweep: dict[str, dict], path: str | Path) -> Path:
+    """Tokens per forward of Jacobi decoding against block size n, target and CLLM."""
+    fig, ax = _figure()
+    if not any(sweep.values()):
+        _empty(ax, "no block-size sweep in this run")
+    for role, per_n in sweep.items():
+        ns = sorted(int(n) for n in per_n)
+        ax.plot(ns, [per_n[str(n)]["tokens_per_forward"] for n in ns], marker="o", label=role,
+                color="#2d6a4f" if role == "cllm" else "#4c78a8")
+    if any(sweep.values()):
+        ax.axhline(1.0, color="#333", lw=1, ls="--", label="AR")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({int(n) for per_n in sweep.values() for n in per_n})
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("block size n")
+        ax.set_ylabel("tokens per forward")
+        ax.legend()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+# ------------------------------------------------------------------------------------------
+# Tables
+
+COLUMNS = [  # (JSON key, header, format)
+    ("tokens_per_second", "tokens/s", "{:.1f}"),
+    ("speedup_vs_ar", "speedup vs target AR", "{:.2f}x"),
+    ("tokens_per_forward", "tokens/forward", "{:.2f}"),
+    ("exact_match_own_ar", "= own AR", "{:.0%}"),
+    ("agreement_with_target", "agreement w/ target", "{:.0%}"),
+    ("mean_fast_forwarded", "mean fast-fwd", "{:.2f}"),
+    ("stationary_tokens", "stationary", "{}"),
+    ("ms_per_forward", "ms/forward", "{:.1f}"),
+]
+
+
+SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": "tok/fwd", "= own AR": "=AR",
+         "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd"}
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def methods_table(data: dict[str, Any]):
+    """The methods as a rich Table (printed by `cllm bench` and `cllm demo`)."""
+    from rich.table import Table
+
+    cfg = data["config"]
+    table = Table(title=f"{len(data['prompt_ids'])} prompts · {cfg['max_new_tokens']} new tokens · n = "
+                        f"{cfg['block_size']} · {data['machine']['threads']} threads · median of {cfg['repeats']}")
+    table.add_column("method", no_wrap=True)
+    for _, header, _ in COLUMNS:
+        table.add_column(SHORT.get(header, header), justify="right")
+    for name, m in data["methods"].items():
+        table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in COLUMNS))
+    table.caption = "tok/s: tokens/s · ×AR: speedup over target AR · tok/fwd: tokens per forward · =AR: " \
+                    "outputs equal to own greedy · agree: token agreement with target greedy · ff: mean fast-forwarded"
+    return table
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def markdown_report(data: dict[str, Any]) -> str:
+    """report.md: the tables of the bench JSON, the settings, and links to the pictures."""
+    cfg, mach = data["config"], data["machine"]
+    parts = [
+        "# cllm bench", "",
+        f"Target `{data['models']['target']['name']}`"
+        + (f", CLLM `{data['models']['cllm']['name']}`" if "cllm" in data["models"] else ", no CLLM")
+        + f"; prompts `{cfg['prompts']}` ({len(data['prompt_ids'])}), {cfg['max_new_tokens']} new tokens "
+        f"(EOS stops every method), block size n = {cfg['block_size']}, Jacobi guess `{cfg['guess']}`, "
+        f"{cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up prompt(s), median per prompt.",
+        "",
+        f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['threads']} torch threads, {mach['device']}, "
+        f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "
+        f"load average {_cell(mach.get('load_average_1min'), '{:.2f}')} at start, {mach['date']}.",
+        "", f"Counting: {data['counting']}.", "", "## Methods", "",
+        _md_table(["method", *(h for _, h, _ in COLUMNS)],
+                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in COLUMNS)] for n, m in data["methods"].items()]),
+        "", "## Models", "",
+        _md_table(["role", "model", "parameters", f"val loss ({data['val_set']['name']}, nats/token)"],
+                  [[r, f"`{m['name']}`", f"{m['parameters']:,}", _cell(m["val_loss"], "{:.3f}")]
+                   for r, m in data["models"].items()]),
+    ]
+    if data["sweep"]:
+        ns = sorted({int(n) for per in data["sweep"].values() for n in per})
+        parts += ["", "## Tokens per forward against block size", "",
+                  _md_table(["n", *data["sweep"]], [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
+                                                             for per in data["sweep"].values())] for n in ns])]
+    broken = {m: e for m, e in data["exactness"].items() if e["mismatches"]}
+    parts += ["", "## Exactness", "",
+              "Every output of every prompt compared with the same model's greedy output: "
+              + ("all identical." if not broken else ", ".join(
+                  f"`{m}`: {len(e['mismatches'])} mismatch(es) ({sum(x['near_tie'] for x in e['mismatches'])} near-ties)"
+                  for m, e in broken.items()))]
+    parts += ["", "## Pictures", "", "![speedup](speedup.png)", "",
+              "![accepted tokens per forward](accepted_histogram.png)", "",
+              "![tokens per forward against block size](tpf_vs_block_size.png)", "",
+              f"[Jacobi trajectories of `{data['trajectory_prompt']}`](trajectory.html)"]
+    if data["notes"]:
+        parts += ["", "## Notes", "", *(f"- {n}" for n in data["notes"])]
+    return "\n".join(parts) + "\n"

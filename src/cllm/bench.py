@@ -1,0 +1,691 @@
+"""`cllm bench`: every decoding method on the same prompts, in one run: speed and quality.
+
+Methods (names are the DESIGN.md contract):
+
+  target_ar, cllm_ar            our greedy decoder (the oracle) on the target / on the CLLM
+  target_jacobi, cllm_jacobi    our Jacobi engine (KV cache, fast-forward commit), block size n
+  hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
+  prompt_lookup                 `generate(prompt_lookup_num_tokens=k)` on the target
+  assisted                      `generate(assistant_model=draft)` on the target (--draft-model)
+
+Counting follows REFERENCE.md: a forward pass is every model call, prefill included. A forward
+pre-hook on each model counts its calls for every method, and the cache length each call starts
+from tells how many tokens each call made final; so transformers' prompt lookup and assisted
+generation get honest tokens per forward too (target forwards; the draft's are reported apart).
+
+Timing (gpt-fast's habits): torch threads fixed and reported; every method first decodes the
+warm-up prompt(s), untimed; then `repeats` rounds in which every prompt is decoded by every
+method in turn, the order rotated per prompt and round (interleaved: a noisy neighbour hurts all
+methods alike); the device is synced before each clock read; per (method, prompt) the median
+over rounds; tokens/s = all new tokens / the sum of those medians.
+
+Exactness: Jacobi, generate, prompt lookup and assisted generation promise greedy decoding's
+tokens of the same model. Every output of every prompt is compared. A mismatch whose top-2 logit
+margin at the first differing token is under `--tie-tolerance` is a float near-tie (reported);
+any other breaks the promise: the report is written all the same, then `ExactnessError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from cllm.config import UserError, config_to_dict
+from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
+from cllm.decoding.inputs import position_limit
+from cllm.rows import derived_seed
+
+log = logging.getLogger(__name__)
+
+METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted")
+# method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
+EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
+                 "prompt_lookup": "target_ar", "assisted": "target_ar"}
+OFF = ("", "none", "null", "false")
+
+
+class ExactnessError(RuntimeError):
+    """A method that promises greedy's tokens produced others (and not by a float near-tie)."""
+
+
+@dataclass
+class BenchConfig:
+    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
+    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing shipped CLLM is skipped with a note)"})
+    draft_model: str | None = field(default=None, metadata={"help": "draft model for transformers' assisted generation (adds method 'assisted')"})
+    prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
+    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the timed methods"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
+    methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
+    repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
+    warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
+    prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
+    guess: Literal["prompt", "repeat", "random"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})
+    val_set: str = field(default="stdlib-val", metadata={"help": "prompt set whose references give each model's validation loss"})
+    val_prompts: int = field(default=32, metadata={"help": "prompts of --val-set to score (0: skip the validation loss)"})
+    val_tokens: int = field(default=128, metadata={"help": "reference tokens scored per validation prompt"})
+    trajectory_prompt: int = field(default=0, metadata={"help": "index of the prompt whose Jacobi trajectory is drawn"})
+    tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a float near-tie, not a failure"})
+    out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved config)"})
+    json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
+
+    def __post_init__(self):
+        positive = dict(max_new_tokens=self.max_new_tokens, block_size=self.block_size,
+                        repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens)
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        for name in ("warmup", "val_prompts", "val_tokens", "trajectory_prompt"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        if self.methods and "target_ar" not in self.methods:
+            raise ValueError("--methods must include target_ar (every speedup is relative to it)")
+        if self.tie_tolerance < 0:
+            raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
+        if self.cllm is not None and self.cllm.strip().lower() in OFF:
+            self.cllm = None
+
+
+# ------------------------------------------------------------------------------------------
+# Models, prompts, forward counting
+
+
+@dataclass
+class BenchModels:
+    """What a bench run decodes with (loaded by `load_models`, or built in memory by a test)."""
+
+    target: torch.nn.Module
+    tokenizer: Any
+    cllm: torch.nn.Module | None = None
+    draft: torch.nn.Module | None = None
+    names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
+    notes: list[str] = field(default_factory=list)  # what was skipped, and why
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    text: str
+    ids: list[int]
+
+
+def load_models(config: BenchConfig) -> BenchModels:
+    from cllm.models import SHIPPED, load_model, load_tokenizer
+
+    kw = dict(dtype=config.dtype, device=config.device)
+    models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
+                         names={"target": config.target})
+    if config.cllm is not None:
+        if config.cllm in SHIPPED and not (SHIPPED[config.cllm] / "config.json").is_file():
+            models.notes.append(f"shipped CLLM {config.cllm!r} not present: target-only run")
+        else:
+            models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
+    if config.draft_model is not None:
+        models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    return models
+
+
+def encode_prompts(name: str, tokenizer, *, limit: int | None, keep: int | None) -> list[BenchPrompt]:
+    """The prompt set's first `limit` prompts, tokenized, cut from the left to `keep` tokens."""
+    from cllm.data.prompts import load_prompts
+
+    out = []
+    for p in load_prompts(name, limit=limit):
+        ids = list(tokenizer(p.text)["input_ids"])
+        ids = ids[-keep:] if keep else ids
+        if ids:
+            out.append(BenchPrompt(p.id, p.text, ids))
+    if not out:
+        raise UserError(f"no non-empty prompts in {name!r}")
+    return out
+
+
+class ForwardCounter:
+    """A forward pre-hook that notes, for every call of a model, the cache length it starts at.
+
+    calls = forward passes. With a cache that is cropped to the accepted tokens before the next
+    call (ours, and transformers' candidate verification), a call starting at cache length s
+    means the sequence was s + 1 tokens long: so consecutive starts say how many tokens each
+    call made final.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.starts: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self.starts.append(int(cache.get_seq_length()) if cache is not None else 0)
+
+    def reset(self) -> None:
+        self.starts = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.starts)
+
+    def accepted(self, prompt_len: int, new_tokens: int) -> list[int] | None:
+        """Tokens made final per call; None if the calls do not read as one growing sequence."""
+        if not self.starts:
+            return None
+        known = [prompt_len, *(s + 1 for s in self.starts[1:]), prompt_len + new_tokens]
+        made = [b - a for a, b in pairwise(known)]
+        return made if all(m >= 0 for m in made) and sum(made) == new_tokens else None
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+# ------------------------------------------------------------------------------------------
+# One decode of one prompt by one method
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # new tokens, EOS included when produced
+    forward_passes: int  # model calls (the target's, for assisted generation)
+    accepted: list[int] | None  # per forward: tokens it made final
+    stats: DecodeStats | None = None  # our engine's counters (Jacobi: fast-forward, stationary)
+    draft_forward_passes: int = 0
+
+
+@dataclass
+class Method:
+    name: str
+    model: torch.nn.Module  # whose greedy output is this method's own AR
+    run: Callable[[BenchPrompt], Decoded]
+    counters: list[ForwardCounter]  # reset before every decode
+
+
+def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
+    return torch.tensor([prompt.ids], device=next(model.parameters()).device)  # (1, T)
+
+
+def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
+         guess: str = "prompt", seed: int = 0, on_iteration=None) -> Callable[[BenchPrompt], Decoded]:
+    """Our greedy or Jacobi decoder; Jacobi guesses seeded per prompt id (same in every round)."""
+
+    def run(prompt: BenchPrompt, hook=on_iteration) -> Decoded:
+        if jacobi:
+            generator = torch.Generator().manual_seed(derived_seed(seed, "guess", prompt.id))
+            out = jacobi_decode(model, _ids(prompt, model), block_size=block_size, max_new_tokens=max_new_tokens,
+                                eos_token_id=eos, guess=guess, generator=generator, on_iteration=hook)
+        else:
+            out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
+        if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree
+            raise RuntimeError(f"forward count mismatch: engine {out.forward_passes}, hook {counter.calls}")
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
+
+    return run
+
+
+def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
+                draft=None, draft_counter: ForwardCounter | None = None,
+                prompt_lookup_tokens: int | None = None) -> Callable[[BenchPrompt], Decoded]:
+    """transformers' `generate`: greedy, our cap and EOS, nothing else from the model's defaults."""
+    from transformers import GenerationConfig
+
+    extra = {"prompt_lookup_num_tokens": prompt_lookup_tokens} if prompt_lookup_tokens else {}
+    gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                  eos_token_id=eos, pad_token_id=pad_id, **extra)
+
+    def run(prompt: BenchPrompt) -> Decoded:
+        ids = _ids(prompt, model)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                             assistant_model=draft)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return Decoded(tokens, counter.calls, counter.accepted(len(prompt.ids), len(tokens)),
+                       draft_forward_passes=draft_counter.calls if draft_counter else 0)
+
+    return run
+
+
+def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter]) -> list[Method]:
+    tok = models.tokenizer
+    eos = tok.eos_token_id
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
+    common = dict(max_new_tokens=config.max_new_tokens, eos=eos)
+    jac = dict(block_size=config.block_size, guess=config.guess, seed=config.seed)
+    target, ct = models.target, counters["target"]
+    candidates: dict[str, Method] = {
+        "target_ar": Method("target_ar", target, ours(target, ct, jacobi=False, block_size=1, **common), [ct]),
+        "target_jacobi": Method("target_jacobi", target, ours(target, ct, jacobi=True, **jac, **common), [ct]),
+        "hf_generate": Method("hf_generate", target, hf_generate(target, ct, pad_id=pad_id, **common), [ct]),
+        "prompt_lookup": Method("prompt_lookup", target, hf_generate(
+            target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
+    }
+    if models.cllm is not None:
+        cc = counters["cllm"]
+        candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
+        candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(models.cllm, cc, jacobi=True, **jac, **common), [cc])
+    if models.draft is not None:
+        cd = counters["draft"]
+        candidates["assisted"] = Method("assisted", target, hf_generate(
+            target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd])
+    wanted = config.methods or [m for m in METHODS if m in candidates]
+    missing = [m for m in wanted if m not in candidates]
+    if missing:
+        raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
+                        "(cllm_* need --cllm, assisted needs --draft-model)")
+    return [candidates[m] for m in METHODS if m in wanted]
+
+
+# ------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(method: Method, prompt: BenchPrompt, device: torch.device) -> tuple[Decoded, float]:
+    """One decode, wall clock between two device syncs."""
+    for counter in method.counters:
+        counter.reset()
+    _sync(device)
+    t0 = time.perf_counter()
+    decoded = method.run(prompt)
+    _sync(device)
+    return decoded, time.perf_counter() - t0
+
+
+def measure(methods: list[Method], prompts: list[BenchPrompt], *, repeats: int, warmup: int,
+            device: torch.device) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
+    """Warm-up, then `repeats` interleaved rounds. Returns, per method, each prompt's decode
+    (from round 1; later rounds must reproduce it) and its median seconds."""
+    from tqdm.auto import tqdm
+
+    for prompt in prompts[:warmup]:
+        for method in methods:
+            timed(method, prompt, device)
+    decoded: dict[str, list[Decoded]] = {m.name: [] for m in methods}
+    seconds: dict[str, list[list[float]]] = {m.name: [[] for _ in prompts] for m in methods}
+    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", unit="decode", disable=None)
+    for r in range(repeats):
+        for i, prompt in enumerate(prompts):
+            shift = (i + r) % len(methods)  # round-robin: each method leads in turn
+            for method in methods[shift:] + methods[:shift]:
+                out, dt = timed(method, prompt, device)
+                seconds[method.name][i].append(dt)
+                if r == 0:
+                    decoded[method.name].append(out)
+                elif out.tokens != decoded[method.name][i].tokens:
+                    raise RuntimeError(f"{method.name} is not deterministic on prompt {prompt.id!r}")
+                bar.update()
+    bar.close()
+    return decoded, {name: [statistics.median(s) for s in per] for name, per in seconds.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# Metrics (pure functions of token lists and counts)
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Token-level agreement: equal tokens at equal positions over the longer of each pair."""
+    same = sum(sum(a == b for a, b in zip(x, y)) for x, y in zip(outputs, reference, strict=True))
+    total = sum(max(len(x), len(y)) for x, y in zip(outputs, reference, strict=True))
+    return same / total if total else 1.0
+
+
+def exact_match(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(outputs, reference, strict=True)) / max(len(outputs), 1)
+
+
+def merge_stats(stats: list[DecodeStats]) -> DecodeStats:
+    merged = DecodeStats()
+    for s in stats:
+        merged.forward_passes += s.forward_passes
+        merged.new_tokens += s.new_tokens
+        for name in ("accepted", "iterations_per_block", "fast_forwarded", "stationary"):
+            getattr(merged, name).extend(getattr(s, name))
+    return merged
+
+
+def histogram(values: list[int]) -> dict[str, int]:
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}  # JSON keys are strings
+
+
+def method_metrics(decoded: list[Decoded], seconds: list[float], *, own_ar: list[list[int]],
+                   target_ar: list[list[int]], jacobi: bool) -> dict[str, Any]:
+    tokens = [d.tokens for d in decoded]
+    new, forwards, total_s = sum(map(len, tokens)), sum(d.forward_passes for d in decoded), sum(seconds)
+    accepted = [a for d in decoded for a in (d.accepted or [])]
+    stats = merge_stats([d.stats for d in decoded]) if jacobi else None
+    metrics: dict[str, Any] = {
+        "tokens_per_second": new / total_s if total_s > 0 else 0.0,
+        "tokens_per_forward": new / forwards if forwards else 0.0,
+        "speedup_vs_ar": 0.0,  # filled in once target_ar is known
+        "exact_match_own_ar": exact_match(tokens, own_ar),
+        "agreement_with_target": agreement(tokens, target_ar),
+        "n_prompts": len(decoded),
+        "new_tokens": new,
+        "forward_passes": forwards,
+        "seconds": total_s,
+        "ms_per_forward": 1e3 * total_s / forwards if forwards else 0.0,
+        "mean_fast_forwarded": stats.mean_fast_forwarded if stats else None,
+        "stationary_tokens": stats.stationary_tokens if stats else None,
+        "mean_iterations_per_block": stats.mean_iterations_per_block if stats else None,
+        "accepted_histogram": histogram(accepted) if all(d.accepted is not None for d in decoded) else None,
+    }
+    if any(d.draft_forward_passes for d in decoded):
+        metrics["draft_forward_passes"] = sum(d.draft_forward_passes for d in decoded)
+    return metrics
+
+
+@torch.inference_mode()
+def top2_margin(model, context: list[int]) -> float | None:
+    """Gap between the two largest next-token logits after `context` (plain full forward)."""
+    limit = position_limit(model)
+    if limit is not None and len(context) > limit:
+        return None
+    logits = model(input_ids=torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_exact(model, prompts: list[BenchPrompt], got: list[list[int]], expected: list[list[int]],
+                tolerance: float) -> list[dict[str, Any]]:
+    """Every prompt whose tokens differ: where, and whether it is a float near-tie."""
+    mismatches = []
+    for prompt, g, e in zip(prompts, got, expected, strict=True):
+        if g == e:
+            continue
+        k = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+        margin = top2_margin(model, prompt.ids + (e if k < len(e) else g)[:k])
+        mismatches.append({"prompt_id": prompt.id, "first_difference": k, "top2_margin": margin,
+                           "near_tie": margin is not None and margin < tolerance})
+    return mismatches
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+
+
+def machine_info(config: BenchConfig, device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": config.dtype, "seed": config.seed,
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def sweep(models: BenchModels, config: BenchConfig, prompts: list[BenchPrompt],
+          own_ar: dict[str, list[list[int]]], counters: dict[str, ForwardCounter]) -> tuple[dict, list]:
+    """Tokens per forward of Jacobi at every sweep block size, for the target and the CLLM
+    (counts only, untimed); every output is checked against the model's greedy output."""
+    from tqdm.auto import tqdm
+
+    result, violations = {}, []
+    roles = [r for r in ("target", "cllm") if getattr(models, r) is not None]
+    bar = tqdm(total=len(roles) * len(config.sweep_block_sizes) * len(prompts), desc="sweep", disable=None)
+    for role in roles:
+        model, result[role] = getattr(models, role), {}
+        for n in config.sweep_block_sizes:
+            run = ours(model, counters[role], jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
+                       eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed)
+            decoded = []
+            for p in prompts:
+                counters[role].reset()
+                decoded.append(run(p))
+                bar.update()
+            stats = merge_stats([d.stats for d in decoded])
+            bad = check_exact(model, prompts, [d.tokens for d in decoded], own_ar[role], config.tie_tolerance)
+            violations += [dict(m, method=f"{role}_jacobi n={n}") for m in bad if not m["near_tie"]]
+            result[role][str(n)] = {"tokens_per_forward": stats.tokens_per_forward,
+                                    "mean_fast_forwarded": stats.mean_fast_forwarded,
+                                    "stationary_tokens": stats.stationary_tokens,
+                                    "exact_match_own_ar": exact_match([d.tokens for d in decoded], own_ar[role])}
+    bar.close()
+    return result, violations
+
+
+def validation_losses(models: BenchModels, config: BenchConfig) -> dict[str, float | None]:
+    """Each model's next-token loss (nats/token) on the references of --val-set."""
+    from cllm.evaluate import ar_validation_loss, load_eval_prompts
+
+    tok = models.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    out = {}
+    for role in ("target", "cllm", "draft"):
+        model = getattr(models, role)
+        if model is None:
+            continue
+        if config.val_prompts == 0 or config.val_tokens == 0:
+            out[role] = None
+            continue
+        context = position_limit(model)  # a short context scores fewer tokens, leaving room for the prompt
+        tokens = min(config.val_tokens, context // 2) if context else config.val_tokens
+        prompts = load_eval_prompts(config.val_set, tok, count=config.val_prompts, max_new_tokens=tokens,
+                                    context=context, text_field="prompt")
+        out[role] = ar_validation_loss(model, prompts, pad_id=pad_id)
+    return out
+
+
+def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], seconds: dict[str, list[float]]) -> dict:
+    """Per method metrics; speedups against target_ar (and the CLLM's also against its own AR)."""
+    outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
+    results = {}
+    for m in methods:
+        own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
+        results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
+                                         target_ar=outputs["target_ar"], jacobi=m.name.endswith("_jacobi"))
+    base = results["target_ar"]["tokens_per_second"]
+    for name, r in results.items():
+        r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
+        if name == "cllm_jacobi" and results.get("cllm_ar", {}).get("tokens_per_second"):
+            r["speedup_vs_own_ar"] = r["tokens_per_second"] / results["cllm_ar"]["tokens_per_second"]
+    return results
+
+
+def check_promises(methods: list[Method], prompts: list[BenchPrompt], outputs: dict[str, list[list[int]]],
+                   tolerance: float) -> tuple[dict, list[dict]]:
+    """Every method that promises greedy's tokens, on every prompt: (JSON summary, violations)."""
+    exactness, violations = {}, []
+    for m in methods:
+        against = EXACT_AGAINST.get(m.name)
+        if against not in outputs:
+            continue
+        mismatches = check_exact(m.model, prompts, outputs[m.name], outputs[against], tolerance)
+        exactness[m.name] = {"against": against, "mismatches": mismatches, "ok": all(x["near_tie"] for x in mismatches)}
+        violations += [dict(x, method=m.name) for x in mismatches if not x["near_tie"]]
+    return exactness, violations
+
+
+def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict[str, ForwardCounter],
+                        prompt: BenchPrompt) -> dict[str, Any]:
+    """One prompt's Jacobi trajectories (n = block size), per model: role -> TrajectoryRecorder."""
+    from cllm.report import TrajectoryRecorder
+
+    recorders = {}
+    for role in ("target", "cllm"):
+        model = getattr(models, role)
+        if model is None:
+            continue
+        recorders[role] = TrajectoryRecorder()
+        counters[role].reset()
+        ours(model, counters[role], jacobi=True, block_size=config.block_size, max_new_tokens=config.max_new_tokens,
+             eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed,
+             on_iteration=recorders[role])(prompt)
+    return recorders
+
+
+def model_info(models: BenchModels, config: BenchConfig) -> dict[str, dict]:
+    from cllm.models import fingerprint
+
+    val = validation_losses(models, config)
+    info = {}
+    for role in ("target", "cllm", "draft"):
+        model = getattr(models, role)
+        if model is not None:
+            info[role] = {"name": models.names.get(role, "<in memory>"), "fingerprint": fingerprint(model),
+                          "parameters": sum(t.numel() for t in model.parameters()), "val_loss": val.get(role)}
+    if models.draft is not None:  # None = transformers' default (20 tokens, constant schedule, 0.4)
+        info["draft"]["assistant_generation_config"] = {
+            key: getattr(models.draft.generation_config, key, None)
+            for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+    return info
+
+
+@dataclass
+class BenchResult:
+    data: dict[str, Any]  # the JSON (DESIGN.md contract)
+    prompts: list[BenchPrompt]
+    outputs: dict[str, list[list[int]]]  # method -> per prompt new tokens
+    trajectories: dict[str, Any]  # role -> TrajectoryRecorder of the drawn prompt
+    violations: list[dict[str, Any]]
+
+
+def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPrompt] | None = None) -> BenchResult:
+    """Measure every method on the same prompts (see the module docstring for how)."""
+    import transformers
+
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    device = next(models.target.parameters()).device
+    machine = machine_info(config, device)  # load average before we add ours
+    if prompts is None:
+        limit = position_limit(models.target)
+        if limit is not None and config.max_new_tokens >= limit:
+            raise UserError(f"--max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the "
+                            f"target's {limit} positions")
+        prompts = encode_prompts(config.prompts, models.tokenizer, limit=config.max_prompts,
+                                 keep=limit - config.max_new_tokens if limit else None)
+    vocab = models.target.get_output_embeddings().weight.shape[0]
+    if models.cllm is not None and models.cllm.get_output_embeddings().weight.shape[0] != vocab:
+        raise UserError("the CLLM's vocabulary differs from the target's: it must share the tokenizer")
+    trajectory_prompt = prompts[min(config.trajectory_prompt, len(prompts) - 1)]
+    counters = {r: ForwardCounter(getattr(models, r)) for r in ("target", "cllm", "draft") if getattr(models, r) is not None}
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # generate's per-call notices would drown the output
+    try:
+        # 1. every method on every prompt, interleaved and timed
+        methods = build_methods(config, models, counters)
+        decoded, seconds = measure(methods, prompts, repeats=config.repeats, warmup=config.warmup, device=device)
+        outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
+        # 2. the exactness promises, every prompt
+        exactness, violations = check_promises(methods, prompts, outputs, config.tie_tolerance)
+        # 3. tokens per forward against block size (checked against greedy too)
+        own_ar = {"target": outputs["target_ar"], "cllm": outputs.get("cllm_ar")}
+        sweep_result, sweep_bad = sweep(models, config, prompts, own_ar, counters) if config.sweep_block_sizes else ({}, [])
+        # 4. one prompt's trajectories, for the picture
+        trajectories = record_trajectories(models, config, counters, trajectory_prompt)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        for c in counters.values():
+            c.remove()
+    data = {
+        "config": config_to_dict(config),
+        "machine": machine,
+        "methods": all_metrics(methods, decoded, seconds),
+        "models": model_info(models, config),
+        "counting": "REFERENCE.md: forward passes = every model call (prefill included; target calls for "
+                    "assisted); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
+        "val_set": {"name": config.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
+        "sweep": sweep_result,
+        "exactness": exactness,
+        # the promise holds in float32; in lower precision mismatches are reported, not fatal
+        "exactness_enforced": next(models.target.parameters()).dtype == torch.float32,
+        "trajectory_prompt": trajectory_prompt.id,
+        "prompt_ids": [q.id for q in prompts],
+        "notes": list(models.notes),
+    }
+    return BenchResult(data, prompts, outputs, trajectories, violations + sweep_bad)
+
+
+def write_report(result: BenchResult, out: str | Path, tokenizer, *, json_path: str | None = None) -> Path:
+    """The report folder: bench.json, outputs.jsonl, report.md, PNGs, trajectory.html."""
+    import json
+
+    from cllm import report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result.data, indent=2) + "\n"
+    (out / "bench.json").write_text(text)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text)
+    with open(out / "outputs.jsonl", "w") as fh:
+        for i, p in enumerate(result.prompts):
+            row = {"prompt_id": p.id, "prompt_ids": p.ids, **{m: o[i] for m, o in result.outputs.items()}}
+            fh.write(json.dumps(row) + "\n")
+    report.plot_speedup(result.data["methods"], out / "speedup.png")
+    report.plot_accepted_histograms(result.data["methods"], out / "accepted_histogram.png")
+    report.plot_tpf_vs_block_size(result.data["sweep"], out / "tpf_vs_block_size.png")
+    prompt = next(p for p in result.prompts if p.id == result.data["trajectory_prompt"])
+    panels = [(f"{role} ({result.data['models'][role]['name']})", rec.blocks[0])
+              for role, rec in result.trajectories.items()]
+    report.write_trajectory_html(out / "trajectory.html", panels, lambda t: tokenizer.decode([t]),
+                                 prompt=prompt.text, title=f"Jacobi trajectories of {prompt.id}, "
+                                 f"n = {result.data['config']['block_size']}")
+    (out / "report.md").write_text(report.markdown_report(result.data))
+    return out
+
+
+def bench(config: BenchConfig) -> int:
+    """`cllm bench`: load, measure, write the report folder, print the table."""
+    from rich.console import Console
+
+    from cllm import report
+    from cllm.config import write_config
+
+    console = Console()
+    models = load_models(config)
+    for note in models.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    result = run_bench(config, models)
+    out = write_report(result, config.out, models.tokenizer, json_path=config.json)
+    write_config(config, out / "config.json")
+    console.print(report.methods_table(result.data))
+    console.print(f"report: [bold]{out}[/] (bench.json, report.md, *.png, trajectory.html)")
+    raise_on_violations(result)
+    return 0
+
+
+def raise_on_violations(result: BenchResult) -> None:
+    if result.violations and result.data["exactness_enforced"]:
+        first = result.violations[0]
+        raise ExactnessError(
+            f"{len(result.violations)} exactness violation(s); first: {first['method']} on prompt "
+            f"{first['prompt_id']!r} differs from greedy at new token {first['first_difference']} "
+            f"(top-2 logit margin {first['top2_margin']}: not a near-tie). Report written anyway.")

@@ -1,0 +1,214 @@
+"""`cllm bench` on tiny random models: the JSON contract, exactness of every promised method on
+every prompt (and a loud failure when a promise breaks), honest counting, the report folder.
+
+No wall-clock thresholds: timing is only checked to be present and positive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import cllm.bench as bench_module
+from cllm.bench import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
+from cllm.cli import main
+from cllm.data.tokenizer import train_tokenizer
+from cllm.decoding import greedy_decode
+from cllm.models import SHIPPED
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "for i in range(10):\n    print(i)\n",
+    "import os\nimport sys\n",
+    "while True:\n    break\n",
+]
+PROMPTS = ["def f(x):", "class A:", "import re", "for k in d:", "if a < b & c:"]
+NEW, BLOCK = 20, 8
+CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs_ar": float,
+            "exact_match_own_ar": float, "agreement_with_target": float, "n_prompts": int, "new_tokens": int}
+EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
+         "prompt_lookup": "target_ar", "assisted": "target_ar"}
+
+
+def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
+    """A tiny random Llama (vocab 320 covers the tokenizer) + the tokenizer, in one directory."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.1, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_tiny_setup(root: Path) -> dict[str, Path]:
+    """Target, a 'CLLM' (another random model: its outputs differ from the target's), a 1-layer
+    draft, a prompt file and a validation file with references."""
+    tokenizer = train_tokenizer(TEXTS * 3, vocab_size=320, min_frequency=1)
+    paths = {"target": save_model(root / "target", tokenizer, seed=0),
+             "cllm": save_model(root / "cllm", tokenizer, seed=1),
+             "draft": save_model(root / "draft", tokenizer, seed=2, layers=1),
+             "prompts": root / "prompts.jsonl", "val": root / "val.jsonl"}
+    with open(paths["prompts"], "w") as fh:
+        for i, text in enumerate(PROMPTS):
+            fh.write(json.dumps({"id": f"q{i}", "prompt": text}) + "\n")
+    with open(paths["val"], "w") as fh:
+        for i, text in enumerate(TEXTS):
+            head, _, body = text.partition("\n")
+            fh.write(json.dumps({"id": f"v{i}", "prompt": head + "\n", "reference": body}) + "\n")
+    return paths
+
+
+def bench_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["bench", "--target", str(paths["target"]), "--cllm", str(paths["cllm"]),
+            "--prompts", str(paths["prompts"]), "--val-set", str(paths["val"]), "--val-prompts", "3",
+            "--max-new-tokens", str(NEW), "--block-size", str(BLOCK), "--repeats", "2", "--threads", "1",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    return make_tiny_setup(tmp_path_factory.mktemp("bench"))
+
+
+@pytest.fixture(scope="module")
+def report(tiny, tmp_path_factory) -> Path:
+    """One full run through the CLI: every method, a sweep, a copy of the JSON via --json."""
+    out = tmp_path_factory.mktemp("report") / "bench"
+    args = bench_args(tiny, out, "--draft-model", str(tiny["draft"]), "--sweep-block-sizes", "2,4,8",
+                      "--json", str(out.parent / "copy.json"))
+    assert main(args) == 0
+    return out
+
+
+def load(report: Path) -> dict:
+    return json.loads((report / "bench.json").read_text())
+
+
+def test_bench_json_matches_the_design_contract(report):
+    data = load(report)
+    assert {"config", "machine", "methods", "models"} <= set(data)
+    assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
+                                     "hf_generate", "prompt_lookup", "assisted"]
+    for name, m in data["methods"].items():
+        for key, kind in CONTRACT.items():
+            assert isinstance(m[key], kind), (name, key, m[key])
+        assert m["n_prompts"] == len(PROMPTS) and m["tokens_per_second"] > 0
+    assert data["methods"]["target_ar"]["speedup_vs_ar"] == 1.0
+    for key in ("cpu", "cores", "threads", "torch", "transformers", "dtype", "seed"):
+        assert key in data["machine"]
+    assert data["machine"]["threads"] == 1 and data["config"]["block_size"] == BLOCK
+    assert set(data["models"]) == {"target", "cllm", "draft"}
+    assert all(isinstance(m["val_loss"], float) for m in data["models"].values())
+    assert json.loads((report.parent / "copy.json").read_text()) == data
+
+
+def test_every_promised_method_reproduces_greedy_on_every_prompt(report, tiny):
+    rows = [json.loads(line) for line in (report / "outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == len(PROMPTS)
+    models = {role: LlamaForCausalLM.from_pretrained(tiny[role]).eval() for role in ("target", "cllm")}
+    eos = 0  # <|endoftext|>
+    for row in rows:
+        for role in ("target", "cllm"):  # the bench's AR outputs are greedy decoding's own
+            oracle = greedy_decode(models[role], torch.tensor([row["prompt_ids"]]), max_new_tokens=NEW, eos_token_id=eos)
+            assert row[f"{role}_ar"] == oracle.new_tokens[0]
+        for method, reference in EXACT.items():
+            assert row[method] == row[reference], (method, row["prompt_id"])
+    data = load(report)
+    assert all(e["ok"] and not e["mismatches"] for e in data["exactness"].values())
+    assert set(data["exactness"]) == set(EXACT)
+    assert all(per["exact_match_own_ar"] == 1.0 for role in data["sweep"].values() for per in role.values())
+
+
+def test_counts_follow_the_reference_definitions(report):
+    data = load(report)
+    for name, m in data["methods"].items():
+        assert m["tokens_per_forward"] == pytest.approx(m["new_tokens"] / m["forward_passes"])
+        hist = {int(k): v for k, v in m["accepted_histogram"].items()}  # present for every method
+        assert sum(hist.values()) == m["forward_passes"], name
+        assert sum(k * v for k, v in hist.items()) == m["new_tokens"], name
+    for name in ("target_ar", "cllm_ar", "hf_generate"):
+        assert data["methods"][name]["tokens_per_forward"] == 1.0
+    for name in ("target_jacobi", "cllm_jacobi"):
+        assert data["methods"][name]["mean_fast_forwarded"] >= 1.0
+        assert data["methods"][name]["stationary_tokens"] >= 0
+    assert data["methods"]["assisted"]["draft_forward_passes"] > 0
+    assert data["methods"]["target_ar"]["agreement_with_target"] == 1.0
+    assert set(data["sweep"]) == {"target", "cllm"} and set(data["sweep"]["target"]) == {"2", "4", "8"}
+    assert data["sweep"]["target"][str(BLOCK)]["tokens_per_forward"] == pytest.approx(
+        data["methods"]["target_jacobi"]["tokens_per_forward"])
+
+
+def test_report_folder_holds_pictures_html_markdown_and_resolved_config(report):
+    for name in ("speedup.png", "accepted_histogram.png", "tpf_vs_block_size.png"):
+        blob = (report / name).read_bytes()
+        assert blob.startswith(b"\x89PNG\r\n\x1a\n") and len(blob) > 1000, name
+    page = (report / "trajectory.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page and page.count('class="panel"') >= 4
+    assert "target (" in page and "cllm (" in page and "<script" not in page and "http" not in page
+    md = (report / "report.md").read_text()
+    assert all(f"`{m}`" in md for m in load(report)["methods"])
+    config = json.loads((report / "config.json").read_text())
+    assert config["block_size"] == BLOCK and config["max_new_tokens"] == NEW
+
+
+def test_bench_fails_loudly_when_an_exactness_promise_breaks(tiny, tmp_path, monkeypatch):
+    real = bench_module.jacobi_decode
+
+    def broken(*args, **kwargs):  # a Jacobi engine that gets the last token wrong
+        out = real(*args, **kwargs)
+        out.new_tokens[0][-1] = (out.new_tokens[0][-1] + 1) % 320
+        return out
+
+    monkeypatch.setattr(bench_module, "jacobi_decode", broken)
+    out = tmp_path / "broken"
+    args = bench_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "",
+                      "--val-prompts", "0", "--repeats", "1", "--tie-tolerance", "0")
+    with pytest.raises(ExactnessError, match="target_jacobi"):
+        main(args)
+    data = load(out)  # the evidence is written before the failure
+    assert not data["exactness"]["target_jacobi"]["ok"]
+    assert data["methods"]["target_jacobi"]["exact_match_own_ar"] == 0.0
+
+
+def test_a_mismatch_is_excused_only_as_a_near_tie(tiny):
+    model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
+    prompt = bench_module.BenchPrompt("p", "x", [5, 6, 7])
+    expected = greedy_decode(model, torch.tensor([prompt.ids]), max_new_tokens=4).new_tokens[0]
+    wrong = expected[:2] + [(expected[2] + 1) % 320] + expected[3:]
+    strict = check_exact(model, [prompt], [wrong], [expected], tolerance=0.0)
+    lenient = check_exact(model, [prompt], [wrong], [expected], tolerance=1e9)
+    assert strict[0]["first_difference"] == 2 and strict[0]["top2_margin"] > 0
+    assert not strict[0]["near_tie"] and lenient[0]["near_tie"]
+    assert check_exact(model, [prompt], [expected], [expected], tolerance=0.0) == []
+
+
+def test_forward_counter_reads_tokens_made_final_per_call(tiny):
+    model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
+    counter = ForwardCounter(model)
+    out = greedy_decode(model, torch.tensor([[5, 6, 7]]), max_new_tokens=6)
+    assert counter.calls == out.forward_passes == 6
+    assert counter.accepted(3, 6) == [1] * 6
+    counter.remove()
+    greedy_decode(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    assert counter.calls == 6  # removed: no longer counting
+
+
+def test_a_missing_shipped_cllm_is_skipped_with_a_note(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tmp_path / "absent")
+    models = load_models(BenchConfig(target=str(tiny["target"])))
+    assert models.cllm is None and "not present" in models.notes[0]
+    assert BenchConfig(cllm="none").cllm is None
+
+
+@pytest.mark.parametrize("bad", [["--block-size", "0"], ["--methods", "target_jacobi"], ["--methods", "nope"],
+                                 ["--repeats", "0"], ["--sweep-block-sizes", "4,0"]])
+def test_bad_settings_are_one_line_errors(bad, capsys):
+    assert main(["bench", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cllm bench: error:") and "\n" not in err
