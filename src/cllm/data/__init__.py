@@ -1,0 +1,1 @@
+"""Data: the embedded stdlib corpus, its tokenizer, prompt sets and trajectory records."""
