@@ -19,14 +19,9 @@ from cllm.cli import main
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
 from cllm.models import SHIPPED
+from tests.tiny import CODE_TEXTS
 
-TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
-    "for i in range(10):\n    print(i)\n",
-    "import os\nimport sys\n",
-    "while True:\n    break\n",
-]
+TEXTS = CODE_TEXTS
 PROMPTS = ["def f(x):", "class A:", "import re", "for k in d:", "if a < b & c:"]
 NEW, BLOCK = 20, 8
 CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs_ar": float,

@@ -39,15 +39,10 @@ from cllm.data.trajectories import (
     write_meta,
 )
 from cllm.decoding import IterationEvent, greedy_decode
+from tests.tiny import CODE_TEXTS
 
 BLOCK, NEW = 12, 36
-TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
-    "for i in range(10):\n    print(i)\n",
-    "import os\nimport sys\n",
-    "while True:\n    break\n",
-]
+TEXTS = CODE_TEXTS
 PROMPTS = ["def f(x):", "class A:", "import re", "for k in d:", "x = 1", "while x:",
            "def g(a, b):", "import os", "y = x + 1", "class B(A):"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",

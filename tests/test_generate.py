@@ -15,13 +15,10 @@ from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from cllm.decoding import greedy_decode
 from cllm.generate import DecodeParams, TextCodec, TextStream, complete
 from cllm.models import load_model, load_tokenizer
+from tests.tiny import CODE_TEXTS
 
 TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
-    "for i in range(10):\n    print(i)\n",
-    "import os\nimport sys\n",
-    "while True:\n    break\n",
+    *CODE_TEXTS,
     "s = 'héllo wörld €'\n",
 ]
 PROMPTS = ["def f(x):", "class A:", "import re", "for k in d:\n"]

@@ -20,12 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import platform
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -42,6 +39,7 @@ from cllm.data.tokenizer import (
     tokenizer_fingerprint,
     train_tokenizer,
 )
+from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 logger = logging.getLogger(__name__)
 
@@ -205,14 +203,6 @@ def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: Pretr
 # ---------------------------------------------------------------------------------- state
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write-then-rename, so a crash mid-write never leaves a broken checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def _check_resumable(saved: dict, config: PretrainConfig) -> None:
     current = config_to_dict(config)
     for key in sorted(set(saved) | set(current)):
@@ -221,45 +211,6 @@ def _check_resumable(saved: dict, config: PretrainConfig) -> None:
                 f"{config.out} holds a run with {key}={saved.get(key)!r}, not {current.get(key)!r}: "
                 "use another --out or --resume false"
             )
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records after `step`: those steps are about to be redone."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-@contextmanager
-def _sigint_flag():
-    """Ctrl-C sets a flag checked between steps (a step is never cut in half); a second
-    Ctrl-C interrupts at once."""
-    flag = {"set": False}
-    if sys.platform == "win32" or signal.getsignal(signal.SIGINT) is None:
-        yield flag
-        return
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            if flag["set"]:
-                raise KeyboardInterrupt
-            flag["set"] = True
-
-        signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: no handler, plain KeyboardInterrupt
-        yield flag
-        return
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -316,7 +267,7 @@ def pretrain(config: PretrainConfig) -> Path:
         generator.set_state(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         step, elapsed, val_loss = state["step"], state["elapsed_s"], state.get("val_loss")
-        _truncate_log(log_path, step)
+        truncate_log(log_path, step)
         logger.info("resuming %s from step %d", out, step)
     else:
         log_path.unlink(missing_ok=True)
@@ -336,7 +287,7 @@ def pretrain(config: PretrainConfig) -> Path:
     tokens_per_step = config.batch_size * config.context
     bar = tqdm(total=config.steps, initial=step, desc="pretrain", unit="step",
                mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-    with _sigint_flag() as interrupted:
+    with sigint_flag() as interrupted:
         while step < config.steps:
             t0 = time.perf_counter()
             windows = sample_windows(train_ids, config.batch_size, config.context, generator)
@@ -350,7 +301,7 @@ def pretrain(config: PretrainConfig) -> Path:
                 record["val_loss"] = val_loss
             elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
             record["elapsed_s"] = round(elapsed, 3)
-            _append_jsonl(log_path, record)
+            append_jsonl(log_path, record)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-",
                             tok_s=f"{tokens_per_step / dt:.0f}")
