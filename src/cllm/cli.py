@@ -41,7 +41,9 @@ def _load(name: str) -> tuple[type, Any] | None:
     return getattr(module, config_name), getattr(module, func_name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser for `command` (its module is imported to read its config dataclass);
+    the other subcommands get only their summary, so `cllm --help` imports nothing heavy."""
     from cllm import __version__
 
     parser = argparse.ArgumentParser(
@@ -52,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cllm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, _, _, summary) in COMMANDS.items():
-        loaded = _load(name)
         p = sub.add_parser(name, help=summary, description=summary)
         p.add_argument("--config", metavar="FILE", help="JSON or YAML file of options (flags override it)")
+        if name != command:
+            continue
+        loaded = _load(name)
         if loaded is None:
             p.set_defaults(_unavailable=True)
             continue
@@ -63,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
