@@ -137,9 +137,9 @@ def test_evaluate_target_and_model_card_on_the_tiny_model(reference_run):
     assert "# tiny" in card and "validation loss" in card and evaluation.corpus_sha256[:16] in card
 
 
-# Skipped until the lead commits the model; then this becomes mandatory.
-@pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="models/stdlib-coder not committed yet")
-def test_shipped_model_loads_offline_and_decodes():
+def test_shipped_model_loads_offline_and_decodes_real_code():
+    from cllm.decoding import greedy_decode, jacobi_decode
+
     model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
     ids = tokenizer("def add(a, b):\n", return_tensors="pt").input_ids
@@ -148,6 +148,12 @@ def test_shipped_model_loads_offline_and_decodes():
     assert out.shape[1] > ids.shape[1]
     assert tokenizer.decode(out[0]).startswith("def add(a, b):\n")
     assert (SHIPPED / "model.safetensors").stat().st_size < 25e6
+    # a real code model, not noise: a function body starts with an indented line
+    prompt = tokenizer('def add(a, b):\n    """Return the sum of a and b."""', return_tensors="pt").input_ids
+    greedy = greedy_decode(model, prompt, max_new_tokens=24, eos_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(greedy.new_tokens[0]).startswith("\n    ")
+    jacobi = jacobi_decode(model, prompt, block_size=16, max_new_tokens=24, eos_token_id=tokenizer.eos_token_id)
+    assert jacobi.new_tokens == greedy.new_tokens
 
 
 def test_cli_reports_a_bad_config_in_one_line_and_exits_2(capsys):
