@@ -30,14 +30,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def _load(name: str) -> tuple[type, Any] | None:
+def _load(name: str) -> tuple[type, Any]:
     module_name, config_name, func_name, _ = COMMANDS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            return None  # not built yet
-        raise
+    module = importlib.import_module(module_name)
     return getattr(module, config_name), getattr(module, func_name)
 
 
@@ -58,11 +53,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE", help="JSON or YAML file of options (flags override it)")
         if name != command:
             continue
-        loaded = _load(name)
-        if loaded is None:
-            p.set_defaults(_unavailable=True)
-            continue
-        add_dataclass_arguments(p, loaded[0])
+        add_dataclass_arguments(p, _load(name)[0])
     return parser
 
 
@@ -75,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     prog = f"cllm {args.command}"
-    if getattr(args, "_unavailable", False):
-        print(f"{prog}: error: this command is not available in this version", file=sys.stderr)
-        return 2
-    config_cls, func = _load(args.command)  # type: ignore[misc]
+    config_cls, func = _load(args.command)
     try:
         file_values = read_config_file(args.config) if args.config else None
         config = build_config(config_cls, file_values, vars(args))

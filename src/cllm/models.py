@@ -123,6 +123,8 @@ def tokenizer_fingerprint(path_or_tokenizer) -> str:
             return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
         path_or_tokenizer = load_tokenizer(path)
     tok = path_or_tokenizer
-    backend = getattr(tok, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    if getattr(tok, "backend_tokenizer", None) is not None:
+        from cllm.data.tokenizer import tokenizer_fingerprint as full_fingerprint
+
+        return full_fingerprint(tok)[:16]
+    return hashlib.sha256(repr(sorted(tok.get_vocab().items())).encode()).hexdigest()[:16]
