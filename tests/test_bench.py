@@ -27,7 +27,8 @@ NEW, BLOCK = 20, 8
 CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs_ar": float,
             "exact_match_own_ar": float, "agreement_with_target": float, "n_prompts": int, "new_tokens": int}
 EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
-         "prompt_lookup": "target_ar", "assisted": "target_ar"}
+         "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
+         "cllm_jacobi_multiblock": "cllm_ar"}
 
 
 def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
@@ -89,7 +90,8 @@ def test_bench_json_matches_the_design_contract(report):
     data = load(report)
     assert {"config", "machine", "methods", "models"} <= set(data)
     assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
-                                     "hf_generate", "prompt_lookup", "assisted"]
+                                     "hf_generate", "prompt_lookup", "assisted", "target_lookahead",
+                                     "cllm_jacobi_multiblock", "cllm_ar_sampling", "cllm_jacobi_sampling"]
     for name, m in data["methods"].items():
         for key, kind in CONTRACT.items():
             assert isinstance(m[key], kind), (name, key, m[key])
@@ -118,6 +120,14 @@ def test_every_promised_method_reproduces_greedy_on_every_prompt(report, tiny):
     assert all(e["ok"] and not e["mismatches"] for e in data["exactness"].values())
     assert set(data["exactness"]) == set(EXACT)
     assert all(per["exact_match_own_ar"] == 1.0 for role in data["sweep"].values() for per in role.values())
+
+
+def test_sampling_methods_decode_the_budget_and_jacobi_needs_no_more_forwards(report):
+    data = load(report)
+    ar, jac = data["methods"]["cllm_ar_sampling"], data["methods"]["cllm_jacobi_sampling"]
+    assert ar["tokens_per_forward"] == 1.0 and ar["new_tokens"] > 0
+    assert jac["tokens_per_forward"] >= 1.0 and jac["speedup_vs_own_ar"] > 0
+    assert data["config"]["temperature"] == 0.7
 
 
 def test_counts_follow_the_reference_definitions(report):

@@ -3,6 +3,7 @@ greedy decoding's text, AR and Jacobi agree, stop strings cut (and halt decoding
 turns with the template or concatenates them without one, bad input is a one-line error.
 """
 
+import dataclasses
 import io
 import sys
 
@@ -156,8 +157,10 @@ def test_sampling_with_a_seed_is_reproducible(oracle):
     codec, ids = TextCodec(oracle.tokenizer), oracle.ids("def f(x):")
     params = DecodeParams(max_new_tokens=NEW, temperature=1.0, top_p=0.9, seed=7)
     first, second = (complete(oracle.model, codec, ids, params) for _ in range(2))
-    assert first.tokens == second.tokens and first.method == "ar_sample"
-    assert first.forward_passes == len(first.tokens)
+    assert first.tokens == second.tokens and first.method == "jacobi_sample"
+    assert first.forward_passes <= len(first.tokens)
+    ar = complete(oracle.model, codec, ids, dataclasses.replace(params, method="ar"))
+    assert ar.method == "ar_sample" and ar.forward_passes == len(ar.tokens)
 
 
 def test_a_cancelled_decode_stops_at_the_next_step(oracle):

@@ -158,3 +158,22 @@ def test_lc_targets_the_next_state_and_counts_where_the_two_states_part():
     assert torch.allclose(loss, consistency_loss(t_next, s, mask, distance="rkl"))
     loss.backward()
     assert t_next.grad is None and s.grad is not None  # the next state's logits are a target
+
+
+def test_argmax_distance_is_cross_entropy_on_the_targets_argmax():
+    target, student = logits(3, 5, 9), logits(3, 5, 9, seed=1)
+    want = F.cross_entropy(student.reshape(-1, 9), target.argmax(-1).reshape(-1), reduction="none").reshape(3, 5)
+    assert torch.allclose(token_distance(target, student, "argmax"), want, atol=1e-5)
+    student.requires_grad_(True)
+    target.requires_grad_(True)
+    token_distance(target, student, "argmax").sum().backward()
+    assert target.grad is None and student.grad is not None
+
+
+def test_gc_window_counts_only_the_positions_right_after_the_first_difference():
+    fixed = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    state = torch.tensor([[1, 2, 9, 9, 9, 9, 9]])
+    valid = torch.ones(1, 7, dtype=torch.bool)
+    assert gc_mask(state, fixed, valid).tolist() == [[False, False, True, True, True, True, True]]
+    assert gc_mask(state, fixed, valid, window=2).tolist() == [[False, False, True, True, True, False, False]]
+    assert not gc_mask(fixed, fixed, valid, window=2).any()

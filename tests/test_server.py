@@ -245,7 +245,7 @@ def test_models_health_and_metrics_by_method(server, client):
     jacobi = metrics["methods"]["jacobi"]
     assert jacobi["completion_tokens"] > 0 and jacobi["tokens_per_second"] > 0
     assert jacobi["tokens_per_forward"] >= 1.0 and metrics["methods"]["ar"]["tokens_per_forward"] == 1.0
-    assert "ar_sample" in metrics["methods"]
+    assert "jacobi_sample" in metrics["methods"]
 
 
 def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_dir, oracle):

@@ -221,7 +221,7 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(world):
     cfg = config(world, world.root / "unused", consistency="gc+lc", ar_target="both")
     reader = TrajectoryReader(world.data)
     records = reader.records()[:12]
-    draws = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    draws = torch.rand(12, 64, generator=torch.Generator().manual_seed(0))
     model = tiny_llama(3)
 
     def gradient(micro: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast without torch):
 
-    from cllm import greedy_decode, jacobi_decode, DecodeOutput
+    from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "greedy_decode",
     "jacobi_decode",
+    "sample_decode",
 ]
 
 # public name -> module that defines it
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         IterationEvent,
         greedy_decode,
         jacobi_decode,
+        sample_decode,
     )
 
 

@@ -7,6 +7,11 @@ Methods (names are the DESIGN.md contract):
   hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
   prompt_lookup                 `generate(prompt_lookup_num_tokens=k)` on the target
   assisted                      `generate(assistant_model=draft)` on the target (--draft-model)
+  cllm_ar_sampling,             lossless sampling at --temperature: plain AR sampling against
+  cllm_jacobi_sampling          Jacobi sampling (same law; speed and tokens per forward compared)
+  target_lookahead              our engine on the untrained target with n-gram recycling
+                                (--recycle drafts per iteration) and --blocks-in-flight
+  cllm_jacobi_multiblock        the same on the CLLM
 
 Counting follows REFERENCE.md: a forward pass is every model call, prefill included. A forward
 pre-hook on each model counts its calls for every method, and the cache length each call starts
@@ -48,10 +53,12 @@ from cllm.rows import derived_seed
 
 log = logging.getLogger(__name__)
 
-METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted")
+METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
+           "target_lookahead", "cllm_jacobi_multiblock", "cllm_ar_sampling", "cllm_jacobi_sampling")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
-                 "prompt_lookup": "target_ar", "assisted": "target_ar"}
+                 "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
+                 "cllm_jacobi_multiblock": "cllm_ar"}
 OFF = ("", "none", "null", "false")
 
 
@@ -73,7 +80,10 @@ class BenchConfig:
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
     warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
-    guess: Literal["prompt", "repeat", "random"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
+    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
+    temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
+    recycle: int = field(default=3, metadata={"help": "n-gram pool drafts verified per iteration by target_lookahead and cllm_jacobi_multiblock"})
+    blocks_in_flight: int = field(default=2, metadata={"help": "blocks in flight for target_lookahead and cllm_jacobi_multiblock"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
@@ -104,6 +114,10 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if self.methods and "target_ar" not in self.methods:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
+        if self.recycle < 0 or self.blocks_in_flight < 1:
+            raise ValueError("--recycle must be >= 0 and --blocks-in-flight >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.cllm is not None and self.cllm.strip().lower() in OFF:
@@ -226,14 +240,18 @@ def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
 
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
-         guess: str = "prompt", seed: int = 0, on_iteration=None) -> Callable[[BenchPrompt], Decoded]:
-    """Our greedy or Jacobi decoder; Jacobi guesses seeded per prompt id (same in every round)."""
+         guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
+         recycle: int = 0, blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
+    """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
+    n = 1); guesses and draws seeded per prompt id (the same in every round)."""
 
     def run(prompt: BenchPrompt, hook=on_iteration) -> Decoded:
-        if jacobi:
+        if jacobi or temperature > 0:
             generator = torch.Generator().manual_seed(derived_seed(seed, "guess", prompt.id))
-            out = jacobi_decode(model, _ids(prompt, model), block_size=block_size, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos, guess=guess, generator=generator, on_iteration=hook)
+            out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos, guess=guess,
+                                generator=generator, on_iteration=hook, temperature=temperature,
+                                recycle=recycle, blocks_in_flight=blocks_in_flight)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
         if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree
@@ -278,10 +296,19 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         "prompt_lookup": Method("prompt_lookup", target, hf_generate(
             target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
     }
+    more = dict(recycle=config.recycle, blocks_in_flight=config.blocks_in_flight)
+    candidates["target_lookahead"] = Method("target_lookahead", target, ours(target, ct, jacobi=True, **jac, **more, **common), [ct])
     if models.cllm is not None:
         cc = counters["cllm"]
         candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
         candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(models.cllm, cc, jacobi=True, **jac, **common), [cc])
+        candidates["cllm_jacobi_multiblock"] = Method("cllm_jacobi_multiblock", models.cllm, ours(
+            models.cllm, cc, jacobi=True, **jac, **more, **common), [cc])
+        hot = dict(temperature=config.temperature, **common)
+        candidates["cllm_ar_sampling"] = Method("cllm_ar_sampling", models.cllm, ours(
+            models.cllm, cc, jacobi=False, block_size=1, seed=config.seed, **hot), [cc])
+        candidates["cllm_jacobi_sampling"] = Method("cllm_jacobi_sampling", models.cllm, ours(
+            models.cllm, cc, jacobi=True, **jac, **hot), [cc])
     if models.draft is not None:
         cd = counters["draft"]
         candidates["assisted"] = Method("assisted", target, hf_generate(
@@ -508,12 +535,14 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     for m in methods:
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
-                                         target_ar=outputs["target_ar"], jacobi=m.name.endswith("_jacobi"))
+                                         target_ar=outputs["target_ar"], jacobi="jacobi" in m.name)
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
-        if name == "cllm_jacobi" and results.get("cllm_ar", {}).get("tokens_per_second"):
-            r["speedup_vs_own_ar"] = r["tokens_per_second"] / results["cllm_ar"]["tokens_per_second"]
+        own_ar = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling",
+                  "cllm_jacobi_multiblock": "cllm_ar"}.get(name)
+        if own_ar and results.get(own_ar, {}).get("tokens_per_second"):
+            r["speedup_vs_own_ar"] = r["tokens_per_second"] / results[own_ar]["tokens_per_second"]
     return results
 
 

@@ -47,7 +47,7 @@ from cllm.data import trajectories as tj
 
 log = logging.getLogger(__name__)
 
-Guess = Literal["prompt", "repeat", "random"]
+Guess = Literal["prompt", "repeat", "random", "lookup"]
 
 
 @dataclass
@@ -58,7 +58,7 @@ class CollectConfig:
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n (tokens per block)"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt (stops earlier at EOS)"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set"})
-    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the reference), repeat the last token, or random vocab"})
+    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
     seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed and prompt id)"})
     batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
@@ -74,8 +74,8 @@ class CollectConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise UserError(f"max-prompts must be a positive integer, got {self.max_prompts!r}")
-        if self.guess not in ("prompt", "repeat", "random"):
-            raise UserError(f"guess must be prompt, repeat or random, got {self.guess!r}")
+        if self.guess not in ("prompt", "repeat", "random", "lookup"):
+            raise UserError(f"guess must be prompt, repeat, random or lookup, got {self.guess!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not self.out:

@@ -44,27 +44,29 @@ class DistillConfig:
     prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or JSONL/Parquet file)"})
     out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, evaluation.json); rerun to resume"})
     # collection
-    max_prompts: int | None = field(default=2000, metadata={"help": "collect on the first N prompts (None: all)"})
+    max_prompts: int | None = field(default=2400, metadata={"help": "collect on the first N prompts (None: all)"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
     max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in collection"})
     collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
-    guess: Literal["prompt", "repeat", "random"] = field(default="prompt", metadata={"help": "initial guess of a block (collection)"})
+    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess of a block (collection)"})
     # training
     consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: gc, lc or gc+lc"})
-    distance: losses.Distance = field(default="fkl", metadata={"help": "consistency distance: fkl, rkl, jsd"})
+    distance: losses.Distance = field(default="argmax", metadata={"help": "consistency distance: fkl, rkl, jsd, argmax"})
+    states_per_record: int = field(default=8, metadata={"help": "trajectory states per record and step (they share the prefix's forward)"})
+    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
-    epochs: int = field(default=4, metadata={"help": "passes over the records"})
-    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
+    epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
+    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps (overrides epochs)"})
     batch_size: int = field(default=16, metadata={"help": "records per optimizer step"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (merged on save) instead of all weights"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "training forwards in float32 or bfloat16 autocast"})
     train_eval_count: int = field(default=16, metadata={"help": "held-out prompts evaluated during training"})
-    eval_interval: int = field(default=250, metadata={"help": "evaluate during training every N steps"})
+    eval_interval: int = field(default=100, metadata={"help": "evaluate during training every N steps"})
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     # evaluation
@@ -97,11 +99,13 @@ class DistillConfig:
         return TrainConfig(
             model=self.model, data=str(out / "trajectories"), out=str(out / "model"),
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
+            states_per_record=self.states_per_record, gc_window=self.gc_window,
             ar_target=self.ar_target, label_smoothing=self.label_smoothing, lr=self.lr,
             warmup_ratio=self.warmup_ratio, epochs=self.epochs, max_steps=self.max_steps,
             batch_size=self.batch_size, micro_batch_size=self.micro_batch_size, lora=self.lora,
             dtype=self.dtype, seed=self.seed, eval_prompts=self.eval_prompts,
             eval_count=self.train_eval_count, eval_max_new_tokens=self.eval_max_new_tokens,
+            eval_block_size=max(self.eval_block_sizes),
             eval_batch_size=self.eval_batch_size, eval_interval=self.eval_interval,
             checkpoint_interval=self.checkpoint_interval,
         )

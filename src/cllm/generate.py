@@ -7,8 +7,9 @@ the CLI and the HTTP server (`server.py`), so that both produce the same text:
   point (the `on_iteration` hook's converged event);
 - "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
   greedy decoding exactly (one token per forward);
-- temperature > 0: sampled autoregressive decoding with transformers' `generate`; not exact,
-  reproducible with a seed.
+- temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
+  verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
+  autoregressive sampling ("ar" = n = 1); reproducible with a seed.
 
 Text is detokenized incrementally (`TextStream`): a chunk is released only when it cannot change
 any more (no half UTF-8 character at its end, no possible start of a stop string). Output is cut
@@ -113,18 +114,19 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
 class DecodeParams:
     """How to decode one request (validated by the CLI configs and the server)."""
 
-    method: str = "jacobi"  # greedy method: "jacobi" or "ar"; ignored when sampling
+    method: str = "jacobi"  # "jacobi" or "ar" (the Jacobi engine with n = 1)
     block_size: int = 16
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
-    temperature: float = 0.0  # > 0: sampled AR decoding
+    temperature: float = 0.0  # > 0: lossless sampling
     top_p: float = 1.0
-    seed: int | None = None  # sampling seed; Jacobi guesses always use seed 0
+    top_k: int | None = None
+    seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
 
     @property
     def label(self) -> str:
-        """The decoder actually used: "jacobi", "ar" or "ar_sample" (for logs and metrics)."""
-        return "ar_sample" if self.temperature > 0 else self.method
+        """The decoder used: "jacobi", "ar", "jacobi_sample" or "ar_sample" (logs, metrics)."""
+        return f"{self.method}_sample" if self.temperature > 0 else self.method
 
 
 @dataclass
@@ -182,10 +184,7 @@ def complete(
     handle = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     start = time.perf_counter()
     try:
-        if params.temperature > 0:
-            _sample(model, input_ids, params, stream, codec.eos_token_id, cancelled)
-        else:
-            _greedy(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled)
+        _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled)
     except _Halt:
         pass
     finally:
@@ -200,51 +199,25 @@ def complete(
     )
 
 
-def _greedy(model, input_ids, params, stream, eos, on_iteration, cancelled) -> None:
+def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled) -> None:
     def hook(event: IterationEvent) -> None:
         if on_iteration is not None:
             on_iteration(event)
-        if event.converged:  # state[:committed] is the block's fixed point: final tokens
+        if event.converged:  # state[:committed] is the block's final tokens
             stream.feed(event.state[: event.committed])
         if stream.stopped or (cancelled is not None and cancelled()):
             raise _Halt
 
+    device = next(model.parameters()).device
+    sampling = params.temperature > 0
     jacobi_decode(
-        model, input_ids,
+        model, input_ids.to(device),
         block_size=params.block_size if params.method == "jacobi" else 1,
         max_new_tokens=params.max_new_tokens, eos_token_id=eos,
-        generator=torch.Generator().manual_seed(0), on_iteration=hook,
-    )
-
-
-def _sample(model, input_ids, params, stream, eos, cancelled) -> None:
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class Feed:  # a transformers streamer: the first put is the prompt, then each new token
-        prompt_seen = False
-
-        def put(self, value: torch.Tensor) -> None:
-            if self.prompt_seen:
-                stream.feed(value.reshape(-1).tolist())
-            self.prompt_seen = True
-
-        def end(self) -> None:
-            pass
-
-    class Halt(StoppingCriteria):
-        def __call__(self, ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-            halt = stream.stopped or (cancelled is not None and cancelled())
-            return torch.full((ids.shape[0],), halt, dtype=torch.bool, device=ids.device)
-
-    if params.seed is not None:
-        torch.manual_seed(params.seed)  # one decode at a time: the global RNG is ours
-    device = next(model.parameters()).device
-    model.generate(
-        input_ids=input_ids.to(device), attention_mask=torch.ones_like(input_ids).to(device),
-        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-        max_new_tokens=params.max_new_tokens, eos_token_id=eos,
-        pad_token_id=eos if eos is not None else 0,
-        streamer=Feed(), stopping_criteria=StoppingCriteriaList([Halt()]),
+        generator=torch.Generator(device=device).manual_seed(params.seed or 0), on_iteration=hook,
+        temperature=params.temperature,
+        top_p=params.top_p if sampling and params.top_p < 1 else None,
+        top_k=params.top_k if sampling else None,
     )
 
 
@@ -269,13 +242,14 @@ def unescape(text: str) -> str:
 @dataclass
 class _DecodeOptions:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
-    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder: Jacobi (blocks) or AR (token by token)"})
+    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token by token)"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
     stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples autoregressively"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
-    seed: int | None = field(default=None, metadata={"help": "sampling seed"})
+    top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
+    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default 0)"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -294,13 +268,16 @@ class _DecodeOptions:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
 
     def params(self) -> DecodeParams:
         return DecodeParams(method=self.method, block_size=self.block_size,
                             max_new_tokens=self.max_new_tokens, stop=tuple(self.stop),
-                            temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+                            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            seed=self.seed)
 
     def load(self):
         from transformers.utils import logging as hf_logging

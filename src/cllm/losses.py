@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-Distance = Literal["fkl", "rkl", "jsd"]
+Distance = Literal["fkl", "rkl", "jsd", "argmax"]
 
 
 def _normalise(total: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None):
@@ -40,10 +40,15 @@ def token_distance(
 
     target_logits, student_logits: (..., V) -> (...). "fkl" = KL(target || student), the
     reference's soft cross-entropy up to the target's entropy, which carries no gradient;
-    "rkl" = KL(student || target); "jsd" = generalised JSD with weight `jsd_beta` (GKD).
+    "rkl" = KL(student || target); "jsd" = generalised JSD with weight `jsd_beta` (GKD);
+    "argmax" = cross-entropy against the target's argmax (what greedy Jacobi needs to match, and
+    nothing of the rest of the distribution).
     """
-    target_logp = F.log_softmax(target_logits.detach().float(), dim=-1)
     student_logp = F.log_softmax(student_logits.float(), dim=-1)
+    if distance == "argmax":
+        hard = target_logits.detach().argmax(-1, keepdim=True)
+        return -student_logp.gather(-1, hard).squeeze(-1)
+    target_logp = F.log_softmax(target_logits.detach().float(), dim=-1)
     if distance == "fkl":
         return (target_logp.exp() * (target_logp - student_logp)).sum(-1)
     if distance == "rkl":
@@ -58,7 +63,7 @@ def token_distance(
         kl_t = (target_logp.exp() * (target_logp - mix_logp)).sum(-1)
         kl_s = (student_logp.exp() * (student_logp - mix_logp)).sum(-1)
         return jsd_beta * kl_t + (1.0 - jsd_beta) * kl_s
-    raise ValueError(f"unknown distance {distance!r}; choose fkl, rkl or jsd")
+    raise ValueError(f"unknown distance {distance!r}; choose fkl, rkl, jsd or argmax")
 
 
 def consistency_loss(
@@ -134,10 +139,17 @@ def block_logits(logits: torch.Tensor, block_width: int) -> torch.Tensor:
     return logits[:, logits.shape[1] - block_width - 1 : -1]
 
 
-def gc_mask(state: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def gc_mask(state: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor,
+            window: int | None = None) -> torch.Tensor:
     """(B, N) positions GC counts: from the first one where the state differs from the fixed
-    point (the reference). Before it the two inputs agree, so the distance is zero anyway."""
-    return from_first_difference(state, fixed_point, valid)
+    point (the reference). Before it the two inputs agree, so the distance is zero anyway.
+    With `window`, only the first `window` positions after that one: the short skips over a
+    wrong token that fast-forwarding needs, not the far, near-hopeless ones of junk states."""
+    mask = from_first_difference(state, fixed_point, valid)
+    if window is not None:
+        first = torch.where(mask.any(1), mask.int().argmax(1), mask.shape[1])  # (B,)
+        mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] <= first[:, None] + window)
+    return mask
 
 
 def lc_mask(state: torch.Tensor, next_state: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -81,3 +81,34 @@ def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.T
     return losses.block_logits(out.logits, rows.width)
 
 
+
+
+@dataclass
+class BlockGroup:
+    """Blocks that continue shared prefixes: block row i continues prefix row ``owner[i]``."""
+
+    block_ids: torch.Tensor  # (R, N) right-padded
+    block_mask: torch.Tensor  # (R, N)
+    owner: torch.Tensor  # (R,) index into the prefix rows
+    grad: bool = True  # False: a stop-gradient target (no graph kept)
+
+
+def forward_shared_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
+                          groups: Sequence[BlockGroup]) -> list[torch.Tensor]:
+    """Block-aligned logits of every group, as `forward_blocks` would give for the rows
+    ``prefix[owner] + block``, but each prefix is computed once (with gradients) and its KV
+    entries reused by all of its blocks: k states of one record cost one prefix, not k."""
+    from cllm.decoding import cache as kv
+
+    device = next(model.parameters()).device
+    rc, last = kv.prefill(model, prefix_ids.to(device), prefix_mask.to(device))  # last: (B, V)
+    out = []
+    for g in groups:
+        owner = g.owner.to(device)
+        with torch.enable_grad() if g.grad else torch.no_grad():
+            fork = kv.fork_rows(rc, owner, detach=not g.grad)
+            logits = kv.feed(model, fork, g.block_ids.to(device), g.block_mask.sum(1).tolist())
+            first = last.index_select(0, owner)
+            first = first if g.grad else first.detach()
+            out.append(torch.cat([first[:, None], logits[:, :-1]], 1))
+    return out

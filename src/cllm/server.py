@@ -144,7 +144,8 @@ def parse_params(body: dict, cfg: ServeConfig, prompt_ids: list[int], position_l
     return DecodeParams(
         method=method, block_size=cfg.block_size, max_new_tokens=max_tokens, stop=_stop(body),
         temperature=float(_number(body, "temperature", 0.0, lo=0.0, hi=2.0)),
-        top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)), seed=seed,
+        top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)),
+        top_k=_number(body, "top_k", None, lo=1, hi=2**31 - 1, integer=True), seed=seed,
     )
 
 

@@ -57,7 +57,7 @@ from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
 from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
-from cllm.rows import Rows, derived_seed, forward_blocks, rows_from_lists, stack_rows
+from cllm.rows import BlockGroup, Rows, derived_seed, forward_blocks, forward_shared_prefix, rows_from_lists
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class TrainConfig:
     data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect`"})
     out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, checkpoints/); rerun to resume"})
     consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), local (LC), or both"})
-    distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD"})
+    distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR (reference 10)"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on the ground truth (labels), on the target's fixed points, or both"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
@@ -100,6 +100,8 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or comma-separated module names"})
     augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
+    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one (default: all, the reference)"})
+    states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set (name or JSONL/Parquet file) for evaluation"})
     eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no evaluation)"})
@@ -113,15 +115,15 @@ class TrainConfig:
     text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval prompt file"})
 
     def __post_init__(self) -> None:
-        positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size",
+        positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
                     "eval_interval", "checkpoint_interval", "lora_r", "lora_alpha"]
-        positive += [n for n in ("max_steps", "micro_batch_size", "eval_block_size", "stop_at_step")
+        positive += [n for n in ("max_steps", "micro_batch_size", "eval_block_size", "stop_at_step", "gc_window")
                      if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd"),
+        choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
                    "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -172,16 +174,19 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 
 @dataclass
 class MicroBatch:
-    state: Rows  # prefix + y^(j), the sampled non-fixed state
-    fixed_point: Rows  # prefix + y*
-    next_state: Rows  # prefix + y^(j+1) (the fixed point when j is the last non-fixed state)
+    """B records with k sampled states each; state row i belongs to record ``owner[i]``."""
+
+    fixed_point: Rows  # (B) prefix + y*
+    state: torch.Tensor  # (B*k, N) y^(j), the sampled non-fixed states
+    next_state: torch.Tensor  # (B*k, N) y^(j+1) (the fixed point after the last non-fixed state)
+    owner: torch.Tensor  # (B*k,) the record of each state row
     labels: Rows | None  # prompt + ground truth before this block + its slice of the ground truth
-    gc_mask: torch.Tensor  # (B, N) bool
-    lc_mask: torch.Tensor  # (B, N) bool
+    gc_mask: torch.Tensor  # (B*k, N) bool
+    lc_mask: torch.Tensor  # (B*k, N) bool
 
     def to(self, device) -> MicroBatch:
-        return MicroBatch(self.state.to(device), self.fixed_point.to(device), self.next_state.to(device),
-                          None if self.labels is None else self.labels.to(device),
+        return MicroBatch(self.fixed_point.to(device), self.state.to(device), self.next_state.to(device),
+                          self.owner.to(device), None if self.labels is None else self.labels.to(device),
                           self.gc_mask.to(device), self.lc_mask.to(device))
 
 
@@ -212,28 +217,43 @@ def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int
     return rows_from_lists(prefixes, blocks, pad_id)
 
 
+def pick_states(draws: torch.Tensor, num_states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct non-fixed states per record, uniformly: the k lowest `draws` (B, S) among
+    indices ``< num_states - 1``. Returns indices (B, k) and whether each pick exists (B, k)
+    (a record with m < k non-fixed states has k - m picks that count nothing)."""
+    S = draws.shape[1]
+    eligible = torch.arange(S)[None, :] < (num_states - 1)[:, None]  # (B, S)
+    keys = torch.where(eligible, draws, torch.full_like(draws, 2.0))
+    order = keys.argsort(dim=1, stable=True)
+    picks = order[:, :k] if k <= S else torch.cat([order, order[:, :1].expand(-1, k - S)], 1)
+    exists = torch.arange(k)[None, :] < (num_states - 1).clamp(min=0)[:, None]
+    return picks, exists
+
+
 def make_micro_batch(
     records: Sequence[TrajectoryRecord], draws: torch.Tensor, *, pad_id: int, block_size: int,
     config: TrainConfig,
 ) -> MicroBatch:
-    """Tensors for `records`; `draws` (B,) uniform in [0, 1) pick each record's state."""
+    """Tensors for `records`; `draws` (B, S) uniform in [0, 1) pick each record's states
+    (`pick_states`; S at least the records' state count)."""
     b = collate(records, pad_id=pad_id, include_augmented=config.augmented)
-    rows = torch.arange(len(records))
-    # j uniform over the non-fixed states; a record that starts at its fixed point counts nothing
-    j = (draws * (b.num_states - 1).clamp(min=1)).long()  # (B,)
-    j_next = torch.minimum(j + 1, b.num_states - 1)
-    state, next_state = b.states[rows, j], b.states[rows, j_next]  # (B, N) each
-    valid = b.block_mask.bool()
-    mask = b.block_mask
-
-    def with_block(block: torch.Tensor) -> Rows:
-        return Rows(b.prefix_ids, b.prefix_mask, block, mask)
-
+    k = config.states_per_record
+    B, S = len(records), b.states.shape[1]
+    if draws.shape[1] < S:
+        raise ValueError(f"draws cover {draws.shape[1]} states, the records hold up to {S}")
+    picks, exists = pick_states(draws[:, :S], b.num_states, k)  # (B, k) each
+    owner = torch.arange(B).repeat_interleave(k)  # (B*k,)
+    j = picks.reshape(-1)
+    j_next = torch.minimum(j + 1, b.num_states[owner] - 1)
+    state, next_state = b.states[owner, j], b.states[owner, j_next]  # (B*k, N) each
+    # a record that starts at its fixed point, or a pick beyond its states, counts nothing
+    valid = b.block_mask.bool()[owner] & exists.reshape(-1)[:, None]
+    fixed = b.fixed_point[owner]
     return MicroBatch(
-        state=with_block(state), fixed_point=with_block(b.fixed_point),
-        next_state=with_block(next_state),
+        fixed_point=Rows(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
+        state=state, next_state=next_state, owner=owner,
         labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
-        gc_mask=losses.gc_mask(state, b.fixed_point, valid),
+        gc_mask=losses.gc_mask(state, fixed, valid, window=config.gc_window),
         lc_mask=losses.lc_mask(state, next_state, valid),
     )
 
@@ -252,51 +272,39 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
     device = next(model.parameters()).device
     mb = mb.to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
-    need_fp = config.uses_gc or config.ar_on_fixed_points
-    # 1. one forward with gradients: the state, the fixed point if AR learns it, the labels
-    grad_groups = {"state": mb.state}
-    if config.ar_on_fixed_points:
-        grad_groups["fixed_point"] = mb.fixed_point
-    if config.ar_on_labels:
-        grad_groups["labels"] = mb.labels
-    with autocast:
-        logits = _split(forward_blocks(model, stack_rows(list(grad_groups.values()), pad_id),
-                                       logits_to_keep=logits_to_keep), grad_groups)
-    # 2. one forward without: the targets not computed above
-    target_groups = {}
-    if need_fp and "fixed_point" not in logits:
-        target_groups["fixed_point"] = mb.fixed_point
+    fp = mb.fixed_point
+    B = len(fp)
+    records = torch.arange(B, device=mb.owner.device)
+    # 1. one forward over the records' prefixes (with gradients), then the blocks that continue
+    #    them: the states (with), the fixed point (with when AR learns it, else a stop-gradient
+    #    target), the next states (stop-gradient, LC)
+    groups = {"state": BlockGroup(mb.state, fp.block_mask[mb.owner], mb.owner, grad=True),
+              "fixed_point": BlockGroup(fp.block_ids, fp.block_mask, records, grad=config.ar_on_fixed_points)}
     if config.uses_lc:
-        target_groups["next_state"] = mb.next_state
-    if target_groups:
-        with torch.no_grad(), autocast:
-            logits |= _split(forward_blocks(model, stack_rows(list(target_groups.values()), pad_id),
-                                            logits_to_keep=logits_to_keep), target_groups)
+        groups["next_state"] = BlockGroup(mb.next_state, fp.block_mask[mb.owner], mb.owner, grad=False)
+    with autocast:
+        logits = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
+                          strict=True))
+        # 2. the AR rows on the ground truth have prefixes of their own
+        if config.ar_on_labels:
+            logits["labels"] = forward_blocks(model, mb.labels, logits_to_keep=logits_to_keep)
     # 3. the terms, each normalised by its global count
     zero = logits["state"].new_zeros(())
     gc = lc = ar = zero
     if config.uses_gc:
-        gc = losses.gc_loss(logits["state"], logits["fixed_point"], mb.gc_mask,
+        gc = losses.gc_loss(logits["state"], logits["fixed_point"][mb.owner], mb.gc_mask,
                             distance=config.distance, normalizer=max(counts.gc, 1))
     if config.uses_lc:
         lc = losses.lc_loss(logits["state"], logits["next_state"], mb.lc_mask,
                             distance=config.distance, normalizer=max(counts.lc, 1))
-    for name in ("fixed_point", "labels"):
-        if name in grad_groups:
-            rows = grad_groups[name]
+    ar_rows = {"fixed_point": fp if config.ar_on_fixed_points else None,
+               "labels": mb.labels if config.ar_on_labels else None}
+    for name, rows in ar_rows.items():
+        if rows is not None:
             ar = ar + losses.ar_loss(logits[name], rows.block_ids, rows.block_mask.bool(),
                                      label_smoothing=config.label_smoothing,
                                      normalizer=max(counts.ar, 1))
     return StepLosses(gc, lc, ar, gc + lc + config.ar_weight * ar)
-
-
-def _split(logits: torch.Tensor, groups: dict[str, Rows]) -> dict[str, torch.Tensor]:
-    """Undo `stack_rows`: each group's rows and its own block width."""
-    out, start = {}, 0
-    for name, rows in groups.items():
-        out[name] = logits[start : start + len(rows), : rows.width]
-        start += len(rows)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,6 +454,7 @@ def train(config: TrainConfig) -> TrainSummary:
         raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
     per_epoch = len(records) // config.batch_size
+    max_states = max(len(r.states) + (len(r.augmented_states) if config.augmented else 0) for r in records)
     total = config.max_steps or config.epochs * per_epoch
     warmup = round(config.warmup_ratio * total)
     digest = data_digest(records)
@@ -525,7 +534,7 @@ def train(config: TrainConfig) -> TrainSummary:
             # 4.1 the global batch: records, one state each, micro-batches, global counts
             torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
             batch = step_records(records, step, batch_size=config.batch_size, seed=config.seed)
-            draws = torch.rand(len(batch), generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
+            draws = torch.rand(len(batch), max_states, generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
             mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
                                     block_size=meta.block_size, config=config)
                    for i in range(0, len(batch), micro)]

@@ -66,9 +66,17 @@ class ScriptedLM(torch.nn.Module):
         keys, _ = past_key_values.update(fake, fake, 0)
         tokens = keys[:, 0, :, 0].long().tolist()  # (B, S + L)
         S = len(tokens[0]) - L
-        mask = attention_mask.tolist() if attention_mask is not None else [[1] * (S + L)] * B
         positions = position_ids.tolist()
         logits = torch.zeros(B, L, self.vocab_size)
+        if attention_mask is not None and attention_mask.dim() == 4:  # a tree: keys per query
+            rows = attention_mask[:, 0].bool().tolist()  # (B, L, S + L)
+            for b in range(B):
+                for i in range(L):
+                    context = [t for t, m in zip(tokens[b], rows[b][i], strict=True) if m]
+                    assert positions[b][i] == len(context) - 1, "position id != tokens before it"
+                    logits[b, i, self.rule(context)] = 1.0
+            return SimpleNamespace(logits=logits)
+        mask = attention_mask.tolist() if attention_mask is not None else [[1] * (S + L)] * B
         for b in range(B):
             for i in range(L):
                 if not mask[b][S + i]:

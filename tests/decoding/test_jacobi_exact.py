@@ -25,7 +25,7 @@ def greedy(
     ).new_tokens[0]
 
 
-@pytest.mark.parametrize("guess", ["prompt", "repeat", "random"])
+@pytest.mark.parametrize("guess", ["prompt", "repeat", "random", "lookup"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_jacobi_equals_greedy(arch, block_size, guess):
     model = tiny_model(arch)

@@ -1,10 +1,12 @@
-"""Decoding engines: greedy autoregressive (the oracle) and Jacobi with fast-forward commit.
+"""Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
+or lossless sampling), and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import IterationEvent, jacobi_decode
+from cllm.decoding.sampling import sample_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode"]
+__all__ = ["DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]

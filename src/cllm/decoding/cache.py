@@ -119,6 +119,50 @@ def attention_mask_for(rc: RowCache, fed: list[int], width: int) -> torch.Tensor
     return torch.cat([past, new], dim=1)
 
 
+def feed_tree(
+    model: torch.nn.Module, rc: RowCache, input_ids: torch.Tensor, offsets: torch.Tensor,
+    tree: torch.Tensor,
+) -> torch.Tensor:
+    """One forward over `input_ids` (B, L) laid out as a tree: token i of row r has position
+    ``lengths[r] + offsets[r, i]`` and attends to the row's valid cache entries and to the fed
+    tokens j with ``tree[r, i, j]`` (each token to itself at least). Several draft branches that
+    share a first token are verified in one forward this way (n-gram recycling). All L entries
+    are appended; `commit_kept` then says which of them each row keeps. Returns logits (B, L, V).
+    """
+    B, L = input_ids.shape
+    device = input_ids.device
+    lengths = torch.tensor(rc.lengths, device=device)
+    position_ids = lengths[:, None] + offsets.to(device)
+    S = rc.physical_length
+    past = rc.valid if rc.valid is not None else torch.ones(B, S, dtype=torch.bool, device=device)
+    own = tree.to(device).bool() | torch.eye(L, dtype=torch.bool, device=device)[None]
+    mask = torch.cat([past.to(device)[:, None, :].expand(B, L, S), own], dim=2)[:, None]  # (B,1,L,S+L)
+    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    return model_forward(model, rc.kv, input_ids, position_ids, mask)
+
+
+def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:
+    """After a forward appended `fed` entries to every row, row r keeps exactly the entries
+    ``kept[r]`` (increasing indices into them); the rest become holes or are cropped."""
+    if all(k == list(range(len(k))) for k in kept):
+        commit(rc, [len(k) for k in kept], fed)
+        return
+    last = max((k[-1] + 1 for k in kept if k), default=0)
+    if fed > last:
+        rc.kv.crop(-(fed - last))
+    B = len(kept)
+    device = _cache_device(rc)
+    if rc.valid is None:
+        rc.valid = torch.ones(B, rc.physical_length - last, dtype=torch.bool, device=device)
+    new = torch.zeros(B, last, dtype=torch.bool, device=rc.valid.device)
+    for r, k in enumerate(kept):
+        new[r, k] = True
+    rc.valid = torch.cat([rc.valid, new], dim=1)
+    rc.lengths = [n + len(k) for n, k in zip(rc.lengths, kept, strict=True)]
+
+
 def commit(rc: RowCache, keep: list[int], fed: int) -> None:
     """After a forward appended `fed` entries to every row, keep the first `keep[r]` of row r.
 
@@ -148,6 +192,20 @@ def select_rows(rc: RowCache, rows: list[int]) -> None:
     if rc.valid is not None:
         rc.valid = rc.valid[index]
     maybe_compact(rc)
+
+
+def fork_rows(rc: RowCache, index: torch.Tensor, *, detach: bool = False) -> RowCache:
+    """A new cache whose row i is a copy of `rc`'s row ``index[i]`` (rows may repeat); `rc` is
+    left as it was. Differentiable unless `detach`: training runs one forward over shared
+    prefixes and several blocks per prefix on their forks (`cllm.rows.forward_shared_prefix`)."""
+    index = index.to(_cache_device(rc))
+    forked = DynamicCache()
+    for i, layer in enumerate(rc.kv.layers):
+        keys, values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        forked.update(keys.detach() if detach else keys, values.detach() if detach else values, i)
+    rows = index.tolist()
+    return RowCache(kv=forked, lengths=[rc.lengths[r] for r in rows],
+                    valid=None if rc.valid is None else rc.valid.index_select(0, index))
 
 
 def maybe_compact(rc: RowCache) -> bool:

@@ -31,9 +31,11 @@ import torch
 
 from cllm.decoding import cache as kv
 from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-GUESSES = ("prompt", "repeat", "random")
+GUESSES = ("prompt", "repeat", "random", "lookup")
+LOOKUP_NGRAM = 3  # the "lookup" guess matches the last 3, else 2, else 1 tokens
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,41 @@ def jacobi_update(state: Sequence[int], committed: int, outputs: Sequence[int]) 
     return list(state[:committed]) + list(outputs[: len(state) - committed])
 
 
+def lookup_continuation(history: Sequence[int], count: int, max_ngram: int = LOOKUP_NGRAM) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the history's last
+    `max_ngram` tokens (else of fewer, down to 1) in the history itself; [] when none occurred
+    (prompt lookup decoding's draft, used here as a Jacobi initial guess)."""
+    h = list(history)
+    for g in range(min(max_ngram, len(h) - 1), 0, -1):
+        tail = h[-g:]
+        for start in range(len(h) - g - 1, -1, -1):  # latest first; must be followed by a token
+            if h[start : start + g] == tail:
+                return h[start + g : start + g + count]
+    return []
+
+
+def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], width: int, count: int,
+                    max_ngram: int = LOOKUP_NGRAM) -> list[list[int]]:
+    """Up to `count` distinct drafts of up to `width` tokens for what follows `history`: the
+    continuations of its last 3 (else 2, else 1) tokens where they occurred before, in the
+    history itself (latest first), then in `recent` sequences (earlier Jacobi states, latest
+    last): the n-gram pool that recycling verifies beside the Jacobi tail."""
+    h = list(history)
+    found: list[list[int]] = []
+    sources = [h] + [list(seq) for seq in reversed(recent)]
+    for g in range(min(max_ngram, len(h)), 0, -1):
+        key = h[-g:]
+        for seq in sources:  # an occurrence must be followed by a token (so not h's own end)
+            for start in range(len(seq) - g - 1, -1, -1):
+                if seq[start : start + g] == key:
+                    cand = seq[start + g : start + g + width]
+                    if cand and cand not in found:
+                        found.append(cand)
+                        if len(found) >= count:
+                            return found
+    return found
+
+
 def make_guess(
     strategy: str,
     count: int,
@@ -79,13 +116,19 @@ def make_guess(
     prompt_tokens: torch.Tensor,
     vocab_size: int,
     generator: torch.Generator | None,
+    history: Sequence[int] = (),
 ) -> list[int]:
-    """`count` guessed tokens to fill a block after its known first token."""
+    """`count` guessed tokens to fill a block after its known first token. `history` (prompt +
+    final tokens, ending with `last_token`) feeds the "lookup" guess."""
     if count == 0:
         return []
     device = generator.device if generator is not None else "cpu"
     if strategy == "repeat":
         return [last_token] * count
+    if strategy == "lookup":  # copy what followed the same n-gram before; the rest as "prompt"
+        found = lookup_continuation(history, count)
+        return found + make_guess("prompt", count - len(found), last_token=last_token,
+                                  prompt_tokens=prompt_tokens, vocab_size=vocab_size, generator=generator)
     if strategy == "prompt":  # the reference: uniform over the row's own prompt tokens
         index = torch.randint(len(prompt_tokens), (count,), generator=generator, device=device)
         return prompt_tokens[index.cpu()].tolist()
@@ -105,6 +148,8 @@ class _Block:
     state: list[int]
     committed: int  # leading tokens of `state` that are final
     trajectory: list[tuple[int, ...]] = field(default_factory=list)
+    # sampling only: per state position, the law its draft was drawn from (None: a guess)
+    laws: list[torch.Tensor | None] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +157,9 @@ class _Row:
     index: int  # batch row
     prompt_tokens: torch.Tensor  # (T_r,) on the CPU, for the "prompt" guess
     generator: torch.Generator | None
+    prompt_list: list[int] = field(default_factory=list)  # the same as a list, for "lookup"
+    recent: list[list[int]] = field(default_factory=list)  # recycling: recent Jacobi states
+    ahead: list[int] = field(default_factory=list)  # multi-block: drafts of the blocks after this one
     known: list[int] = field(default_factory=list)  # final new tokens; the cache lacks the last
     block: _Block | None = None
     next_block_start: int = 0
@@ -128,13 +176,27 @@ class _Settings:
     vocab_size: int
     device: torch.device
     on_iteration: Callable[[IterationEvent], None] | None
+    sampling: Sampling | None = None  # None: greedy
+    recycle: int = 0  # n-gram pool drafts verified beside the Jacobi tail per iteration
+    recycle_width: int = 8  # tokens per pool draft at most
+    blocks_in_flight: int = 1  # > 1: the next blocks' drafts ride behind the current block
 
 
 def _tail(row: _Row) -> list[int]:
-    """What this row feeds next: its block's tail, or (between blocks) its last known token."""
+    """What this row feeds next: its block's tail (then the drafts of the blocks in flight behind
+    it), or (between blocks) its last known token."""
     if row.block is None:
         return [row.known[-1]]
-    return row.block.state[row.block.committed - 1 :]
+    return row.block.state[row.block.committed - 1 :] + row.ahead
+
+
+def _set_drafts(row: _Row, drafts: Sequence[int]) -> None:
+    """Overwrite the first len(drafts) draft positions of the tail (block, then ahead)."""
+    block = row.block
+    c, room = block.committed, len(block.state) - block.committed
+    merged = list(drafts) + (block.state[c:] + row.ahead)[len(drafts) :]
+    block.state = block.state[:c] + merged[:room]
+    row.ahead = merged[room:]
 
 
 def _make_final(row: _Row, tokens: Sequence[int], cfg: _Settings) -> int:
@@ -170,37 +232,71 @@ def _record(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
 
 
 def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
-    """Start the next block(s) whose first token is known: guess the rest, log iteration 0."""
+    """Start the next block(s) whose first token is known: its tokens already final (several,
+    when drafts in flight were accepted across the block boundary), then the drafts in flight,
+    then guesses; log iteration 0."""
     while row.block is None and len(row.known) > row.next_block_start:
         start = row.next_block_start
         size = min(cfg.block_size, cfg.max_new_tokens - start)
-        first = row.known[start]
+        final = row.known[start : start + size]
+        # `ahead` drafted the new tokens from `start` on; the final ones replace their drafts
+        drafted = row.ahead[len(final) : size] if row.ahead else []
+        row.ahead = row.ahead[size:]
         guess = make_guess(
             cfg.guess,
-            size - 1,
-            last_token=first,
+            size - len(final) - len(drafted),
+            last_token=final[-1],
             prompt_tokens=row.prompt_tokens,
             vocab_size=cfg.vocab_size,
             generator=row.generator,
+            history=row.prompt_list + row.known[: start + len(final)] if cfg.guess == "lookup" else (),
         )
-        row.block = _Block(index=row.blocks_opened, start=start, state=[first, *guess], committed=1)
+        row.block = _Block(index=row.blocks_opened, start=start, state=[*final, *drafted, *guess],
+                           committed=len(final), laws=[None] * size)
         row.blocks_opened += 1
         row.next_block_start = start + size
-        _record(row, cfg, stats)  # closes at once when size == 1 or `first` is EOS
+        if cfg.blocks_in_flight > 1:  # keep (blocks_in_flight - 1) blocks of drafts behind it
+            want = min((cfg.blocks_in_flight - 1) * cfg.block_size, cfg.max_new_tokens - start - size)
+            row.ahead = row.ahead[:want]
+            row.ahead += make_guess(cfg.guess, want - len(row.ahead), last_token=row.block.state[-1],
+                                    prompt_tokens=row.prompt_tokens, vocab_size=cfg.vocab_size,
+                                    generator=row.generator, history=())
+        else:
+            row.ahead = []
+        _record(row, cfg, stats)  # closes at once when every token is final or `first` is EOS
 
 
-def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats) -> int:
-    """Apply one forward's argmax outputs for this row's tail; returns the fed tokens to keep."""
+def _sampled_outputs(row: _Row, probs: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    """Sampling's outputs for this row's tail (`verify_drafts`) and the laws of its fresh drafts."""
+    tail, block = _tail(row), row.block
+    laws = block.laws[block.committed :] if block is not None else []
+    outputs, _, fresh = verify_drafts(tail, laws, probs, row.generator)
+    return outputs, fresh
+
+
+def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
+             fresh_laws: list[torch.Tensor] | None = None, accepted: int | None = None) -> int:
+    """Apply one forward's outputs (argmax, or sampling's `verify_drafts`) for this row's tail;
+    returns the fed tokens to keep. `accepted`, when given, caps what is final (a recycled
+    draft's outputs are valid only along its own branch)."""
     tail = _tail(row)
     # 1. fast-forward: the leading fed tokens that equal their predictions are final, and so is
     #    the output after the last of them
-    accepted = accepted_length(tail, outputs)
+    if accepted is None:
+        accepted = accepted_length(tail, outputs)
     stats.accepted.append(_make_final(row, outputs[:accepted], cfg))
     # 2. Jacobi update of the block, then log it (a carry step between blocks has no block)
     block = row.block
     if block is not None:
+        old_committed = block.committed
+        room = len(block.state) - old_committed  # outputs[room + j] is predicted for ahead[j]
+        row.ahead = list(outputs[room : room + len(row.ahead)])
         block.state = jacobi_update(block.state, block.committed, outputs)
         block.committed = min(len(row.known) - block.start, len(block.state))
+        if fresh_laws is not None:  # position old_committed + k holds outputs[k]
+            first_fresh = old_committed + len(outputs) - len(fresh_laws)
+            block.laws = [None] * first_fresh + list(fresh_laws)
+            block.laws = (block.laws + [None] * len(block.state))[: len(block.state)]
         _record(row, cfg, stats)
     # 3. a finished block may have handed over the next block's first token
     _open_blocks(row, cfg, stats)
@@ -235,13 +331,82 @@ def _step(
     ids = torch.tensor([t + t[-1:] * (width - len(t)) for t in tails], device=cfg.device)  # (B, L)
     # 2. forward, argmax at every fed position: the one device sync of the iteration
     logits = kv.feed(model, rc, ids, fed)  # (B, L, V)
-    outputs = logits.argmax(dim=-1).tolist()
     stats.forward_passes += 1
-    # 3. each row accepts what it can; the cache keeps exactly the accepted entries
-    keep = [
-        _advance(row, out[:f], cfg, stats) for row, out, f in zip(rows, outputs, fed, strict=True)
-    ]
+    if cfg.sampling is None:
+        outputs = logits.argmax(dim=-1).tolist()
+        # 3. each row accepts what it can; the cache keeps exactly the accepted entries
+        keep = [
+            _advance(row, out[:f], cfg, stats) for row, out, f in zip(rows, outputs, fed, strict=True)
+        ]
+    else:
+        probs = cfg.sampling.probs(logits)  # (B, L, V)
+        keep = []
+        for r, (row, f) in enumerate(zip(rows, fed, strict=True)):
+            outputs, fresh = _sampled_outputs(row, probs[r, :f])
+            keep.append(_advance(row, outputs, cfg, stats, fresh))
     kv.commit(rc, keep, fed=width)
+
+
+def _step_recycling(
+    model: torch.nn.Module, rc: kv.RowCache, rows: list[_Row], cfg: _Settings, stats: DecodeStats
+) -> None:
+    """One batched forward that verifies, per row, the Jacobi tail and up to `cfg.recycle` pool
+    drafts as branches of a tree (each branch sees the tail's first token, then itself); the
+    branch that gets furthest wins, its KV entries are kept and its tokens become the state."""
+    layouts = []  # per row: tail, drafts, their start index among the fed tokens
+    for row in rows:
+        tail = _tail(row)
+        drafts = []
+        if row.block is not None and len(tail) > 1:
+            history = row.prompt_list + row.known
+            width = min(len(tail) - 1, cfg.recycle_width)
+            drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1)
+                      if d != tail[1 : 1 + len(d)]][: cfg.recycle]
+        starts, n = [], len(tail)
+        for d in drafts:
+            starts.append(n)
+            n += len(d)
+        layouts.append((tail, drafts, starts, n))
+    L = max(n for *_, n in layouts)
+    B = len(rows)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    offsets = torch.zeros(B, L, dtype=torch.long)
+    tree = torch.zeros(B, L, L, dtype=torch.bool)
+    for r, (tail, drafts, starts, n) in enumerate(layouts):
+        t = len(tail)
+        ids[r, :t] = torch.tensor(tail)
+        offsets[r, :t] = torch.arange(t)
+        tree[r, :t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+        for s, d in zip(starts, drafts, strict=True):
+            k = len(d)
+            ids[r, s : s + k] = torch.tensor(d)
+            offsets[r, s : s + k] = torch.arange(1, k + 1)
+            tree[r, s : s + k, 0] = True
+            tree[r, s : s + k, s : s + k] = torch.ones(k, k, dtype=torch.bool).tril()
+        ids[r, n:] = ids[r, n - 1]
+        offsets[r, n:] = offsets[r, n - 1]
+    logits = kv.feed_tree(model, rc, ids.to(cfg.device), offsets, tree)
+    out = logits.argmax(dim=-1).tolist()
+    stats.forward_passes += 1
+    kept = []
+    for r, (row, (tail, drafts, starts, _)) in enumerate(zip(rows, layouts, strict=True)):
+        main = out[r][: len(tail)]
+        best, choice = accepted_length(tail, main), None
+        for s, d in zip(starts, drafts, strict=True):
+            branch_out = [out[r][0], *out[r][s : s + len(d)]]
+            a = accepted_length([tail[0], *d], branch_out)
+            if a > best:
+                best, choice = a, (s, d, branch_out)
+        if choice is None:
+            kept.append(list(range(_advance(row, main, cfg, stats))))
+        else:  # the branch becomes the tail: its tokens in the state, its outputs where it reaches
+            s, d, branch_out = choice
+            _set_drafts(row, d)
+            _advance(row, branch_out + main[len(d) + 1 :], cfg, stats, accepted=best)
+            kept.append([0, *range(s, s + best - 1)])
+        if row.block is not None:  # the pool learns the new state, after its last final token
+            row.recent = (row.recent + [[row.known[-1], *row.block.state[row.block.committed :]]])[-8:]
+    kv.commit_kept(rc, kept, fed=L)
 
 
 @torch.inference_mode()
@@ -256,8 +421,16 @@ def jacobi_decode(
     guess: str = "prompt",
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     on_iteration: Callable[[IterationEvent], None] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    recycle: int = 0,
+    recycle_width: int = 8,
+    blocks_in_flight: int = 1,
 ) -> DecodeOutput:
-    """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token.
+    """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
+    `temperature` > 0, lossless Jacobi sampling: the output is distributed exactly as
+    `sample_decode`'s (speculative-sampling acceptance, `cllm.decoding.sampling`).
 
     Args:
         model: a causal LM (any transformers `*ForCausalLM`), on its own device and dtype.
@@ -268,10 +441,23 @@ def jacobi_decode(
         eos_token_id: a row stops after producing it (or any of them); it is included.
         guess: how a block's unknown tokens start: "prompt" (uniform over the row's own prompt
             tokens, the reference's default), "repeat" (the block's first token), "random"
-            (uniform over the vocabulary).
+            (uniform over the vocabulary), "lookup" (what followed the last 1-3 tokens where
+            they occurred before in the prompt or output, the rest as "prompt").
         generator: seeds the guesses: None (torch's global RNG), one torch.Generator, or one
             per row (a row's guesses then do not depend on its batch mates).
         on_iteration: called with every state of every block of every row (IterationEvent).
+        temperature: 0 (greedy, the default) or > 0 to sample; `top_k` / `top_p` restrict the
+            sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
+            the same seed gives the same output.
+        recycle: n-gram recycling (greedy only): per iteration, verify up to this many drafts
+            from an n-gram pool (the prompt, the output so far, earlier Jacobi states) beside the
+            Jacobi tail in the same forward, as branches of a tree attention mask; the furthest
+            reaching branch is kept. 0 = off. The output stays greedy's.
+        recycle_width: tokens per pool draft at most (a forward's cost grows with its tokens).
+        blocks_in_flight: multi-block decoding (greedy only): with k > 1, the drafts of the
+            next k - 1 blocks are fed behind the current block's tail and refined by the same
+            forwards, so a block starts from refined drafts, and tokens can become final across
+            the block boundary. 1 = one block at a time (the paper).
 
     Returns:
         DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
@@ -281,6 +467,15 @@ def jacobi_decode(
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if guess not in GUESSES:
         raise ValueError(f"unknown guess {guess!r}; expected one of {', '.join(GUESSES)}")
+    sampling = make_sampling(temperature, top_k, top_p)
+    if not isinstance(recycle, int) or recycle < 0:
+        raise ValueError(f"recycle must be an int >= 0, got {recycle!r}")
+    if not isinstance(recycle_width, int) or recycle_width < 1:
+        raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
+    if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
+        raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
+    if (recycle or blocks_in_flight > 1) and sampling is not None:
+        raise ValueError("recycle and blocks_in_flight are for greedy decoding")
     prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
     B = prompt.batch_size
     generators = _generators(generator, B)
@@ -299,12 +494,21 @@ def jacobi_decode(
         vocab_size=logits.shape[-1],
         device=prompt.input_ids.device,
         on_iteration=on_iteration,
+        sampling=sampling,
+        recycle=recycle,
+        recycle_width=recycle_width,
+        blocks_in_flight=blocks_in_flight,
     )
     rows = [
-        _Row(index=r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r])
+        _Row(index=r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
+             prompt_list=prompt.row_tokens(r).tolist() if guess == "lookup" or recycle else [])
         for r in range(B)
     ]
-    for row, token in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+    if sampling is None:
+        firsts = logits.argmax(dim=-1).tolist()
+    else:
+        firsts = [draw(p, row.generator) for p, row in zip(sampling.probs(logits), rows, strict=True)]
+    for row, token in zip(rows, firsts, strict=True):
         stats.accepted.append(_make_final(row, [token], cfg))
         _open_blocks(row, cfg, stats)
 
@@ -319,7 +523,10 @@ def jacobi_decode(
             active = [active[i] for i in still]
         else:
             kv.maybe_compact(rc)
-        _step(model, rc, active, cfg, stats)
+        if cfg.recycle:
+            _step_recycling(model, rc, active, cfg, stats)
+        else:
+            _step(model, rc, active, cfg, stats)
 
     new_tokens = [row.known for row in rows]
     stats.new_tokens = sum(len(t) for t in new_tokens)

@@ -1,0 +1,157 @@
+"""Lossless sampling (temperature > 0, top-k, top-p): the target distribution, plain AR sampling
+(the baseline and oracle), and the speculative-sampling acceptance that lets Jacobi decoding
+sample exactly from it.
+
+Jacobi sampling (used by `jacobi_decode(..., temperature=...)`): every iteration feeds the block's
+tail (its last final token, then the draft tokens) and gets the target distribution `p_i` after
+every fed prefix. Draft `d` at position i was drawn from a known distribution `q` (the previous
+iteration's `p` at that position, computed from a context that may have been wrong; a point mass
+on the guess for the initial guess). Left to right, `d` is accepted with probability
+``min(1, p(d) / q(d))``; at the first rejection the final token is drawn from the normalised
+residual ``max(0, p - q)`` and the drafts after it are redrawn from this iteration's `p`s, with
+those as their new `q`; when every draft is accepted, the token after them is drawn from the last
+`p`. Each final token is then distributed exactly as AR sampling's (speculative sampling, Leviathan
+et al. 2023 / Chen et al. 2023): the drafts are drawn independently of the acceptance draws, and
+`q` is the law each was drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cllm.decoding import cache as kv
+from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.stats import DecodeOutput, DecodeStats
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The distribution every sampler draws from: softmax(logits / temperature), restricted to the
+    `top_k` most likely tokens and to the smallest set whose probability reaches `top_p`."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 to sample, got {self.temperature!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float32 probabilities of the processed distribution."""
+        scores = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = scores.softmax(-1)
+        if self.top_p is not None and self.top_p < 1:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
+            drop_sorted = before >= self.top_p  # the most likely token is always kept
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+def make_sampling(temperature: float, top_k: int | None, top_p: float | None) -> Sampling | None:
+    """None (greedy) for temperature 0, else the validated `Sampling`."""
+    if temperature is None or temperature == 0:
+        return None
+    return Sampling(float(temperature), top_k, top_p)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def verify_drafts(
+    tail: Sequence[int], drafts_q: Sequence[torch.Tensor | None], probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int, list[torch.Tensor]]:
+    """One iteration's outputs for a tail under sampling.
+
+    tail: the fed tokens, `tail[0]` final, `tail[1:]` drafts; drafts_q[i]: the law `tail[i+1]` was
+    drawn from (None: a point mass on it); probs: (len(tail), V), `probs[i]` the target law after
+    `tail[:i+1]`. Returns ``outputs`` in the greedy engine's shape (`outputs[i]` is the token for
+    position i+1, so the accepted drafts equal the tail and `accepted_length` counts them),
+    the number of accepted drafts `a`, and the laws of the fresh drafts ``outputs[a+1:]``.
+    """
+    outputs: list[int] = []
+    a = 0
+    for i, d in enumerate(tail[1:]):
+        p, q = probs[i], drafts_q[i]
+        qd = 1.0 if q is None else float(q[d])
+        u = float(torch.rand((), generator=generator, device=probs.device))
+        if qd > 0 and u * qd < float(p[d]):  # accept with probability min(1, p(d) / q(d))
+            outputs.append(d)
+            a += 1
+            continue
+        residual = p.clone()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = (p - q).clamp(min=0)
+        if not float(residual.sum()) > 0:  # only by float round-off: p == q
+            residual = p
+        outputs.append(draw(residual / residual.sum(), generator))
+        break
+    else:
+        outputs.append(draw(probs[len(tail) - 1], generator))  # every draft accepted: the next token
+    fresh = [probs[i] for i in range(len(outputs), len(tail))]
+    outputs += [draw(p, generator) for p in fresh]
+    return outputs, a, fresh
+
+
+@torch.inference_mode()
+def sample_decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 128,
+    eos_token_id: int | Iterable[int] | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+) -> DecodeOutput:
+    """Plain autoregressive sampling, one token per row per forward, KV cache: the baseline
+    (`cllm_ar_sampling`) and the law Jacobi sampling must reproduce. `generator`: None, one, or
+    one per row (a row's draws then do not depend on its batch mates)."""
+    from cllm.decoding.jacobi import _generators
+
+    sampling = Sampling(float(temperature), top_k, top_p)
+    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    B, eos = prompt.batch_size, eos_set(eos_token_id)
+    generators = _generators(generator, B)
+    new_tokens: list[list[int]] = [[] for _ in range(B)]
+    stats = DecodeStats()
+    if max_new_tokens == 0:
+        return DecodeOutput(new_tokens=new_tokens, forward_passes=0, stats=stats)
+    rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
+    stats.forward_passes = 1
+    active = [True] * B
+    while True:
+        probs = sampling.probs(logits)  # (B, V)
+        next_ids = [draw(probs[r], generators[r]) if active[r] else 0 for r in range(B)]
+        for r, token in enumerate(next_ids):
+            if active[r]:
+                new_tokens[r].append(token)
+                stats.accepted.append(1)
+                active[r] = token not in eos and len(new_tokens[r]) < max_new_tokens
+        if not any(active):
+            break
+        ids = torch.tensor(next_ids, device=prompt.input_ids.device)[:, None]
+        logits = kv.feed(model, rc, ids, fed=[1] * B)[:, -1]
+        kv.commit(rc, keep=[1] * B, fed=1)
+        stats.forward_passes += 1
+    stats.new_tokens = sum(len(t) for t in new_tokens)
+    return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)

@@ -1,0 +1,107 @@
+"""The "lookup" initial guess: what followed the same n-gram earlier (prompt lookup's draft)."""
+
+import pytest
+import torch
+
+from cllm import greedy_decode, jacobi_decode
+from cllm.decoding.jacobi import lookup_continuation, pool_candidates
+from tests.decoding.conftest import tiny_model
+from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
+
+
+def test_lookup_copies_what_followed_the_latest_longest_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7]
+    # last 3 tokens (2, 6, 7) never occurred before; (6, 7) did, latest at 5..6, followed by 1, 2
+    assert lookup_continuation(history, 3) == [1, 2, 6]
+    assert lookup_continuation(history, 1) == [1]
+    # only a 1-gram match: 4 occurred at index 0
+    assert lookup_continuation([4, 3, 2, 4], 5) == [3, 2, 4]
+    # cut at the end of the history
+    assert lookup_continuation([1, 2, 3, 1, 2], 10) == [3, 1, 2]
+    assert lookup_continuation([1, 2, 3], 4) == []
+    assert lookup_continuation([1], 4) == []
+
+
+LOOP = Script(prompt=(2, 3, 20, 21, 22, 23, 24, 25, 2, 3), continuation=(20, 21, 22, 23, 24, 25, 2, 3) * 4)
+PLAIN = Script(prompt=(4, 5, 6), continuation=tuple(range(50, 80)))  # nothing to look up
+
+
+def test_lookup_guess_follows_a_loop_a_block_per_forward():
+    """Block 8, 24 tokens of a loop the prompt already shows; JUNK after any wrong context.
+    prefill -> 20; block (20 | 21..25 2 3) looked up: 1 forward accepts all 8 and hands over the
+    next first token (20), twice more: 24 tokens in 1 + 3 forwards (greedy: 24)."""
+    model = ScriptedLM(scripted_rule(LOOP))
+    out = jacobi_decode(model, torch.tensor([LOOP.prompt]), block_size=8, max_new_tokens=24, guess="lookup")
+    assert out.new_tokens[0] == list(LOOP.continuation[:24])
+    assert out.forward_passes == model.calls == 4
+    prompt_guess = jacobi_decode(ScriptedLM(scripted_rule(LOOP)), torch.tensor([LOOP.prompt]), block_size=8,
+                                 max_new_tokens=24, guess="prompt", generator=torch.Generator().manual_seed(0))
+    assert prompt_guess.new_tokens == out.new_tokens and prompt_guess.forward_passes > 4
+
+
+def test_lookup_guess_in_a_padded_batch_equals_greedy():
+    model = ScriptedLM(scripted_rule(LOOP, PLAIN))
+    ids = torch.tensor([list(LOOP.prompt), [0] * 7 + list(PLAIN.prompt)])
+    mask = (torch.arange(10)[None, :] >= torch.tensor([[0], [7]])).long()
+    expected = greedy_decode(model, ids, mask, max_new_tokens=21).new_tokens
+    out = jacobi_decode(model, ids, mask, block_size=5, max_new_tokens=21, guess="lookup",
+                        generator=torch.Generator().manual_seed(1))
+    assert out.new_tokens == expected
+    assert expected[0] == list(LOOP.continuation[:21]) and expected[1] == list(PLAIN.continuation[:21])
+
+
+# ------------------------------------------------------------------------------------------
+# N-gram recycling: pool drafts verified beside the Jacobi tail in one tree-masked forward
+
+
+def test_pool_candidates_search_the_history_then_recent_states():
+    history = [1, 2, 3, 9, 2, 3, 7, 2, 3]
+    # key (2, 3): latest earlier occurrence first (-> 7 2 3), then the earlier one (-> 9 2 3)
+    assert pool_candidates(history, [], 3, 2) == [[7, 2, 3], [9, 2, 3]]
+    # then recent Jacobi states; shorter keys after longer ones
+    assert pool_candidates([5, 6], [[6, 8, 8]], 2, 3) == [[8, 8]]
+    assert pool_candidates([5], [], 2, 3) == []
+
+
+@pytest.mark.parametrize("recycle", [1, 3])
+@pytest.mark.parametrize("block_size", [2, 7, 16])
+def test_recycling_equals_greedy(arch, block_size, recycle):
+    model = tiny_model(arch)
+    for seed, length in [(21, 4), (22, 15)]:
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(2, 64, (1, length), generator=g).repeat(1, 3)  # repeats: the pool has hits
+        expected = greedy_decode(model, prompt, max_new_tokens=37).new_tokens
+        out = jacobi_decode(model, prompt, block_size=block_size, max_new_tokens=37, recycle=recycle,
+                            generator=torch.Generator().manual_seed(seed))
+        assert out.new_tokens == expected, (arch, block_size, recycle, seed)
+        assert out.forward_passes <= 37
+
+
+def test_recycling_in_a_padded_batch_with_eos_equals_greedy(arch):
+    model = tiny_model(arch)
+    prompts = [torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n)).repeat(1, 2) for n in (3, 8, 5)]
+    T = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, T - p.shape[1]:], mask[r, T - p.shape[1]:] = p[0], 1
+    full = greedy_decode(model, ids, mask, max_new_tokens=30).new_tokens
+    eos = full[1][9]
+    expected = greedy_decode(model, ids, mask, max_new_tokens=30, eos_token_id=eos).new_tokens
+    out = jacobi_decode(model, ids, mask, block_size=6, max_new_tokens=30, eos_token_id=eos, recycle=2,
+                        generator=torch.Generator().manual_seed(0))
+    assert out.new_tokens == expected
+
+
+def test_recycling_follows_a_loop_even_with_junk_guesses():
+    """The scripted loop with guess "random": plain Jacobi crawls (JUNK after any wrong token);
+    recycling finds the loop in the prompt and verifies it beside the junk tail."""
+    model = ScriptedLM(scripted_rule(LOOP))
+    plain = jacobi_decode(model, torch.tensor([LOOP.prompt]), block_size=8, max_new_tokens=24, guess="random",
+                          generator=torch.Generator().manual_seed(0))
+    model = ScriptedLM(scripted_rule(LOOP))
+    recycled = jacobi_decode(model, torch.tensor([LOOP.prompt]), block_size=8, max_new_tokens=24, guess="random",
+                             generator=torch.Generator().manual_seed(0), recycle=1)
+    assert recycled.new_tokens == plain.new_tokens == [list(LOOP.continuation[:24])]
+    assert recycled.forward_passes <= 7 < plain.forward_passes

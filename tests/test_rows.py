@@ -1,0 +1,72 @@
+"""Training forwards: the shared-prefix forward computes what separate rows compute."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cllm.rows import BlockGroup, forward_blocks, forward_shared_prefix, rows_from_lists
+from cllm.train import pick_states
+
+
+def tiny(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).float()
+
+
+def test_shared_prefix_forward_equals_separate_rows_in_values_and_gradients():
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    # blocks: two per prefix for rows 0 and 2, one for row 1, some shorter (right-padded)
+    owner = [0, 0, 1, 2, 2]
+    blocks = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (6, 6, 4, 6, 2)]
+    model = tiny()
+    separate = rows_from_lists([prefixes[o] for o in owner], blocks, pad_id=0)
+    model.zero_grad()
+    expected = forward_blocks(model, separate)
+    valid = separate.block_mask.bool()
+    (expected.square().mean(-1)[valid]).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+
+    shared = rows_from_lists(prefixes, [[1]] * 3, pad_id=0)
+    model.zero_grad()
+    (got,) = forward_shared_prefix(model, shared.prefix_ids, shared.prefix_mask,
+                                   [BlockGroup(separate.block_ids, separate.block_mask, torch.tensor(owner))])
+    (got.square().mean(-1)[valid]).sum().backward()
+    assert torch.allclose(got[valid], expected[valid], atol=1e-5)
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert torch.allclose(p.grad, w, atol=1e-5)
+
+
+def test_stop_gradient_group_keeps_no_graph_and_matches():
+    g = torch.Generator().manual_seed(2)
+    prefixes = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (4, 7)]
+    blocks = [torch.randint(1, 40, (5,), generator=g).tolist() for _ in range(2)]
+    model = tiny(3)
+    expected = forward_blocks(model, rows_from_lists(prefixes, blocks, pad_id=0))
+    rows = rows_from_lists(prefixes, blocks, pad_id=0)
+    (got,) = forward_shared_prefix(model, rows.prefix_ids, rows.prefix_mask,
+                                   [BlockGroup(rows.block_ids, rows.block_mask, torch.arange(2), grad=False)])
+    assert not got.requires_grad
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_pick_states_draws_distinct_non_fixed_states_uniformly(k):
+    num_states = torch.tensor([1, 2, 4, 9])  # non-fixed states: 0, 1, 3, 8
+    counts = torch.zeros(4, 9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        picks, exists = pick_states(torch.rand(4, 9, generator=g), num_states, k)
+        assert picks.shape == exists.shape == (4, k)
+        for b in range(4):
+            real = picks[b][exists[b]].tolist()
+            assert len(real) == min(k, int(num_states[b]) - 1) == len(set(real))
+            assert all(j < num_states[b] - 1 for j in real)
+            for j in real:
+                counts[b, j] += 1
+    # record 3: each of its 8 non-fixed states is picked with probability k/8
+    share = counts[3, :8] / 2000
+    assert torch.allclose(share, torch.full((8,), k / 8), atol=0.05)
+    assert counts[0].sum() == 0
