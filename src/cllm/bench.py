@@ -535,7 +535,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     for m in methods:
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
-                                         target_ar=outputs["target_ar"], jacobi="jacobi" in m.name)
+                                         target_ar=outputs["target_ar"], jacobi="jacobi" in m.name or m.name == "target_lookahead")
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)

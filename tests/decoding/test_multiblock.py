@@ -54,7 +54,7 @@ def test_tokens_become_final_across_the_block_boundary():
     assert two.forward_passes < one.forward_passes
 
 
-def test_multiblock_and_recycling_refuse_sampling():
+def test_multiblock_refuses_sampling():
     with pytest.raises(ValueError, match="greedy"):
         jacobi_decode(tiny_model("llama"), torch.tensor([[5, 6]]), temperature=1.0, blocks_in_flight=2)
     with pytest.raises(ValueError, match="blocks_in_flight"):

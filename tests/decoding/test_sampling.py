@@ -61,6 +61,15 @@ def test_jacobi_sampling_has_the_law_of_ar_sampling(model, settings):
     assert max(ar.values()) / N > 2 / VOCAB**2
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_jacobi_sampling_with_pool_drafts_keeps_the_law(model, temperature):
+    """Recycling under sampling: pool drafts (point-mass laws) replace Jacobi drafts."""
+    ar = joint_law(lambda ids, **kw: sample_decode(model, ids, **kw), 4, temperature=temperature)
+    jac = joint_law(lambda ids, **kw: jacobi_decode(model, ids, block_size=4, recycle=1, **kw), 5,
+                    temperature=temperature)
+    assert tv(ar, jac) < BOUND, (tv(ar, jac), BOUND)
+
+
 def test_a_wrong_acceptance_rule_fails_the_same_check(model, monkeypatch):
     def accept_everything(tail, laws, probs, generator):
         outputs, _, fresh = verify_drafts(tail, laws, probs, generator)

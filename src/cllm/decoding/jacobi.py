@@ -266,6 +266,22 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
         _record(row, cfg, stats)  # closes at once when every token is final or `first` is EOS
 
 
+def _swap_in_pool_draft(row: _Row, cfg: _Settings) -> None:
+    """Sampling with recycling: the first pool draft (chosen from final tokens and earlier states
+    only, so independent of this forward's draws) takes the tail's draft positions, with a point
+    mass as its law; verification stays exact. (Greedy verifies several drafts in a tree.)"""
+    block = row.block
+    if block is None or block.committed == len(block.state):
+        return
+    width = min(len(block.state) - block.committed, cfg.recycle_width)
+    found = pool_candidates(row.prompt_list + row.known, row.recent, width, 1)
+    if found:
+        d = found[0]
+        _set_drafts(row, d)
+        c = block.committed
+        block.laws[c : c + len(d)] = [None] * len(d)
+
+
 def _sampled_outputs(row: _Row, probs: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
     """Sampling's outputs for this row's tail (`verify_drafts`) and the laws of its fresh drafts."""
     tail, block = _tail(row), row.block
@@ -324,6 +340,9 @@ def _step(
     model: torch.nn.Module, rc: kv.RowCache, rows: list[_Row], cfg: _Settings, stats: DecodeStats
 ) -> None:
     """One batched forward: every active row feeds its tail and advances."""
+    if cfg.recycle and cfg.sampling is not None:  # sampling: a pool draft replaces the Jacobi drafts
+        for row in rows:
+            _swap_in_pool_draft(row, cfg)
     # 1. right-pad the tails to the longest (the pad repeats a real token and is masked)
     tails = [_tail(row) for row in rows]
     fed = [len(t) for t in tails]
@@ -344,6 +363,8 @@ def _step(
         for r, (row, f) in enumerate(zip(rows, fed, strict=True)):
             outputs, fresh = _sampled_outputs(row, probs[r, :f])
             keep.append(_advance(row, outputs, cfg, stats, fresh))
+            if cfg.recycle and row.block is not None:  # the pool learns the new state
+                row.recent = (row.recent + [[row.known[-1], *row.block.state[row.block.committed :]]])[-8:]
     kv.commit(rc, keep, fed=width)
 
 
@@ -449,10 +470,11 @@ def jacobi_decode(
         temperature: 0 (greedy, the default) or > 0 to sample; `top_k` / `top_p` restrict the
             sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
             the same seed gives the same output.
-        recycle: n-gram recycling (greedy only): per iteration, verify up to this many drafts
-            from an n-gram pool (the prompt, the output so far, earlier Jacobi states) beside the
-            Jacobi tail in the same forward, as branches of a tree attention mask; the furthest
-            reaching branch is kept. 0 = off. The output stays greedy's.
+        recycle: n-gram recycling: per iteration, verify up to this many drafts from an n-gram
+            pool (the prompt, the output so far, earlier Jacobi states) beside the Jacobi tail in
+            the same forward, as branches of a tree attention mask; the furthest reaching branch
+            is kept. 0 = off. The output stays greedy's. When sampling, the first pool draft
+            replaces the Jacobi drafts instead (one branch; the law stays exact).
         recycle_width: tokens per pool draft at most (a forward's cost grows with its tokens).
         blocks_in_flight: multi-block decoding (greedy only): with k > 1, the drafts of the
             next k - 1 blocks are fed behind the current block's tail and refined by the same
@@ -474,8 +496,8 @@ def jacobi_decode(
         raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
     if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
         raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
-    if (recycle or blocks_in_flight > 1) and sampling is not None:
-        raise ValueError("recycle and blocks_in_flight are for greedy decoding")
+    if blocks_in_flight > 1 and sampling is not None:
+        raise ValueError("blocks_in_flight is for greedy decoding")
     prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
     B = prompt.batch_size
     generators = _generators(generator, B)
@@ -523,7 +545,7 @@ def jacobi_decode(
             active = [active[i] for i in still]
         else:
             kv.maybe_compact(rc)
-        if cfg.recycle:
+        if cfg.recycle and cfg.sampling is None:
             _step_recycling(model, rc, active, cfg, stats)
         else:
             _step(model, rc, active, cfg, stats)
