@@ -97,6 +97,13 @@ def test_generate_streams_jacobi_text_equal_to_greedy_decoding(plain, oracle, ca
         assert "tokens/forward" in err and "tokens/s" in err
 
 
+def test_generate_with_recycling_and_blocks_in_flight_is_still_greedy(plain, oracle, capsys):
+    for prompt in PROMPTS:
+        code, out, _ = run(capsys, "generate", "--model", plain, "--prompt", prompt, "--max-new-tokens", NEW,
+                           "--block-size", 6, "--recycle", 2, "--blocks-in-flight", 2)
+        assert code == 0 and out == oracle.text(prompt) + "\n"
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_generate_ar_and_jacobi_agree(plain, capsys, block_size):
     args = ["generate", "--model", plain, "--prompt", "class A:", "--max-new-tokens", NEW]
