@@ -66,3 +66,16 @@ def test_bad_distill_input_is_a_one_line_error(setup, tmp_path, capsys):
     assert cli_main(["distill", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm distill: error:") and "\n" not in err and "not found" in err
+
+
+def test_a_second_round_recollects_with_the_first_cllm_and_trains_it_further(setup, distilled):
+    from cllm.models import fingerprint
+
+    out = setup[0] / "out"
+    result = distill(config(setup, rounds=2))
+    assert result.skipped[0] == "train round 1"
+    meta = json.loads((out / "trajectories-round2" / "meta.json").read_text())
+    assert meta["model_fingerprint"] == fingerprint(out / "model")  # on-policy: the round-1 CLLM
+    assert (out / "model-round2" / "model.safetensors").is_file()
+    assert result.evaluation["cllm_fingerprint"] == fingerprint(out / "model-round2")
+    assert all(v == 1.0 for v in result.evaluation["cllm_jacobi_equals_greedy"].values())

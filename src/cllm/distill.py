@@ -7,6 +7,10 @@ consistency-train, evaluate target against CLLM.
     OUT/evaluation.json   target vs CLLM on held-out prompts: Jacobi tokens per forward at each
                           block size, CLLM Jacobi == CLLM greedy, AR validation loss, agreement
     OUT/distill_config.json
+    OUT/trajectories-round2/, OUT/model-round2/, ...   with --rounds k: round r re-collects the
+                          trajectories with round r-1's CLLM (on-policy: the CLLM's own
+                          trajectories and fixed points) and trains it further; the last
+                          round's model is the result
 
 Rerunning the same command skips every stage that is done (collection skips finished prompts,
 training a finished run, evaluation an up-to-date evaluation.json) and continues an
@@ -69,6 +73,7 @@ class DistillConfig:
     eval_interval: int = field(default=100, metadata={"help": "evaluate during training every N steps"})
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
+    rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
     # evaluation
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set for the evaluations"})
     eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
@@ -77,7 +82,7 @@ class DistillConfig:
     eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluations"})
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size"):
+        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size", "rounds"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not self.eval_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.eval_block_sizes):
@@ -86,18 +91,27 @@ class DistillConfig:
             raise UserError("out must name a directory")
         self.train_config()  # validates the training options
 
-    def collect_config(self):
+    def round_model(self, round_: int) -> str:
+        """What round `round_` starts from: the target, then the previous round's CLLM."""
+        return self.model if round_ == 1 else str(self.round_dir(round_ - 1, "model"))
+
+    def round_dir(self, round_: int, kind: str) -> Path:
+        """OUT/trajectories and OUT/model for round 1, OUT/{kind}-round{k} after."""
+        return Path(self.out) / (kind if round_ == 1 else f"{kind}-round{round_}")
+
+    def collect_config(self, round_: int = 1):
         from cllm.collect import CollectConfig
 
-        return CollectConfig(model=self.model, prompts=self.prompts, out=str(Path(self.out) / "trajectories"),
+        return CollectConfig(model=self.round_model(round_), prompts=self.prompts,
+                             out=str(self.round_dir(round_, "trajectories")),
                              block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                              max_prompts=self.max_prompts, guess=self.guess, seed=self.seed,
                              batch_size=self.collect_batch_size)
 
-    def train_config(self) -> TrainConfig:
-        out = Path(self.out)
+    def train_config(self, round_: int = 1) -> TrainConfig:
         return TrainConfig(
-            model=self.model, data=str(out / "trajectories"), out=str(out / "model"),
+            model=self.round_model(round_), data=str(self.round_dir(round_, "trajectories")),
+            out=str(self.round_dir(round_, "model")),
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window,
             ar_target=self.ar_target, label_smoothing=self.label_smoothing, lr=self.lr,
@@ -227,20 +241,19 @@ def distill(config: DistillConfig) -> DistillSummary:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
     resolve_model_path(config.model)  # a missing model fails before the prompt set is read
-    collect_config, train_config = config.collect_config(), config.train_config()
     state = PartialState()
     skipped: list[str] = []
-
-    # 1. trajectories (collect skips the prompts it already finished)
-    collect(collect_config)
-    if state.is_main_process:
-        write_config(config, out / "distill_config.json")
-
-    # 2. the CLLM (train resumes from its checkpoint; a finished run with this config is kept)
-    if _train_done(train_config):
-        skipped.append("train")
-    else:
-        train(train_config)
+    for round_ in range(1, config.rounds + 1):
+        collect_config, train_config = config.collect_config(round_), config.train_config(round_)
+        # 1. trajectories (collect skips the prompts it already finished)
+        collect(collect_config)
+        if state.is_main_process:
+            write_config(config, out / "distill_config.json")
+        # 2. the CLLM (train resumes from its checkpoint; a finished run with this config is kept)
+        if _train_done(train_config):
+            skipped.append("train" if config.rounds == 1 else f"train round {round_}")
+        else:
+            train(train_config)
     model_dir = Path(train_config.out)
 
     # 3. target vs CLLM, on the main process
