@@ -76,7 +76,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
     q, d = result["quality"], result["decoding"]
-    lines = [f"# CLLM vs target: tokens per forward and quality\n",
+    lines = ["# CLLM vs target: tokens per forward and quality\n",
              f"`python scripts/evaluate_cllm.py --target {args.target} --cllm {args.cllm} --count {args.count} "
              f"--out {args.out}` ({args.prompts}, first {args.count} prompts, greedy, {args.max_new_tokens} new "
              f"tokens, {args.threads} thread(s)).\n",

@@ -37,11 +37,6 @@ class Rows:
         return Rows(*(t.to(device) for t in (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)))
 
 
-def _pad(t: torch.Tensor, width: int, value: int, *, left: bool) -> torch.Tensor:
-    extra = width - t.shape[1]
-    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
-
-
 def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> Rows:
     P, N = max(map(len, prefixes)), max(map(len, blocks))
     ids = torch.full((len(prefixes), P), pad_id, dtype=torch.long)
@@ -54,18 +49,6 @@ def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence
         if b:
             bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
     return Rows(ids, pmask, bids, bmask)
-
-
-def stack_rows(groups: Sequence[Rows], pad_id: int) -> Rows:
-    """Rows of several groups as one batch: prefixes padded on the left, blocks on the right."""
-    P = max(g.prefix_ids.shape[1] for g in groups)
-    N = max(g.width for g in groups)
-    return Rows(
-        torch.cat([_pad(g.prefix_ids, P, pad_id, left=True) for g in groups]),
-        torch.cat([_pad(g.prefix_mask, P, 0, left=True) for g in groups]),
-        torch.cat([_pad(g.block_ids, N, pad_id, left=False) for g in groups]),
-        torch.cat([_pad(g.block_mask, N, 0, left=False) for g in groups]),
-    )
 
 
 def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.Tensor:

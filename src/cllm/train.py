@@ -57,7 +57,14 @@ from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
 from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
-from cllm.rows import BlockGroup, Rows, derived_seed, forward_blocks, forward_shared_prefix, rows_from_lists
+from cllm.rows import (
+    BlockGroup,
+    Rows,
+    derived_seed,
+    forward_blocks,
+    forward_shared_prefix,
+    rows_from_lists,
+)
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 log = logging.getLogger(__name__)
