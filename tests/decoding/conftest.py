@@ -80,3 +80,13 @@ def assert_same_tokens(
         f"lengths {len(expected)} vs {len(got)}); top-2 logit margin there {margin:.3g} "
         f"({'a numerical near-tie' if margin < 1e-3 else 'NOT a near-tie: a bug'})"
     )
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, T - p.shape[1] :] = p[0]
+        mask[r, T - p.shape[1] :] = 1
+    return ids, mask

@@ -3,13 +3,12 @@
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import random_prompt, tiny_model
-from tests.decoding.test_jacobi_exact import _left_padded
+from tests.decoding.conftest import left_padded, random_prompt, tiny_model
 
 
 def test_greedy_equals_hf_generate_on_a_left_padded_batch():
     model = tiny_model("llama")
-    ids, mask = _left_padded([random_prompt(41, 4), random_prompt(42, 9)])
+    ids, mask = left_padded([random_prompt(41, 4), random_prompt(42, 9)])
     eos = 1  # the config's EOS: generate stops rows there too and pads them after it
     ours = greedy_decode(model, ids, mask, max_new_tokens=20, eos_token_id=eos)
     hf = model.generate(
@@ -34,7 +33,7 @@ def test_greedy_counts_one_forward_per_token_prefill_included():
 
 def test_greedy_stops_each_row_at_its_eos_and_includes_it():
     model = tiny_model("qwen2")
-    ids, mask = _left_padded([random_prompt(44, 6), random_prompt(45, 3)])
+    ids, mask = left_padded([random_prompt(44, 6), random_prompt(45, 3)])
     full = greedy_decode(model, ids, mask, max_new_tokens=20).new_tokens
     eos = full[0][4]
     stop = full[0].index(eos)

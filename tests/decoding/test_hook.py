@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from cllm import IterationEvent, greedy_decode, jacobi_decode
-from tests.decoding.conftest import random_prompt, tiny_model
-from tests.decoding.test_jacobi_exact import _left_padded
+from tests.decoding.conftest import left_padded, random_prompt, tiny_model
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_events_are_well_formed_and_fixed_points_join_into_greedy(block_size):
     model = tiny_model("phi3")
-    ids, mask = _left_padded([random_prompt(51, 4), random_prompt(52, 8)])
+    ids, mask = left_padded([random_prompt(51, 4), random_prompt(52, 8)])
     max_new = 23
     events: list[IterationEvent] = []
     out = jacobi_decode(

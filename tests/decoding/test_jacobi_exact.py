@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import assert_same_tokens, random_prompt, tiny_model
+from tests.decoding.conftest import assert_same_tokens, left_padded, random_prompt, tiny_model
 
 BLOCK_SIZES = [1, 2, 7, 16, 32]
 MAX_NEW = 37  # a multiple of none of the block sizes above 1
@@ -85,21 +85,11 @@ def test_jacobi_stops_at_eos_inside_a_block(arch, block_size):
     assert last.state[last.committed - 1] == eos
 
 
-def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros(len(prompts), T, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, T - p.shape[1] :] = p[0]
-        mask[r, T - p.shape[1] :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("block_size", [2, 7, 16])
 def test_left_padded_batch_rows_equal_rows_decoded_alone(arch, block_size):
     model = tiny_model(arch)
     shapes = [(21, 3), (22, 10), (23, 6)]
-    ids, mask = _left_padded([random_prompt(s, n) for s, n in shapes])
+    ids, mask = left_padded([random_prompt(s, n) for s, n in shapes])
     generators = [torch.Generator().manual_seed(s) for s, _ in shapes]
     batch_greedy = greedy_decode(model, ids, mask, max_new_tokens=MAX_NEW)
     batch_jacobi = jacobi_decode(
@@ -123,7 +113,7 @@ def test_batch_stays_exact_when_the_cache_is_compacted_at_every_step(arch, monke
     monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)
     model = tiny_model(arch)
     shapes = [(21, 3), (22, 10), (23, 6)]
-    ids, mask = _left_padded([random_prompt(s, n) for s, n in shapes])
+    ids, mask = left_padded([random_prompt(s, n) for s, n in shapes])
     out = jacobi_decode(model, ids, mask, block_size=7, max_new_tokens=MAX_NEW, guess="repeat")
     for r, (seed, length) in enumerate(shapes):
         prompt = random_prompt(seed, length)[0].tolist()
@@ -135,7 +125,7 @@ def test_batch_stays_exact_when_the_cache_is_compacted_at_every_step(arch, monke
 def test_per_row_generators_make_guesses_independent_of_batch_mates():
     model = tiny_model("llama")
     shapes = [(31, 5), (32, 7)]
-    ids, mask = _left_padded([random_prompt(s, n) for s, n in shapes])
+    ids, mask = left_padded([random_prompt(s, n) for s, n in shapes])
 
     def states(ids, mask, seeds):
         events = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import tiny_model
+from tests.decoding.conftest import left_padded, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
 
 
@@ -26,11 +26,7 @@ def test_multiblock_equals_greedy(arch, block_size, blocks, recycle):
 def test_multiblock_in_a_padded_batch_with_eos_equals_greedy(arch):
     model = tiny_model(arch)
     prompts = [torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 5)]
-    T = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, T - p.shape[1]:], mask[r, T - p.shape[1]:] = p[0], 1
+    ids, mask = left_padded(prompts)
     full = greedy_decode(model, ids, mask, max_new_tokens=30).new_tokens
     eos = full[0][13]
     expected = greedy_decode(model, ids, mask, max_new_tokens=30, eos_token_id=eos).new_tokens

@@ -6,7 +6,7 @@ token ids only; it knows nothing of tokenizers or chat templates.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -37,6 +37,21 @@ def greedy_decode(
         DecodeOutput; `forward_passes` equals the longest row's number of new tokens (the
         prefill produces every row's first token).
     """
+    return autoregressive(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                          eos_token_id=eos_token_id, choose=lambda logits: logits.argmax(dim=-1).tolist())
+
+
+def autoregressive(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | Iterable[int] | None,
+    choose: Callable[[torch.Tensor], list[int]],
+) -> DecodeOutput:
+    """One token per row per forward: `choose` maps the last logits (B, V) to the next tokens
+    (argmax for greedy decoding, a draw for `sample_decode`)."""
     prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
     eos = eos_set(eos_token_id)
     B = prompt.batch_size
@@ -48,11 +63,11 @@ def greedy_decode(
     # 1. prefill: one forward over the prompts gives every row its first token
     rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
     stats.forward_passes = 1
-    next_ids = logits.argmax(dim=-1)  # (B,)
     active = [True] * B
     while True:
         # 2. record the new token of every row still running (one device sync per step)
-        for r, token in enumerate(next_ids.tolist()):
+        next_ids = choose(logits)
+        for r, token in enumerate(next_ids):
             if active[r]:
                 new_tokens[r].append(token)
                 stats.accepted.append(1)
@@ -60,10 +75,10 @@ def greedy_decode(
         if not any(active):
             break
         # 3. feed it back; finished rows ride along and their outputs are ignored
-        logits = kv.feed(model, rc, next_ids[:, None], fed=[1] * B)  # (B, 1, V)
+        ids = torch.tensor(next_ids, device=prompt.input_ids.device)[:, None]
+        logits = kv.feed(model, rc, ids, fed=[1] * B)[:, -1]  # (B, V)
         kv.commit(rc, keep=[1] * B, fed=1)
         stats.forward_passes += 1
-        next_ids = logits[:, -1].argmax(dim=-1)
 
     stats.new_tokens = sum(len(t) for t in new_tokens)
     return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, prepare_prompt
-from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.decoding.stats import DecodeOutput
 
 
 @dataclass(frozen=True)
@@ -126,32 +124,15 @@ def sample_decode(
     """Plain autoregressive sampling, one token per row per forward, KV cache: the baseline
     (`cllm_ar_sampling`) and the law Jacobi sampling must reproduce. `generator`: None, one, or
     one per row (a row's draws then do not depend on its batch mates)."""
+    from cllm.decoding.autoregressive import autoregressive
     from cllm.decoding.jacobi import _generators
 
     sampling = Sampling(float(temperature), top_k, top_p)
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
-    B, eos = prompt.batch_size, eos_set(eos_token_id)
-    generators = _generators(generator, B)
-    new_tokens: list[list[int]] = [[] for _ in range(B)]
-    stats = DecodeStats()
-    if max_new_tokens == 0:
-        return DecodeOutput(new_tokens=new_tokens, forward_passes=0, stats=stats)
-    rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
-    stats.forward_passes = 1
-    active = [True] * B
-    while True:
+    generators = _generators(generator, input_ids.shape[0])
+
+    def choose(logits: torch.Tensor) -> list[int]:
         probs = sampling.probs(logits)  # (B, V)
-        next_ids = [draw(probs[r], generators[r]) if active[r] else 0 for r in range(B)]
-        for r, token in enumerate(next_ids):
-            if active[r]:
-                new_tokens[r].append(token)
-                stats.accepted.append(1)
-                active[r] = token not in eos and len(new_tokens[r]) < max_new_tokens
-        if not any(active):
-            break
-        ids = torch.tensor(next_ids, device=prompt.input_ids.device)[:, None]
-        logits = kv.feed(model, rc, ids, fed=[1] * B)[:, -1]
-        kv.commit(rc, keep=[1] * B, fed=1)
-        stats.forward_passes += 1
-    stats.new_tokens = sum(len(t) for t in new_tokens)
-    return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)
+        return [draw(p, g) for p, g in zip(probs, generators, strict=True)]
+
+    return autoregressive(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                          eos_token_id=eos_token_id, choose=choose)
