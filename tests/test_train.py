@@ -262,6 +262,22 @@ def test_run_stopped_and_resumed_reproduces_the_uninterrupted_losses(world, tmp_
     assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
 
 
+def test_ar_on_text_windows_trains_and_resumes_exactly(world, tmp_path):
+    rng = random.Random(0)
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(rng.choice(VOCAB[1:]) for _ in range(400)))
+    common = dict(max_steps=10, eval_count=0, checkpoint_interval=4, ar_text=str(text), ar_text_windows=3,
+                  ar_text_length=12, micro_batch_size=8)
+    train(config(world, tmp_path / "straight", **common))
+    train(config(world, tmp_path / "resumed", stop_at_step=6, **common))
+    train(config(world, tmp_path / "resumed", **common))
+    assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
+    plain = train(config(world, tmp_path / "plain", **{**common, "ar_text": None}))
+    assert plain.final_loss != step_losses(tmp_path / "straight")[-1][1]  # the windows count
+    with pytest.raises(UserError, match="ar-text"):
+        train(config(world, tmp_path / "bad", **{**common, "ar_text": str(tmp_path / "missing.txt")}))
+
+
 def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(world, tmp_path):
     cfg = config(world, tmp_path / "run", max_steps=80, eval_count=0, checkpoint_interval=1000)
     log = tmp_path / "run" / "train_log.jsonl"

@@ -60,6 +60,9 @@ class DistillConfig:
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
+    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text ('stdlib-train' or a text file)"})
+    ar_text_windows: int = field(default=8, metadata={"help": "text windows per step"})
+    ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
@@ -113,7 +116,8 @@ class DistillConfig:
             model=self.round_model(round_), data=str(self.round_dir(round_, "trajectories")),
             out=str(self.round_dir(round_, "model")),
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
-            states_per_record=self.states_per_record, gc_window=self.gc_window,
+            states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
+            ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,
             ar_target=self.ar_target, label_smoothing=self.label_smoothing, lr=self.lr,
             warmup_ratio=self.warmup_ratio, epochs=self.epochs, max_steps=self.max_steps,
             batch_size=self.batch_size, micro_batch_size=self.micro_batch_size, lora=self.lora,

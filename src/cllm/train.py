@@ -91,6 +91,9 @@ class TrainConfig:
     distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR (reference 10)"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on the ground truth (labels), on the target's fixed points, or both"})
+    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded corpus) or a UTF-8 text file; keeps language modelling over whole contexts, not only the prompts' continuations"})
+    ar_text_windows: int = field(default=8, metadata={"help": "text windows per step (with --ar-text)"})
+    ar_text_length: int = field(default=256, metadata={"help": "tokens per text window (with --ar-text)"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B models"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -123,6 +126,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
+                    "ar_text_windows", "ar_text_length",
                     "eval_interval", "checkpoint_interval", "lora_r", "lora_alpha"]
         positive += [n for n in ("max_steps", "micro_batch_size", "eval_block_size", "stop_at_step", "gc_window")
                      if getattr(self, n) is not None]
@@ -190,11 +194,13 @@ class MicroBatch:
     labels: Rows | None  # prompt + ground truth before this block + its slice of the ground truth
     gc_mask: torch.Tensor  # (B*k, N) bool
     lc_mask: torch.Tensor  # (B*k, N) bool
+    text: torch.Tensor | None = None  # (W, L + 1) text windows for the AR term (--ar-text)
 
     def to(self, device) -> MicroBatch:
         return MicroBatch(self.fixed_point.to(device), self.state.to(device), self.next_state.to(device),
                           self.owner.to(device), None if self.labels is None else self.labels.to(device),
-                          self.gc_mask.to(device), self.lc_mask.to(device))
+                          self.gc_mask.to(device), self.lc_mask.to(device),
+                          None if self.text is None else self.text.to(device))
 
 
 @dataclass
@@ -210,6 +216,7 @@ class Counts:
         self.lc += int(mb.lc_mask.sum()) if config.uses_lc else 0
         self.ar += int(mb.fixed_point.block_mask.sum()) if config.ar_on_fixed_points else 0
         self.ar += int(mb.labels.block_mask.sum()) if config.ar_on_labels else 0
+        self.ar += (mb.text.shape[0] * (mb.text.shape[1] - 1)) if mb.text is not None and config.ar_weight > 0 else 0
 
 
 def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
@@ -292,9 +299,11 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
     with autocast:
         logits = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
                           strict=True))
-        # 2. the AR rows on the ground truth have prefixes of their own
+        # 2. the AR rows on the ground truth have prefixes of their own; text windows too
         if config.ar_on_labels:
             logits["labels"] = forward_blocks(model, mb.labels, logits_to_keep=logits_to_keep)
+        if mb.text is not None and len(mb.text) and config.ar_weight > 0:
+            logits["text"] = model(input_ids=mb.text[:, :-1], use_cache=False).logits
     # 3. the terms, each normalised by its global count
     zero = logits["state"].new_zeros(())
     gc = lc = ar = zero
@@ -306,6 +315,10 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
                             distance=config.distance, normalizer=max(counts.lc, 1))
     ar_rows = {"fixed_point": fp if config.ar_on_fixed_points else None,
                "labels": mb.labels if config.ar_on_labels else None}
+    if "text" in logits:
+        target = mb.text[:, 1:]
+        ar = ar + losses.ar_loss(logits["text"], target, torch.ones_like(target, dtype=torch.bool),
+                                 label_smoothing=config.label_smoothing, normalizer=max(counts.ar, 1))
     for name, rows in ar_rows.items():
         if rows is not None:
             ar = ar + losses.ar_loss(logits[name], rows.block_ids, rows.block_mask.bool(),
@@ -423,6 +436,30 @@ class TrainSummary:
     eval_after: dict | None
 
 
+def load_text_stream(name: str, tokenizer) -> torch.Tensor:
+    """--ar-text as one token stream: the embedded corpus' train split, or a text file."""
+    if name in ("stdlib", "stdlib-train"):
+        from cllm.data.corpus import load_corpus
+        from cllm.pretrain import token_stream
+
+        return token_stream(load_corpus("train"), tokenizer)
+    path = Path(name)
+    if not path.is_file():
+        raise UserError(f"--ar-text {name!r} is neither 'stdlib-train' nor a text file")
+    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_text_windows(stream: torch.Tensor, config: TrainConfig, step: int) -> torch.Tensor:
+    """(W, L + 1) windows of the text at random offsets; the step number seeds them."""
+    length = min(config.ar_text_length, len(stream) - 1)
+    if length < 1:
+        raise UserError("--ar-text holds fewer than 2 tokens")
+    generator = torch.Generator().manual_seed(derived_seed(config.seed, "text", step))
+    starts = torch.randint(0, len(stream) - length, (config.ar_text_windows,), generator=generator)
+    return stream[starts[:, None] + torch.arange(length + 1)]
+
+
 def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: int, seed: int) -> list[TrajectoryRecord]:
     """The global batch of `step`: a fresh seeded permutation per epoch, its remainder dropped."""
     per_epoch = len(records) // batch_size
@@ -501,6 +538,8 @@ def train(config: TrainConfig) -> TrainSummary:
             truncate_log(log_path, step)
         log.info("resuming %s from step %d of %d", out, step, total)
 
+    text_stream = load_text_stream(config.ar_text, tokenizer) if config.ar_text else None
+
     # 3. held-out prompts, evaluated by the main process alone
     context = position_limit(base)
     block = config.eval_block_size or meta.block_size
@@ -545,6 +584,10 @@ def train(config: TrainConfig) -> TrainSummary:
             mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
                                     block_size=meta.block_size, config=config)
                    for i in range(0, len(batch), micro)]
+            if text_stream is not None:  # the step's text windows, dealt out to the micro-batches
+                windows = sample_text_windows(text_stream, config, step)
+                for mb, share in zip(mbs, windows.tensor_split(len(mbs)), strict=True):
+                    mb.text = share
             counts = Counts()
             for mb in mbs:
                 counts.add(mb, config)
