@@ -18,11 +18,13 @@ interrupted one. Launched as several processes (`accelerate launch --multi_gpu -
 2 -m cllm.cli distill ...`, with ``CUDA_VISIBLE_DEVICES=""`` on a CPU machine) collection and
 training use them all; the evaluation runs on the main process.
 
-The defaults aim at the embedded `stdlib-coder` on 2 CPU cores in about an hour, from the
-calibration in REFERENCE.md (1,000 prompts x 64 tokens collected in 200 s by two processes;
-~18 records/s of GC + AR training): ~2,000 prompts (~8,000 records, ~7-13 min), 4 epochs
-(~30 min), AR on the ground truth without label smoothing (the calibration's damage came from
-AR on the target's own outputs with smoothing), evaluation ~2 min. They are fields, to be tuned.
+The defaults reproduce the shipped `models/stdlib-coder-cllm` from the embedded `stdlib-coder`
+on 2 CPU cores in about 40 minutes (measured: collection of 2,400 prompts x 64 tokens, 7.5 min
+with one thread; 450 training steps, ~2.8 s each with two threads; evaluation ~2 min): argmax
+GC with 8 states per record sharing one prefix forward, 10 x AR on the ground truth without
+label smoothing plus 8 windows of 256 tokens of real text per step (`--ar-text`; AR on the
+prompts' continuations alone let the whole-context validation loss drift +8%), lr 2e-4.
+`benchmarks/distill_ablations.md` has what each knob did. They are fields, to be tuned.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ class DistillConfig:
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
-    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text ('stdlib-train' or a text file)"})
+    ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
     epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
-    max_steps: int | None = field(default=600, metadata={"help": "optimizer steps (overrides epochs)"})
+    max_steps: int | None = field(default=450, metadata={"help": "optimizer steps (overrides epochs)"})
     batch_size: int = field(default=16, metadata={"help": "records per optimizer step"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (merged on save) instead of all weights"})
@@ -92,6 +94,8 @@ class DistillConfig:
             raise UserError(f"eval-block-sizes must be positive integers, got {self.eval_block_sizes!r}")
         if not self.out:
             raise UserError("out must name a directory")
+        if self.ar_text is not None and self.ar_text.strip().lower() in ("", "none", "null", "false"):
+            self.ar_text = None
         self.train_config()  # validates the training options
 
     def round_model(self, round_: int) -> str:
