@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_multiblock", "cllm_ar_sampling", "cllm_jacobi_sampling")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
+# methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
+ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_multiblock", "cllm_jacobi_sampling")
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
                  "cllm_jacobi_multiblock": "cllm_ar"}
@@ -535,7 +537,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     for m in methods:
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
-                                         target_ar=outputs["target_ar"], jacobi="jacobi" in m.name or m.name == "target_lookahead")
+                                         target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)

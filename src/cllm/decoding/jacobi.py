@@ -77,13 +77,8 @@ def lookup_continuation(history: Sequence[int], count: int, max_ngram: int = LOO
     """Up to `count` tokens that followed the latest earlier occurrence of the history's last
     `max_ngram` tokens (else of fewer, down to 1) in the history itself; [] when none occurred
     (prompt lookup decoding's draft, used here as a Jacobi initial guess)."""
-    h = list(history)
-    for g in range(min(max_ngram, len(h) - 1), 0, -1):
-        tail = h[-g:]
-        for start in range(len(h) - g - 1, -1, -1):  # latest first; must be followed by a token
-            if h[start : start + g] == tail:
-                return h[start + g : start + g + count]
-    return []
+    found = pool_candidates(history, (), count, 1, max_ngram)
+    return found[0] if found else []
 
 
 def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], width: int, count: int,
@@ -94,13 +89,13 @@ def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], wid
     last): the n-gram pool that recycling verifies beside the Jacobi tail."""
     h = list(history)
     found: list[list[int]] = []
-    sources = [h] + [list(seq) for seq in reversed(recent)]
+    sources = [h, *reversed(recent)]
     for g in range(min(max_ngram, len(h)), 0, -1):
         key = h[-g:]
         for seq in sources:  # an occurrence must be followed by a token (so not h's own end)
             for start in range(len(seq) - g - 1, -1, -1):
                 if seq[start : start + g] == key:
-                    cand = seq[start + g : start + g + width]
+                    cand = list(seq[start + g : start + g + width])
                     if cand and cand not in found:
                         found.append(cand)
                         if len(found) >= count:
@@ -311,11 +306,14 @@ def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
         block.committed = min(len(row.known) - block.start, len(block.state))
         if fresh_laws is not None:  # position old_committed + k holds outputs[k]
             first_fresh = old_committed + len(outputs) - len(fresh_laws)
-            block.laws = [None] * first_fresh + list(fresh_laws)
-            block.laws = (block.laws + [None] * len(block.state))[: len(block.state)]
+            laws = [None] * first_fresh + list(fresh_laws) + [None] * len(block.state)
+            block.laws = laws[: len(block.state)]
         _record(row, cfg, stats)
     # 3. a finished block may have handed over the next block's first token
     _open_blocks(row, cfg, stats)
+    # 4. recycling: the pool learns the (new) block's drafts, after its last final token
+    if cfg.recycle and row.block is not None:
+        row.recent = [*row.recent[-7:], [row.known[-1], *row.block.state[row.block.committed :]]]
     return accepted
 
 
@@ -363,8 +361,6 @@ def _step(
         for r, (row, f) in enumerate(zip(rows, fed, strict=True)):
             outputs, fresh = _sampled_outputs(row, probs[r, :f])
             keep.append(_advance(row, outputs, cfg, stats, fresh))
-            if cfg.recycle and row.block is not None:  # the pool learns the new state
-                row.recent = (row.recent + [[row.known[-1], *row.block.state[row.block.committed :]]])[-8:]
     kv.commit(rc, keep, fed=width)
 
 
@@ -425,8 +421,6 @@ def _step_recycling(
             _set_drafts(row, d)
             _advance(row, branch_out + main[len(d) + 1 :], cfg, stats, accepted=best)
             kept.append([0, *range(s, s + best - 1)])
-        if row.block is not None:  # the pool learns the new state, after its last final token
-            row.recent = (row.recent + [[row.known[-1], *row.block.state[row.block.committed :]]])[-8:]
     kv.commit_kept(rc, kept, fed=L)
 
 
