@@ -19,8 +19,9 @@ interrupted one. Launched as several processes (`accelerate launch --multi_gpu -
 training use them all; the evaluation runs on the main process.
 
 The defaults reproduce the shipped `models/stdlib-coder-cllm` from the embedded `stdlib-coder`
-on 2 CPU cores in about 40 minutes (measured: collection of 2,400 prompts x 64 tokens, 7.5 min
-with one thread; 450 training steps, ~2.8 s each with two threads; evaluation ~2 min): argmax
+on 2 CPU cores in about 35 minutes (measured: collection 440 s for 2,144 prompts x 64 tokens
+with one thread, so ~8 min for all 2,400; 450 training steps in 1,406 s with two threads; the
+evaluation a few minutes): argmax
 GC with 8 states per record sharing one prefix forward, 10 x AR on the ground truth without
 label smoothing plus 8 windows of 256 tokens of real text per step (`--ar-text`; AR on the
 prompts' continuations alone let the whole-context validation loss drift +8%), lr 2e-4.
