@@ -28,7 +28,7 @@ CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs
             "exact_match_own_ar": float, "agreement_with_target": float, "n_prompts": int, "new_tokens": int}
 EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
          "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-         "cllm_jacobi_multiblock": "cllm_ar"}
+         "cllm_jacobi_plain": "cllm_ar"}
 
 
 def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
@@ -91,7 +91,7 @@ def test_bench_json_matches_the_design_contract(report):
     assert {"config", "machine", "methods", "models"} <= set(data)
     assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
                                      "hf_generate", "prompt_lookup", "assisted", "target_lookahead",
-                                     "cllm_jacobi_multiblock", "cllm_ar_sampling", "cllm_jacobi_sampling"]
+                                     "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling"]
     for name, m in data["methods"].items():
         for key, kind in CONTRACT.items():
             assert isinstance(m[key], kind), (name, key, m[key])
@@ -139,7 +139,7 @@ def test_counts_follow_the_reference_definitions(report):
         assert sum(k * v for k, v in hist.items()) == m["new_tokens"], name
     for name in ("target_ar", "cllm_ar", "hf_generate"):
         assert data["methods"][name]["tokens_per_forward"] == 1.0
-    for name in ("target_jacobi", "cllm_jacobi"):
+    for name in ("target_jacobi", "cllm_jacobi", "cllm_jacobi_plain", "target_lookahead"):
         assert data["methods"][name]["mean_fast_forwarded"] >= 1.0
         assert data["methods"][name]["stationary_tokens"] >= 0
     assert data["methods"]["assisted"]["draft_forward_passes"] > 0
@@ -147,6 +147,8 @@ def test_counts_follow_the_reference_definitions(report):
     assert set(data["sweep"]) == {"target", "cllm"} and set(data["sweep"]["target"]) == {"2", "4", "8"}
     assert data["sweep"]["target"][str(BLOCK)]["tokens_per_forward"] == pytest.approx(
         data["methods"]["target_jacobi"]["tokens_per_forward"])
+    assert data["sweep"]["cllm"][str(BLOCK)]["tokens_per_forward"] == pytest.approx(
+        data["methods"]["cllm_jacobi_plain"]["tokens_per_forward"])
 
 
 def test_report_folder_holds_pictures_html_markdown_and_resolved_config(report):

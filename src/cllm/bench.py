@@ -3,15 +3,19 @@
 Methods (names are the DESIGN.md contract):
 
   target_ar, cllm_ar            our greedy decoder (the oracle) on the target / on the CLLM
-  target_jacobi, cllm_jacobi    our Jacobi engine (KV cache, fast-forward commit), block size n
+  target_jacobi                 the paper's plain Jacobi decoding (our engine: KV cache,
+  cllm_jacobi_plain             fast-forward commit), block size n, on the target / the CLLM
+  cllm_jacobi                   the CLLM on our engine at its speed setting: block size n plus
+                                n-gram recycling (--recycle pool drafts of up to --recycle-width
+                                tokens verified in the same forward as a token trie) and
+                                --blocks-in-flight; exact (greedy's tokens)
+  target_lookahead              the same engine setting on the untrained target (what the
+                                consistency training adds is cllm_jacobi over target_lookahead)
   hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
   prompt_lookup                 `generate(prompt_lookup_num_tokens=k)` on the target
   assisted                      `generate(assistant_model=draft)` on the target (--draft-model)
   cllm_ar_sampling,             lossless sampling at --temperature: plain AR sampling against
   cllm_jacobi_sampling          Jacobi sampling (same law; speed and tokens per forward compared)
-  target_lookahead              our engine on the untrained target with n-gram recycling
-                                (--recycle drafts per iteration) and --blocks-in-flight
-  cllm_jacobi_multiblock        the same on the CLLM
 
 Counting follows REFERENCE.md: a forward pass is every model call, prefill included. A forward
 pre-hook on each model counts its calls for every method, and the cache length each call starts
@@ -54,13 +58,13 @@ from cllm.rows import derived_seed
 log = logging.getLogger(__name__)
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
-           "target_lookahead", "cllm_jacobi_multiblock", "cllm_ar_sampling", "cllm_jacobi_sampling")
+           "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
-ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_multiblock", "cllm_jacobi_sampling")
+ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-                 "cllm_jacobi_multiblock": "cllm_ar"}
+                 "cllm_jacobi_plain": "cllm_ar"}
 OFF = ("", "none", "null", "false")
 
 
@@ -76,7 +80,7 @@ class BenchConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the timed methods"})
+    block_size: int = field(default=8, metadata={"help": "Jacobi block size n of the timed methods (8: the fastest on a CPU; a GPU affords more)"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
     methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
@@ -84,8 +88,9 @@ class BenchConfig:
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    recycle: int = field(default=3, metadata={"help": "n-gram pool drafts verified per iteration by target_lookahead and cllm_jacobi_multiblock"})
-    blocks_in_flight: int = field(default=2, metadata={"help": "blocks in flight for target_lookahead and cllm_jacobi_multiblock"})
+    recycle: int = field(default=4, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
+    recycle_width: int = field(default=8, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
+    blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
@@ -116,8 +121,8 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if self.methods and "target_ar" not in self.methods:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
-        if self.recycle < 0 or self.blocks_in_flight < 1:
-            raise ValueError("--recycle must be >= 0 and --blocks-in-flight >= 1")
+        if self.recycle < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
+            raise ValueError("--recycle must be >= 0, --recycle-width and --blocks-in-flight >= 1")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -243,7 +248,7 @@ def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
          guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
-         recycle: int = 0, blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
+         recycle: int = 0, recycle_width: int = 8, blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
     n = 1); guesses and draws seeded per prompt id (the same in every round)."""
 
@@ -253,7 +258,7 @@ def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_n
             out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos, guess=guess,
                                 generator=generator, on_iteration=hook, temperature=temperature,
-                                recycle=recycle, blocks_in_flight=blocks_in_flight)
+                                recycle=recycle, recycle_width=recycle_width, blocks_in_flight=blocks_in_flight)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
         if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree
@@ -298,14 +303,15 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         "prompt_lookup": Method("prompt_lookup", target, hf_generate(
             target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
     }
-    more = dict(recycle=config.recycle, blocks_in_flight=config.blocks_in_flight)
+    more = dict(recycle=config.recycle, recycle_width=config.recycle_width, blocks_in_flight=config.blocks_in_flight)
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(target, ct, jacobi=True, **jac, **more, **common), [ct])
     if models.cllm is not None:
         cc = counters["cllm"]
         candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
-        candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(models.cllm, cc, jacobi=True, **jac, **common), [cc])
-        candidates["cllm_jacobi_multiblock"] = Method("cllm_jacobi_multiblock", models.cllm, ours(
+        candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(
             models.cllm, cc, jacobi=True, **jac, **more, **common), [cc])
+        candidates["cllm_jacobi_plain"] = Method("cllm_jacobi_plain", models.cllm, ours(
+            models.cllm, cc, jacobi=True, **jac, **common), [cc])
         hot = dict(temperature=config.temperature, **common)
         candidates["cllm_ar_sampling"] = Method("cllm_ar_sampling", models.cllm, ours(
             models.cllm, cc, jacobi=False, block_size=1, seed=config.seed, **hot), [cc])
@@ -390,7 +396,7 @@ def merge_stats(stats: list[DecodeStats]) -> DecodeStats:
     for s in stats:
         merged.forward_passes += s.forward_passes
         merged.new_tokens += s.new_tokens
-        for name in ("accepted", "iterations_per_block", "fast_forwarded", "stationary"):
+        for name in ("accepted", "iterations_per_block", "fast_forwarded", "stationary", "fed"):
             getattr(merged, name).extend(getattr(s, name))
     return merged
 
@@ -422,6 +428,8 @@ def method_metrics(decoded: list[Decoded], seconds: list[float], *, own_ar: list
         "mean_fast_forwarded": stats.mean_fast_forwarded if stats else None,
         "stationary_tokens": stats.stationary_tokens if stats else None,
         "mean_iterations_per_block": stats.mean_iterations_per_block if stats else None,
+        # tokens fed per forward after the prefill: what a step costs grows with it
+        "mean_fed_tokens": stats.mean_fed if stats else None,
         "accepted_histogram": histogram(accepted) if all(d.accepted is not None for d in decoded) else None,
     }
     if any(d.draft_forward_passes for d in decoded):
@@ -542,7 +550,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
         own_ar = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling",
-                  "cllm_jacobi_multiblock": "cllm_ar"}.get(name)
+                  "cllm_jacobi_plain": "cllm_ar"}.get(name)
         if own_ar and results.get(own_ar, {}).get("tokens_per_second"):
             r["speedup_vs_own_ar"] = r["tokens_per_second"] / results[own_ar]["tokens_per_second"]
     return results

@@ -213,8 +213,9 @@ def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
 
 
 def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
-                             which: Sequence[str] = ("target_jacobi", "cllm_jacobi")) -> Path:
-    """Share of forwards that made k tokens final, target Jacobi vs CLLM Jacobi."""
+                             which: Sequence[str] = ("target_jacobi", "cllm_jacobi_plain", "cllm_jacobi")) -> Path:
+    """Share of forwards that made k tokens final: target vs CLLM, plain Jacobi (the paper's
+    picture), and the CLLM at the engine's speed setting."""
     fig, ax = _figure()
     shown = [m for m in which if methods.get(m, {}).get("accepted_histogram")]
     if not shown:
@@ -268,12 +269,14 @@ COLUMNS = [  # (JSON key, header, format)
     ("agreement_with_target", "agreement w/ target", "{:.0%}"),
     ("mean_fast_forwarded", "mean fast-fwd", "{:.2f}"),
     ("stationary_tokens", "stationary", "{}"),
+    ("mean_fed_tokens", "fed tokens/forward", "{:.1f}"),
     ("ms_per_forward", "ms/forward", "{:.1f}"),
 ]
 
 
 SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": "tok/fwd", "= own AR": "=AR",
-         "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd"}
+         "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd",
+         "fed tokens/forward": "fed"}
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -293,7 +296,8 @@ def methods_table(data: dict[str, Any]):
     for name, m in data["methods"].items():
         table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in COLUMNS))
     table.caption = "tok/s: tokens/s · ×AR: speedup over target AR · tok/fwd: tokens per forward · =AR: " \
-                    "outputs equal to own greedy · agree: token agreement with target greedy · ff: mean fast-forwarded"
+                    "outputs equal to own greedy · agree: token agreement with target greedy · ff: mean fast-forwarded · " \
+                    "fed: tokens fed per forward (a step's cost grows with it)"
     return table
 
 
@@ -311,7 +315,11 @@ def markdown_report(data: dict[str, Any]) -> str:
         + (f", CLLM `{data['models']['cllm']['name']}`" if "cllm" in data["models"] else ", no CLLM")
         + f"; prompts `{cfg['prompts']}` ({len(data['prompt_ids'])}), {cfg['max_new_tokens']} new tokens "
         f"(EOS stops every method), block size n = {cfg['block_size']}, Jacobi guess `{cfg['guess']}`, "
-        f"{cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up prompt(s), median per prompt.",
+        f"{cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up prompt(s), median per prompt. "
+        f"`cllm_jacobi` and `target_lookahead`: n = {cfg['block_size']} plus {cfg.get('recycle', 0)} recycled "
+        f"n-gram drafts of up to {cfg.get('recycle_width', 0)} tokens per forward, "
+        f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
+        "the paper's plain Jacobi decoding.",
         "",
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['threads']} torch threads, {mach['device']}, "
         f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "

@@ -29,6 +29,7 @@ def test_greedy_counts_one_forward_per_token_prefill_included():
     assert len(out.new_tokens[0]) == 17 == out.forward_passes
     assert out.stats.accepted_histogram() == {1: 17}
     assert out.stats.tokens_per_forward == 1.0
+    assert out.stats.fed == [1] * 16 and out.stats.mean_fed == 1.0  # one token per step after the prefill
 
 
 def test_greedy_stops_each_row_at_its_eos_and_includes_it():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.jacobi import lookup_continuation, pool_candidates
+from cllm.decoding.jacobi import _Trie, lookup_continuation, pool_candidates
 from tests.decoding.conftest import left_padded, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
 
@@ -64,6 +64,21 @@ def test_pool_candidates_search_the_history_then_recent_states():
     assert pool_candidates([5], [], 2, 3) == []
 
 
+def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
+    # tail 5 | 1 2 3; drafts 1 2 9 (shares "1 2") and 4 4 (a new branch from the root)
+    trie = _Trie.build([5, 1, 2, 3], [[1, 2, 9], [4, 4]])
+    assert trie.tokens == [5, 1, 2, 3, 9, 4, 4]
+    assert trie.parent == [-1, 0, 1, 2, 2, 0, 5]
+    assert trie.depth == [0, 1, 2, 3, 3, 1, 2]
+    assert trie.leaves == [3, 4, 6] and trie.path(4) == [0, 1, 2, 4]
+    # predictions per node: after 5 comes 1, after 5 1 comes 2, after 5 1 2 comes 9, after 9 comes 7
+    outputs = [1, 2, 9, 0, 7, 0, 0]
+    assert trie.accepted_path(outputs) == [0, 1, 2, 4]
+    assert trie.accepted_path([4, 0, 0, 0, 0, 4, 8]) == [0, 5, 6]  # the second draft, whole
+    assert trie.accepted_path([8, 0, 0, 0, 0, 0, 0]) == [0]  # nothing matches: the root only
+    assert _Trie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
+
+
 @pytest.mark.parametrize("recycle", [1, 3])
 @pytest.mark.parametrize("block_size", [2, 7, 16])
 def test_recycling_equals_greedy(arch, block_size, recycle):
@@ -76,6 +91,9 @@ def test_recycling_equals_greedy(arch, block_size, recycle):
                             generator=torch.Generator().manual_seed(seed))
         assert out.new_tokens == expected, (arch, block_size, recycle, seed)
         assert out.forward_passes <= 37
+        # every forward after the prefill reports its width: the tail plus the drafts' new nodes
+        assert len(out.stats.fed) == out.forward_passes - 1
+        assert all(1 <= f <= block_size + recycle * 8 for f in out.stats.fed)
 
 
 def test_recycling_in_a_padded_batch_with_eos_equals_greedy(arch):

@@ -79,6 +79,7 @@ def autoregressive(
         logits = kv.feed(model, rc, ids, fed=[1] * B)[:, -1]  # (B, V)
         kv.commit(rc, keep=[1] * B, fed=1)
         stats.forward_passes += 1
+        stats.fed.append(1)
 
     stats.new_tokens = sum(len(t) for t in new_tokens)
     return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)

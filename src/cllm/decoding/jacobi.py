@@ -36,6 +36,7 @@ from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 GUESSES = ("prompt", "repeat", "random", "lookup")
 LOOKUP_NGRAM = 3  # the "lookup" guess matches the last 3, else 2, else 1 tokens
+RECENT_STATES = 8  # recycling: the n-gram pool remembers this many recent Jacobi states
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
     _open_blocks(row, cfg, stats)
     # 4. recycling: the pool learns the (new) block's drafts, after its last final token
     if cfg.recycle and row.block is not None:
-        row.recent = [*row.recent[-7:], [row.known[-1], *row.block.state[row.block.committed :]]]
+        row.recent = [*row.recent[1 - RECENT_STATES :], [row.known[-1], *row.block.state[row.block.committed :]]]
     return accepted
 
 
@@ -349,6 +350,7 @@ def _step(
     # 2. forward, argmax at every fed position: the one device sync of the iteration
     logits = kv.feed(model, rc, ids, fed)  # (B, L, V)
     stats.forward_passes += 1
+    stats.fed.append(width)
     if cfg.sampling is None:
         outputs = logits.argmax(dim=-1).tolist()
         # 3. each row accepts what it can; the cache keeps exactly the accepted entries
@@ -364,63 +366,104 @@ def _step(
     kv.commit(rc, keep, fed=width)
 
 
+@dataclass
+class _Trie:
+    """The tokens one row feeds in a recycling step, as a token trie rooted at the tail's first
+    token: the Jacobi tail is the first branch, each pool draft shares the longest prefix it can
+    with the branches before it and adds only the rest. Node i's parent is ``parent[i]`` (< i),
+    its depth the position offset; a node attends to its ancestors (itself included)."""
+
+    tokens: list[int]
+    parent: list[int]
+    depth: list[int]
+    children: list[dict[int, int]]
+    leaves: list[int]  # per branch (tail first, then each draft): its last node
+
+    @classmethod
+    def build(cls, tail: Sequence[int], drafts: Sequence[Sequence[int]]) -> _Trie:
+        trie = cls(tokens=[tail[0]], parent=[-1], depth=[0], children=[{}], leaves=[])
+        for branch in (tail[1:], *drafts):
+            node = 0
+            for token in branch:
+                child = trie.children[node].get(token)
+                if child is None:
+                    child = len(trie.tokens)
+                    trie.tokens.append(token)
+                    trie.parent.append(node)
+                    trie.depth.append(trie.depth[node] + 1)
+                    trie.children.append({})
+                    trie.children[node][token] = child
+                node = child
+            trie.leaves.append(node)
+        return trie
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root to `node`, in order (increasing indices)."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parent[node]
+        return nodes[::-1]
+
+    def accepted_path(self, outputs: Sequence[int]) -> list[int]:
+        """Greedy verification: from the root, descend to the child holding the token predicted
+        at the current node while there is one; the nodes walked (root first) are final."""
+        nodes = [0]
+        while (child := self.children[nodes[-1]].get(outputs[nodes[-1]])) is not None:
+            nodes.append(child)
+        return nodes
+
+
 def _step_recycling(
     model: torch.nn.Module, rc: kv.RowCache, rows: list[_Row], cfg: _Settings, stats: DecodeStats
 ) -> None:
     """One batched forward that verifies, per row, the Jacobi tail and up to `cfg.recycle` pool
-    drafts as branches of a tree (each branch sees the tail's first token, then itself); the
-    branch that gets furthest wins, its KV entries are kept and its tokens become the state."""
-    layouts = []  # per row: tail, drafts, their start index among the fed tokens
+    drafts as branches of one token trie (shared prefixes fed once); the longest path whose
+    tokens all equal their predictions is final, its KV entries are kept, and the branch it
+    lies on becomes the block's new tail."""
+    tries = []
     for row in rows:
         tail = _tail(row)
         drafts = []
         if row.block is not None and len(tail) > 1:
-            history = row.prompt_list + row.known
-            width = min(len(tail) - 1, cfg.recycle_width)
-            drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1)
+            # a draft may reach past the tail (its surplus rides as drafts of the next block)
+            width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
+            drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
-        starts, n = [], len(tail)
-        for d in drafts:
-            starts.append(n)
-            n += len(d)
-        layouts.append((tail, drafts, starts, n))
-    L = max(n for *_, n in layouts)
+        tries.append(_Trie.build(tail, drafts))
+    L = max(len(t.tokens) for t in tries)
     B = len(rows)
     ids = torch.zeros(B, L, dtype=torch.long)
     offsets = torch.zeros(B, L, dtype=torch.long)
     tree = torch.zeros(B, L, L, dtype=torch.bool)
-    for r, (tail, drafts, starts, n) in enumerate(layouts):
-        t = len(tail)
-        ids[r, :t] = torch.tensor(tail)
-        offsets[r, :t] = torch.arange(t)
-        tree[r, :t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
-        for s, d in zip(starts, drafts, strict=True):
-            k = len(d)
-            ids[r, s : s + k] = torch.tensor(d)
-            offsets[r, s : s + k] = torch.arange(1, k + 1)
-            tree[r, s : s + k, 0] = True
-            tree[r, s : s + k, s : s + k] = torch.ones(k, k, dtype=torch.bool).tril()
-        ids[r, n:] = ids[r, n - 1]
+    for r, trie in enumerate(tries):
+        n = len(trie.tokens)
+        ids[r, :n] = torch.tensor(trie.tokens)
+        offsets[r, :n] = torch.tensor(trie.depth)
+        tree[r, 0, 0] = True
+        for i in range(1, n):  # ancestors: the parent's row plus itself
+            tree[r, i] = tree[r, trie.parent[i]]
+            tree[r, i, i] = True
+        ids[r, n:] = ids[r, n - 1]  # padding: masked to itself only, never kept
         offsets[r, n:] = offsets[r, n - 1]
     logits = kv.feed_tree(model, rc, ids.to(cfg.device), offsets, tree)
     out = logits.argmax(dim=-1).tolist()
     stats.forward_passes += 1
+    stats.fed.append(L)
     kept = []
-    for r, (row, (tail, drafts, starts, _)) in enumerate(zip(rows, layouts, strict=True)):
-        main = out[r][: len(tail)]
-        best, choice = accepted_length(tail, main), None
-        for s, d in zip(starts, drafts, strict=True):
-            branch_out = [out[r][0], *out[r][s : s + len(d)]]
-            a = accepted_length([tail[0], *d], branch_out)
-            if a > best:
-                best, choice = a, (s, d, branch_out)
-        if choice is None:
-            kept.append(list(range(_advance(row, main, cfg, stats))))
-        else:  # the branch becomes the tail: its tokens in the state, its outputs where it reaches
-            s, d, branch_out = choice
-            _set_drafts(row, d)
-            _advance(row, branch_out + main[len(d) + 1 :], cfg, stats, accepted=best)
-            kept.append([0, *range(s, s + best - 1)])
+    for r, (row, trie) in enumerate(zip(rows, tries, strict=True)):
+        accepted = trie.accepted_path(out[r])
+        # the branch the accepted path lies on (the tail's first): its tokens become the tail
+        on = {node: b for b in range(len(trie.leaves) - 1, -1, -1) for node in trie.path(trie.leaves[b])}
+        branch = trie.path(trie.leaves[on[accepted[-1]]])
+        if branch[-1] != trie.leaves[0]:
+            _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
+        main = [out[r][i] for i in trie.path(trie.leaves[0])]
+        outputs = [out[r][i] for i in branch] + main[len(branch) :]
+        _advance(row, outputs, cfg, stats, accepted=len(accepted))
+        if cfg.blocks_in_flight == 1 and row.block is not None:
+            row.ahead = []  # a draft's surplus past a still-open block is not fed again
+        kept.append(accepted)
     kv.commit_kept(rc, kept, fed=L)
 
 

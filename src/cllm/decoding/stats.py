@@ -72,6 +72,9 @@ class DecodeStats:
     fast_forwarded: list[int] = field(default_factory=list)
     # Jacobi only, per block: stationary tokens (REFERENCE.md)
     stationary: list[int] = field(default_factory=list)
+    # per forward after the prefill: tokens fed per row (the batch's width, padding included);
+    # a step's cost grows with it (t(k) in REFERENCE.md's bound)
+    fed: list[int] = field(default_factory=list)
 
     @property
     def row_forwards(self) -> int:
@@ -86,6 +89,11 @@ class DecodeStats:
     def mean_fast_forwarded(self) -> float:
         """Fast-forwarded tokens per update, averaged over updates, blocks and rows (the reference's figure)."""
         return sum(self.fast_forwarded) / len(self.fast_forwarded) if self.fast_forwarded else 0.0
+
+    @property
+    def mean_fed(self) -> float:
+        """Tokens fed per forward after the prefill (1.0 for greedy decoding)."""
+        return sum(self.fed) / len(self.fed) if self.fed else 0.0
 
     @property
     def stationary_tokens(self) -> int:
@@ -115,6 +123,7 @@ class DecodeStats:
             "mean_iterations_per_block": self.mean_iterations_per_block,
             "mean_fast_forwarded": self.mean_fast_forwarded,
             "stationary_tokens": self.stationary_tokens,
+            "mean_fed": self.mean_fed,
             "accepted_histogram": self.accepted_histogram(),
         }
 
