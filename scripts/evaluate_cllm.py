@@ -1,7 +1,7 @@
 """The shipped CLLM's bars, measured against its target in one run (counts, not timing).
 
-    python scripts/evaluate_cllm.py --target stdlib-coder --cllm models/stdlib-coder-cllm \
-        --count 64 --out benchmarks/cllm-evaluation
+    python scripts/evaluate_cllm.py --target stdlib-coder --cllm stdlib-coder-cllm --count 64 \
+        --block-sizes 8,16,32 --recycle 4 --blocks-in-flight 1 --threads 2 --out benchmarks/cllm-evaluation
 
 1. HumanEval prompts (never trained on), greedy, 128 new tokens: Jacobi tokens per forward of
    target and CLLM at each block size with the reference's guess, and with n-gram recycling +
@@ -78,7 +78,8 @@ def main() -> None:
     q, d = result["quality"], result["decoding"]
     lines = ["# CLLM vs target: tokens per forward and quality\n",
              f"`python scripts/evaluate_cllm.py --target {args.target} --cllm {args.cllm} --count {args.count} "
-             f"--out {args.out}` ({args.prompts}, first {args.count} prompts, greedy, {args.max_new_tokens} new "
+             f"--block-sizes {args.block_sizes} --recycle {args.recycle} --blocks-in-flight {args.blocks_in_flight} "
+             f"--threads {args.threads} --out {args.out}` ({args.prompts}, first {args.count} prompts, greedy, {args.max_new_tokens} new "
              f"tokens, {args.threads} thread(s)).\n",
              "| decoding | target TPF | CLLM TPF | CLLM output == its greedy |", "|---|---|---|---|"]
     for key in d["cllm"]:
