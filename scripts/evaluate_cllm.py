@@ -4,8 +4,8 @@
         --block-sizes 8,16,32 --recycle 4 --blocks-in-flight 1 --threads 2 --out benchmarks/cllm-evaluation
 
 1. HumanEval prompts (never trained on), greedy, 128 new tokens: Jacobi tokens per forward of
-   target and CLLM at each block size with the reference's guess, and with n-gram recycling +
-   multi-block; every output compared token for token with the same model's greedy output.
+   target and CLLM at each block size with the reference's guess, and with n-gram recycling
+   (+ multi-block when --blocks-in-flight > 1); every output compared token for token with the same model's greedy output.
 2. Quality, the same measurement as the target's model card (`cllm.pretrain.evaluate_target`):
    validation loss over the whole stdlib-val split, and 128-token greedy completions of 100
    stdlib-val prompts (parse / degenerate / looping rates).

@@ -305,6 +305,8 @@ def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
         row.ahead = list(outputs[room : room + len(row.ahead)])
         block.state = jacobi_update(block.state, block.committed, outputs)
         block.committed = min(len(row.known) - block.start, len(block.state))
+        if cfg.blocks_in_flight == 1 and block.committed < len(block.state):
+            row.ahead = []  # a recycled draft's surplus waits only for the next block, not fed again
         if fresh_laws is not None:  # position old_committed + k holds outputs[k]
             first_fresh = old_committed + len(outputs) - len(fresh_laws)
             laws = [None] * first_fresh + list(fresh_laws) + [None] * len(block.state)
@@ -453,16 +455,14 @@ def _step_recycling(
     kept = []
     for r, (row, trie) in enumerate(zip(rows, tries, strict=True)):
         accepted = trie.accepted_path(out[r])
-        # the branch the accepted path lies on (the tail's first): its tokens become the tail
-        on = {node: b for b in range(len(trie.leaves) - 1, -1, -1) for node in trie.path(trie.leaves[b])}
-        branch = trie.path(trie.leaves[on[accepted[-1]]])
-        if branch[-1] != trie.leaves[0]:
+        # the first branch (the tail's, else a draft's) the accepted path lies on: its tokens
+        # become the tail, its outputs the next state
+        tail_path = trie.path(trie.leaves[0])
+        branch = next(p for p in map(trie.path, trie.leaves) if accepted[-1] in p)
+        if branch[-1] != tail_path[-1]:
             _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
-        main = [out[r][i] for i in trie.path(trie.leaves[0])]
-        outputs = [out[r][i] for i in branch] + main[len(branch) :]
+        outputs = [out[r][i] for i in branch] + [out[r][i] for i in tail_path[len(branch) :]]
         _advance(row, outputs, cfg, stats, accepted=len(accepted))
-        if cfg.blocks_in_flight == 1 and row.block is not None:
-            row.ahead = []  # a draft's surplus past a still-open block is not fed again
         kept.append(accepted)
     kv.commit_kept(rc, kept, fed=L)
 
