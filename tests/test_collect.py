@@ -26,6 +26,7 @@ from cllm.collect import (
     TrajectoryRecorder,
     augment_states,
     collect,
+    ends_in_loop,
     is_degenerate,
     prompt_seed,
 )
@@ -177,6 +178,36 @@ def test_degenerate_records_are_dropped_and_counted(reference):
     assert all(not is_degenerate(r.fixed_point) for r in records)
     reader = TrajectoryReader(out)
     assert sum(read_shard_info(p).dropped for p in reader.shards) == summary.dropped > 0
+
+
+def test_drop_loops_drops_a_prompts_blocks_from_its_first_looping_one(setup, reference, tmp_path):
+    _, plain, _ = reference
+    tokenizer = setup[3]
+    summary = collect(config(setup, tmp_path / "out", drop_loops=True))
+    by_prompt = {}
+    for r in read_records(tmp_path / "out"):
+        by_prompt.setdefault(r.prompt_id, []).append(r.block_index)
+    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
+    looping_blocks = 0
+    for i, text in enumerate(PROMPTS):
+        ids = tokenizer(text)["input_ids"]
+        want = greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW,
+                             eos_token_id=tokenizer.eos_token_id).new_tokens[0]
+        blocks = [want[k : k + BLOCK] for k in range(0, len(want), BLOCK)]
+        first_loop = next((k for k in range(len(blocks)) if ends_in_loop(want[: BLOCK * (k + 1)])), len(blocks))
+        looping_blocks += len(blocks) - first_loop
+        assert by_prompt.get(f"q{i}", []) == [k for k in range(first_loop) if not is_degenerate(blocks[k])]
+    assert summary.dropped_loops == looping_blocks > 0  # the tiny model loops: the filter has work
+    assert summary.records + summary.dropped + summary.dropped_loops == plain.records + plain.dropped
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["drop_loops"] is True
+
+
+def test_ends_in_loop_needs_a_short_period_over_the_whole_window():
+    assert ends_in_loop([9, 8] + [1, 2, 3] * 6)  # 20 tokens, last 16 periodic
+    assert ends_in_loop([7] * 16)
+    assert not ends_in_loop([1, 2, 3] * 4)  # only 12 tokens
+    assert not ends_in_loop(list(range(9)) * 2)  # period 9 > 8
+    assert not ends_in_loop([5] * 15 + [6])
 
 
 # ------------------------------------------------------------------------------------------

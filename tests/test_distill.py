@@ -7,7 +7,7 @@ import pytest
 
 from cllm.cli import main as cli_main
 from cllm.config import UserError
-from cllm.distill import DistillConfig, distill
+from cllm.distill import DistillConfig, distill, evaluation_table, repetition_warning
 from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 
 
@@ -42,10 +42,26 @@ def test_one_command_gives_a_faster_exact_cllm_and_an_evaluation(setup, distille
         assert ev["tokens_per_forward"]["cllm"][n] > ev["tokens_per_forward"]["target"][n] + 0.5
         assert ev["cllm_jacobi_equals_greedy"][n] == 1.0
     assert ev["ar_loss"]["cllm"] is not None and ev["ar_loss"]["target"] is not None
+    for key in ("degenerate", "looping"):
+        assert set(ev[key]) == {"target", "cllm"} and all(0 <= v <= 1 for v in ev[key].values())
     assert (out / "trajectories" / "meta.json").is_file()
     assert (out / "model" / "model.safetensors").is_file()
     assert "## Distillation evaluation" in (out / "model" / "MODEL_CARD.md").read_text()
     assert json.loads((out / "distill_config.json").read_text())["block_size"] == BLOCK
+
+
+def test_the_table_shows_repetition_and_warns_when_the_cllm_loops_far_more():
+    ev = {"tokens_per_forward": {"target": {"16": 1.05}, "cllm": {"16": 2.2}},
+          "cllm_jacobi_equals_greedy": {"16": 1.0}, "ar_loss": {"target": 2.77, "cllm": 2.84},
+          "greedy_agreement": 0.0, "token_agreement": 0.09,
+          "degenerate": {"target": 0.0, "cllm": 0.8}, "looping": {"target": 0.26, "cllm": 0.85}}
+    table = evaluation_table(ev)
+    assert "| greedy completions ending in a loop | 26% | 85% |" in table
+    assert "| greedy completions one token 10+ times in a row | 0% | 80% |" in table
+    assert "85%" in repetition_warning(ev) and "\n" not in repetition_warning(ev)
+    assert repetition_warning({**ev, "looping": {"target": 0.26, "cllm": 0.4}}) is None
+    old = {k: v for k, v in ev.items() if k not in ("degenerate", "looping")}  # an older evaluation.json
+    assert "loop" not in evaluation_table(old) and repetition_warning(old) is None
 
 
 def test_rerun_skips_every_finished_stage(setup, distilled):
@@ -76,6 +92,8 @@ def test_a_second_round_recollects_with_the_first_cllm_and_trains_it_further(set
     assert result.skipped[0] == "train round 1"
     meta = json.loads((out / "trajectories-round2" / "meta.json").read_text())
     assert meta["model_fingerprint"] == fingerprint(out / "model")  # on-policy: the round-1 CLLM
+    assert meta["drop_loops"] is True  # the CLLM's own loops are not taught back to it
+    assert json.loads((out / "trajectories" / "meta.json").read_text())["drop_loops"] is False
     assert (out / "model-round2" / "model.safetensors").is_file()
     assert result.evaluation["cllm_fingerprint"] == fingerprint(out / "model-round2")
     assert all(v == 1.0 for v in result.evaluation["cllm_jacobi_equals_greedy"].values())

@@ -7,7 +7,11 @@ records, drops degenerate ones, optionally augments them, and writes shards. It 
 forward pass of its own, so collecting costs exactly one Jacobi decode per prompt.
 
 Cleaning: a record whose fixed point repeats one token 10+ times in a row is dropped (the
-reference's filter) and counted; later blocks of the prompt keep it in their prefix.
+reference's filter) and counted; later blocks of the prompt keep it in their prefix. With
+`--drop-loops`, a prompt's blocks are also dropped from the first one after which the generated
+text ends in a short loop ('_cache_cache_cache...'): the one-token test does not see those, and
+an on-policy round should not make the CLLM's own loops its consistency targets (on the
+embedded model this alone did not stop the repetition: benchmarks/distill_ablations.md).
 Augmentation (`--augment`, off by default): for every state but the fixed point with k >= 2
 wrong tokens, one extra state with the leftmost k // 2 of them copied from the fixed point,
 stored apart from the true trajectory (`augmented_states`).
@@ -63,6 +67,7 @@ class CollectConfig:
     batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
     shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span shards)"})
+    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy rounds, whose fixed points are the CLLM's own repetitions"})
     augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the true trajectory)"})
     text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet prompt file"})
 
@@ -94,6 +99,7 @@ class CollectSummary:
     states: int  # states in written records (augmented states not included)
     augmented_states: int
     dropped: int  # degenerate records dropped
+    dropped_loops: int  # records dropped by --drop-loops
     new_tokens: int  # tokens the target generated (dropped records included)
     forward_passes: int  # forward passes per row, summed over rows (prefill included)
     seconds: float  # wall clock of the main process's decoding loop
@@ -158,6 +164,7 @@ class _Counts:
     states: int = 0
     augmented: int = 0
     dropped: int = 0
+    dropped_loops: int = 0
     new_tokens: int = 0
     row_forwards: int = 0  # forward passes each row took part in, summed over rows
 
@@ -180,6 +187,18 @@ def is_degenerate(tokens: Sequence[int], run: int = DEGENERATE_RUN) -> bool:
         if count >= run:
             return True
     return False
+
+
+LOOP_WINDOW, LOOP_PERIOD = 16, 8  # --drop-loops: the last 16 tokens repeat a pattern of <= 8
+
+
+def ends_in_loop(ids: Sequence[int], *, max_period: int = LOOP_PERIOD, min_length: int = LOOP_WINDOW) -> bool:
+    """Whether the last `min_length` tokens repeat one pattern of at most `max_period` tokens
+    (e.g. '_cache_cache_cache...'), which the one-token degenerate test does not see."""
+    tail = ids[-min_length:]
+    if len(tail) < min_length:
+        return False
+    return any(all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, max_period + 1))
 
 
 def augment_states(states: Sequence[Sequence[int]], fixed_point: Sequence[int]) -> list[list[int]]:
@@ -239,8 +258,12 @@ def decode_batch(
             raise RuntimeError(f"jacobi_decode's trajectory events disagree with its output for prompt {prompt.id!r}")
         counts.new_tokens += len(joined)
         prefix = list(prompt.ids)
+        looping = False
         for block_index, states, fixed in blocks:
-            if is_degenerate(fixed):
+            looping = looping or (config.drop_loops and ends_in_loop(prefix[len(prompt.ids):] + fixed))
+            if looping:
+                counts.dropped_loops += 1
+            elif is_degenerate(fixed):
                 counts.dropped += 1
             else:
                 extra = augment_states(states, fixed) if config.augment else []
@@ -341,7 +364,7 @@ def collect(config: CollectConfig) -> CollectSummary:
         dtype=str(resolve_dtype(config.dtype)).removeprefix("torch."), seed=config.seed,
         prompts=config.prompts, prompts_fingerprint=prompts_hash.hexdigest()[:16],
         text_field=config.text_field, augment=config.augment, eos_token_id=eos_token_id,
-        pad_token_id=pad_id, cllm_version=__version__,
+        pad_token_id=pad_id, cllm_version=__version__, drop_loops=config.drop_loops,
     )
 
     # 2. Check the output directory before touching it; learn what is done before any
@@ -405,7 +428,7 @@ def collect(config: CollectConfig) -> CollectSummary:
     t = _Counts(*rest)
     summary = CollectSummary(
         out=str(out), prompts=n_prompts, skipped=len(prompts) - len(remaining), records=t.records,
-        states=t.states, augmented_states=t.augmented, dropped=t.dropped,
+        states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
         new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds,
     )
     if state.is_main_process:
@@ -417,6 +440,7 @@ def _print_summary(s: CollectSummary, processes: int) -> None:
     print(f"collected {s.prompts} prompts ({s.skipped} already done) into {s.out} "
           f"with {processes} process{'es' if processes > 1 else ''} in {s.seconds:.1f} s")
     print(f"  records {s.records}, states {s.states} ({s.mean_states:.2f} per record), "
-          f"dropped {s.dropped} degenerate, augmented states {s.augmented_states}")
+          f"dropped {s.dropped} degenerate" + (f" + {s.dropped_loops} looping" if s.dropped_loops else "")
+          + f", augmented states {s.augmented_states}")
     print(f"  target: {s.new_tokens} tokens, {s.tokens_per_forward:.3f} tokens per forward, "
           f"{s.tokens_per_second:.0f} tokens/s")

@@ -80,6 +80,7 @@ class DistillConfig:
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
+    drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
     # evaluation
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set for the evaluations"})
     eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
@@ -114,7 +115,7 @@ class DistillConfig:
                              out=str(self.round_dir(round_, "trajectories")),
                              block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                              max_prompts=self.max_prompts, guess=self.guess, seed=self.seed,
-                             batch_size=self.collect_batch_size)
+                             batch_size=self.collect_batch_size, drop_loops=self.drop_loops and round_ >= 2)
 
     def train_config(self, round_: int = 1) -> TrainConfig:
         return TrainConfig(
@@ -156,8 +157,11 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     tokens_per_forward[model][n]: Jacobi at block size n (REFERENCE.md counting);
     cllm_jacobi_equals_greedy[n]: fraction of prompts whose CLLM Jacobi output is its greedy one;
     ar_loss[model]: nats/token on the references; greedy_agreement: fraction of prompts whose
-    CLLM greedy output equals the target's, token_agreement: the same per token position.
+    CLLM greedy output equals the target's, token_agreement: the same per token position;
+    degenerate[model] / looping[model]: fraction of greedy completions that repeat one token
+    10+ times in a row / end in a short loop (what the teacher-forced loss does not show).
     """
+    from cllm.collect import ends_in_loop, is_degenerate
     from cllm.decoding.inputs import position_limit
     from cllm.evaluate import (
         accepts_logits_to_keep,
@@ -193,6 +197,8 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     pairs = list(zip(greedy["cllm"].new_tokens, greedy["target"].new_tokens, strict=True))
     result["greedy_agreement"] = _fraction(a == b for a, b in pairs)
     result["token_agreement"] = _fraction(x == y for a, b in pairs for x, y in zip(a, b))
+    result["degenerate"] = {name: _fraction(map(is_degenerate, g.new_tokens)) for name, g in greedy.items()}
+    result["looping"] = {name: _fraction(map(ends_in_loop, g.new_tokens)) for name, g in greedy.items()}
     return result
 
 
@@ -211,7 +217,23 @@ def evaluation_table(ev: dict) -> str:
     lines.append(f"| AR validation loss (nats/token) | {_fmt(ev['ar_loss']['target'])} | {_fmt(ev['ar_loss']['cllm'])} |")
     lines.append(f"| greedy output == target's | | {ev['greedy_agreement']:.0%} of prompts, "
                  f"{ev['token_agreement']:.0%} of tokens |")
+    for key, what in (("degenerate", "one token 10+ times in a row"), ("looping", "ending in a loop")):
+        if key in ev:
+            lines.append(f"| greedy completions {what} | {ev[key]['target']:.0%} | {ev[key]['cllm']:.0%} |")
     return "\n".join(lines)
+
+
+REPETITION_MARGIN = 0.2  # warn when the CLLM's greedy completions loop this much more often
+
+
+def repetition_warning(ev: dict) -> str | None:
+    """A one-line warning when the CLLM's greedy completions end in loops far more often than
+    the target's: its speed would partly be the speed of decoding repetition."""
+    looping = ev.get("looping")
+    if looping is None or looping["cllm"] < looping["target"] + REPETITION_MARGIN:
+        return None
+    return (f"warning: {looping['cllm']:.0%} of the CLLM's greedy completions end in a loop "
+            f"(target: {looping['target']:.0%}); check its outputs before using it")
 
 
 def _train_done(config: TrainConfig) -> bool:
@@ -230,6 +252,8 @@ def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict 
         return None
     ev = json.loads(path.read_text())
     if ev.get("settings") != config.eval_settings() or ev.get("cllm_fingerprint") != fingerprint(cllm_dir):
+        return None
+    if "looping" not in ev:  # written before the repetition rows existed
         return None
     return ev
 
@@ -282,6 +306,8 @@ def distill(config: DistillConfig) -> DistillSummary:
         (model_dir / CARD).write_text(model_card(info, section))
         print(f"distilled {config.model} -> {model_dir}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
         print(evaluation_table(evaluation))
+        if (warning := repetition_warning(evaluation)) is not None:
+            print(warning)
     state.wait_for_everyone()
     return DistillSummary(out=str(out), skipped=skipped, evaluation=evaluation)
 

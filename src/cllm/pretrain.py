@@ -375,13 +375,12 @@ def longest_run(ids: list[int]) -> int:
     return best
 
 
-def ends_in_loop(ids: list[int], *, max_period: int = 8, min_length: int = 24) -> bool:
-    """Whether the last `min_length` tokens repeat one pattern of at most `max_period` tokens
+def ends_in_loop(ids: list[int]) -> bool:
+    """Whether a completion's last 24 tokens repeat one pattern of at most 8 tokens
     (e.g. '_cache_cache_cache...'), which the one-token degenerate test does not see."""
-    tail = ids[-min_length:]
-    if len(tail) < min_length:
-        return False
-    return any(all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, max_period + 1))
+    from cllm.collect import ends_in_loop as tail_loops
+
+    return tail_loops(ids, min_length=24)
 
 
 @torch.no_grad()

@@ -159,6 +159,18 @@ def test_missing_or_other_schema_meta_is_refused(tmp_path):
         read_meta(tmp_path)
 
 
+def test_meta_written_before_drop_loops_existed_still_reads(tmp_path):
+    write_meta(tmp_path, meta())
+    data = json.loads((tmp_path / "meta.json").read_text())
+    del data["drop_loops"]
+    (tmp_path / "meta.json").write_text(json.dumps(data))
+    assert read_meta(tmp_path) == meta()  # off, as it was
+    del data["seed"]  # a field without a default is still required
+    (tmp_path / "meta.json").write_text(json.dumps(data))
+    with pytest.raises(TrajectoryError, match="missing keys"):
+        read_meta(tmp_path)
+
+
 def test_reader_refuses_settings_other_than_expected(directory):
     with pytest.raises(TrajectoryError, match="block_size=4, expected 16"):
         TrajectoryReader(directory, expect={"block_size": 16})

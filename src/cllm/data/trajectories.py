@@ -41,7 +41,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import pyarrow as pa
@@ -120,6 +120,7 @@ class TrajectoryMeta:
     pad_token_id: int
     cllm_version: str
     schema_version: int = SCHEMA_VERSION
+    drop_loops: bool = False  # records dropped from a prompt's first looping block on
 
     INFORMATIONAL = ("model", "prompts")
 
@@ -163,7 +164,8 @@ def read_meta(directory: str | Path) -> TrajectoryMeta:
             f"{path} has trajectory schema version {found!r}; this cllm reads {SCHEMA_VERSION}"
         )
     names = {f.name for f in fields(TrajectoryMeta)}
-    if set(data) != names:
+    optional = {f.name for f in fields(TrajectoryMeta) if f.default is not MISSING}  # added later
+    if not set(data) <= names or names - optional - set(data):
         raise TrajectoryError(f"{path} has unexpected or missing keys: {sorted(set(data) ^ names)}")
     return TrajectoryMeta(**data)
 
