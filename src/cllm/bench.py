@@ -80,7 +80,7 @@ class BenchConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    block_size: int = field(default=8, metadata={"help": "Jacobi block size n of the timed methods (8: the fastest on a CPU; a GPU affords more)"})
+    block_size: int = field(default=4, metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
     methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
@@ -89,7 +89,8 @@ class BenchConfig:
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
     recycle: int = field(default=4, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
-    recycle_width: int = field(default=8, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
+    recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
+    recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
@@ -123,6 +124,8 @@ class BenchConfig:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
         if self.recycle < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
             raise ValueError("--recycle must be >= 0, --recycle-width and --blocks-in-flight >= 1")
+        if self.recycle_min_ngram not in (1, 2, 3):
+            raise ValueError(f"--recycle-min-ngram must be 1, 2 or 3, got {self.recycle_min_ngram}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -248,7 +251,8 @@ def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
          guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
-         recycle: int = 0, recycle_width: int = 8, blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
+         recycle: int = 0, recycle_width: int = 16, recycle_min_ngram: int = 2,
+         blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
     n = 1); guesses and draws seeded per prompt id (the same in every round)."""
 
@@ -258,7 +262,8 @@ def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_n
             out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos, guess=guess,
                                 generator=generator, on_iteration=hook, temperature=temperature,
-                                recycle=recycle, recycle_width=recycle_width, blocks_in_flight=blocks_in_flight)
+                                recycle=recycle, recycle_width=recycle_width, recycle_min_ngram=recycle_min_ngram,
+                                blocks_in_flight=blocks_in_flight)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
         if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree
@@ -303,7 +308,8 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         "prompt_lookup": Method("prompt_lookup", target, hf_generate(
             target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
     }
-    more = dict(recycle=config.recycle, recycle_width=config.recycle_width, blocks_in_flight=config.blocks_in_flight)
+    more = dict(recycle=config.recycle, recycle_width=config.recycle_width,
+                recycle_min_ngram=config.recycle_min_ngram, blocks_in_flight=config.blocks_in_flight)
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(target, ct, jacobi=True, **jac, **more, **common), [ct])
     if models.cllm is not None:
         cc = counters["cllm"]

@@ -41,7 +41,7 @@ class DemoConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set of the short bench"})
     max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
-    block_size: int = field(default=8, metadata={"help": "Jacobi block size n"})
+    block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
     val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: skip)"})

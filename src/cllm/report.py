@@ -317,7 +317,9 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"(EOS stops every method), block size n = {cfg['block_size']}, Jacobi guess `{cfg['guess']}`, "
         f"{cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up prompt(s), median per prompt. "
         f"`cllm_jacobi` and `target_lookahead`: n = {cfg['block_size']} plus {cfg.get('recycle', 0)} recycled "
-        f"n-gram drafts of up to {cfg.get('recycle_width', 0)} tokens per forward, "
+        f"n-gram drafts of up to {cfg.get('recycle_width', 0)} tokens per forward"
+        + (f" (each continuing a match of {cfg['recycle_min_ngram']}+ tokens)" if "recycle_min_ngram" in cfg else "")
+        + ", "
         f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
         "the paper's plain Jacobi decoding.",
         "",

@@ -79,21 +79,32 @@ def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
     assert _Trie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
 
 
+@pytest.mark.parametrize("min_ngram", [1, 2])
 @pytest.mark.parametrize("recycle", [1, 3])
 @pytest.mark.parametrize("block_size", [2, 7, 16])
-def test_recycling_equals_greedy(arch, block_size, recycle):
+def test_recycling_equals_greedy(arch, block_size, recycle, min_ngram):
     model = tiny_model(arch)
     for seed, length in [(21, 4), (22, 15)]:
         g = torch.Generator().manual_seed(seed)
         prompt = torch.randint(2, 64, (1, length), generator=g).repeat(1, 3)  # repeats: the pool has hits
         expected = greedy_decode(model, prompt, max_new_tokens=37).new_tokens
         out = jacobi_decode(model, prompt, block_size=block_size, max_new_tokens=37, recycle=recycle,
-                            generator=torch.Generator().manual_seed(seed))
-        assert out.new_tokens == expected, (arch, block_size, recycle, seed)
+                            recycle_min_ngram=min_ngram, generator=torch.Generator().manual_seed(seed))
+        assert out.new_tokens == expected, (arch, block_size, recycle, min_ngram, seed)
         assert out.forward_passes <= 37
         # every forward after the prefill reports its width: the tail plus the drafts' new nodes
         assert len(out.stats.fed) == out.forward_passes - 1
-        assert all(1 <= f <= block_size + recycle * 8 for f in out.stats.fed)
+        assert all(1 <= f <= block_size + recycle * 16 for f in out.stats.fed)
+
+
+def test_pool_drafts_need_a_match_of_min_ngram_tokens():
+    #          0  1  2  3  4  5  6  7
+    history = [7, 1, 2, 9, 3, 2, 5, 2]  # only the last token (2) occurred before: at 5, then at 2
+    assert pool_candidates(history, (), 2, 4) == [[5, 2], [9, 3]]
+    assert pool_candidates(history, (), 2, 4, min_ngram=2) == []
+    history = [4, 2, 6, 8, 4, 2]  # (4, 2) occurred at 0..1, followed by 6, 8
+    assert pool_candidates(history, (), 2, 4, min_ngram=2) == [[6, 8]]
+    assert pool_candidates(history, (), 2, 4, min_ngram=3) == []
 
 
 def test_recycling_in_a_padded_batch_with_eos_equals_greedy(arch):

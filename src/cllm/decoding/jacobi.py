@@ -83,15 +83,15 @@ def lookup_continuation(history: Sequence[int], count: int, max_ngram: int = LOO
 
 
 def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], width: int, count: int,
-                    max_ngram: int = LOOKUP_NGRAM) -> list[list[int]]:
+                    max_ngram: int = LOOKUP_NGRAM, min_ngram: int = 1) -> list[list[int]]:
     """Up to `count` distinct drafts of up to `width` tokens for what follows `history`: the
-    continuations of its last 3 (else 2, else 1) tokens where they occurred before, in the
-    history itself (latest first), then in `recent` sequences (earlier Jacobi states, latest
-    last): the n-gram pool that recycling verifies beside the Jacobi tail."""
+    continuations of its last 3 (else 2, else 1, down to `min_ngram`) tokens where they occurred
+    before, in the history itself (latest first), then in `recent` sequences (earlier Jacobi
+    states, latest last): the n-gram pool that recycling verifies beside the Jacobi tail."""
     h = list(history)
     found: list[list[int]] = []
     sources = [h, *reversed(recent)]
-    for g in range(min(max_ngram, len(h)), 0, -1):
+    for g in range(min(max_ngram, len(h)), min_ngram - 1, -1):
         key = h[-g:]
         for seq in sources:  # an occurrence must be followed by a token (so not h's own end)
             for start in range(len(seq) - g - 1, -1, -1):
@@ -174,7 +174,8 @@ class _Settings:
     on_iteration: Callable[[IterationEvent], None] | None
     sampling: Sampling | None = None  # None: greedy
     recycle: int = 0  # n-gram pool drafts verified beside the Jacobi tail per iteration
-    recycle_width: int = 8  # tokens per pool draft at most
+    recycle_width: int = 16  # tokens per pool draft at most
+    recycle_min_ngram: int = 2  # a pool draft needs a match of at least this many tokens
     blocks_in_flight: int = 1  # > 1: the next blocks' drafts ride behind the current block
 
 
@@ -270,7 +271,7 @@ def _swap_in_pool_draft(row: _Row, cfg: _Settings) -> None:
     if block is None or block.committed == len(block.state):
         return
     width = min(len(block.state) - block.committed, cfg.recycle_width)
-    found = pool_candidates(row.prompt_list + row.known, row.recent, width, 1)
+    found = pool_candidates(row.prompt_list + row.known, row.recent, width, 1, min_ngram=cfg.recycle_min_ngram)
     if found:
         d = found[0]
         _set_drafts(row, d)
@@ -430,7 +431,8 @@ def _step_recycling(
         if row.block is not None and len(tail) > 1:
             # a draft may reach past the tail (its surplus rides as drafts of the next block)
             width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
-            drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1)
+            drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
+                                                 min_ngram=cfg.recycle_min_ngram)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
         tries.append(_Trie.build(tail, drafts))
     L = max(len(t.tokens) for t in tries)
@@ -483,7 +485,8 @@ def jacobi_decode(
     top_k: int | None = None,
     top_p: float | None = None,
     recycle: int = 0,
-    recycle_width: int = 8,
+    recycle_width: int = 16,
+    recycle_min_ngram: int = 2,
     blocks_in_flight: int = 1,
 ) -> DecodeOutput:
     """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
@@ -513,6 +516,9 @@ def jacobi_decode(
             is kept. 0 = off. The output stays greedy's. When sampling, the first pool draft
             replaces the Jacobi drafts instead (one branch; the law stays exact).
         recycle_width: tokens per pool draft at most (a forward's cost grows with its tokens).
+        recycle_min_ngram: a pool draft must continue a match of at least this many tokens
+            (1-3). 2, the default, skips drafts found from the last token alone: on a CPU, where
+            every fed token costs, they were accepted too rarely to pay for themselves.
         blocks_in_flight: multi-block decoding (greedy only): with k > 1, the drafts of the
             next k - 1 blocks are fed behind the current block's tail and refined by the same
             forwards, so a block starts from refined drafts, and tokens can become final across
@@ -531,6 +537,8 @@ def jacobi_decode(
         raise ValueError(f"recycle must be an int >= 0, got {recycle!r}")
     if not isinstance(recycle_width, int) or recycle_width < 1:
         raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
+    if not isinstance(recycle_min_ngram, int) or not 1 <= recycle_min_ngram <= LOOKUP_NGRAM:
+        raise ValueError(f"recycle_min_ngram must be an int from 1 to {LOOKUP_NGRAM}, got {recycle_min_ngram!r}")
     if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
         raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
     if blocks_in_flight > 1 and sampling is not None:
@@ -556,6 +564,7 @@ def jacobi_decode(
         sampling=sampling,
         recycle=recycle,
         recycle_width=recycle_width,
+        recycle_min_ngram=recycle_min_ngram,
         blocks_in_flight=blocks_in_flight,
     )
     rows = [
