@@ -113,19 +113,25 @@ def greedy(setup, ids, eos=None):
 # What the records say
 
 
+def greedy_blocks(setup):
+    """Per prompt: its index, token ids, greedy continuation (to EOS) and that cut into blocks."""
+    tokenizer = setup[3]
+    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
+    for i, text in enumerate(PROMPTS):
+        ids = tokenizer(text)["input_ids"]
+        want = greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW,
+                             eos_token_id=tokenizer.eos_token_id).new_tokens[0]
+        yield i, ids, want, [want[k : k + BLOCK] for k in range(0, len(want), BLOCK)]
+
+
 def test_joined_fixed_points_of_every_prompt_equal_greedy_decode(setup, reference):
     _, summary, records = reference
     tokenizer = setup[3]
     by_prompt = {}
     for r in records:
         by_prompt.setdefault(r.prompt_id, []).append(r)
-    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
     degenerate_blocks = 0
-    for i, text in enumerate(PROMPTS):
-        ids = tokenizer(text)["input_ids"]
-        want = greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW,
-                             eos_token_id=tokenizer.eos_token_id).new_tokens[0]
-        blocks = [want[k : k + BLOCK] for k in range(0, len(want), BLOCK)]
+    for i, ids, want, blocks in greedy_blocks(setup):
         kept = {k: b for k, b in enumerate(blocks) if not is_degenerate(b)}
         degenerate_blocks += len(blocks) - len(kept)
         got = by_prompt.get(f"q{i}", [])
@@ -182,18 +188,12 @@ def test_degenerate_records_are_dropped_and_counted(reference):
 
 def test_drop_loops_drops_a_prompts_blocks_from_its_first_looping_one(setup, reference, tmp_path):
     _, plain, _ = reference
-    tokenizer = setup[3]
     summary = collect(config(setup, tmp_path / "out", drop_loops=True))
     by_prompt = {}
     for r in read_records(tmp_path / "out"):
         by_prompt.setdefault(r.prompt_id, []).append(r.block_index)
-    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
     looping_blocks = 0
-    for i, text in enumerate(PROMPTS):
-        ids = tokenizer(text)["input_ids"]
-        want = greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW,
-                             eos_token_id=tokenizer.eos_token_id).new_tokens[0]
-        blocks = [want[k : k + BLOCK] for k in range(0, len(want), BLOCK)]
+    for i, _, want, blocks in greedy_blocks(setup):
         first_loop = next((k for k in range(len(blocks)) if ends_in_loop(want[: BLOCK * (k + 1)])), len(blocks))
         looping_blocks += len(blocks) - first_loop
         assert by_prompt.get(f"q{i}", []) == [k for k in range(first_loop) if not is_degenerate(blocks[k])]
