@@ -52,7 +52,7 @@ def main() -> None:
                 out = jacobi_decode(model, ids, max_new_tokens=128, eos_token_id=tok.eos_token_id,
                                     generator=torch.Generator().manual_seed(0), block_size=n,
                                     recycle=recycle, recycle_width=width, blocks_in_flight=blocks,
-                                    recycle_min_ngram=min_ngram[0] if min_ngram else 2)
+                                    **({"recycle_min_ngram": min_ngram[0]} if min_ngram else {}))
                 fed += out.stats.fed
             else:
                 out = greedy_decode(model, ids, max_new_tokens=128, eos_token_id=tok.eos_token_id)
@@ -70,7 +70,7 @@ def main() -> None:
           f"{args.threads} thread(s), {args.clock} clock)")
     for s in settings:
         n, recycle, width, blocks, *min_ngram = s
-        print(f"n={n} recycle={recycle} width={width} blocks={blocks} min-ngram={min_ngram[0] if min_ngram else 2}: "
+        print(f"n={n} recycle={recycle} width={width} blocks={blocks} min-ngram={min_ngram[0] if min_ngram else 'default'}: "
               f"{tpf[s]:.2f} tokens/forward, {fed[s]:.1f} fed/forward, "
               f"{statistics.median(speed[s]):.2f}x (rounds: {' '.join(f'{x:.2f}' for x in speed[s])})",
               flush=True)

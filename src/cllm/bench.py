@@ -53,6 +53,7 @@ import torch
 from cllm.config import UserError, config_to_dict
 from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
+from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.rows import derived_seed
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class BenchConfig:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
         if self.recycle < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
             raise ValueError("--recycle must be >= 0, --recycle-width and --blocks-in-flight >= 1")
-        if self.recycle_min_ngram not in (1, 2, 3):
-            raise ValueError(f"--recycle-min-ngram must be 1, 2 or 3, got {self.recycle_min_ngram}")
+        if not 1 <= self.recycle_min_ngram <= LOOKUP_NGRAM:
+            raise ValueError(f"--recycle-min-ngram must be from 1 to {LOOKUP_NGRAM}, got {self.recycle_min_ngram}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -251,10 +252,10 @@ def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
          guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
-         recycle: int = 0, recycle_width: int = 16, recycle_min_ngram: int = 2,
-         blocks_in_flight: int = 1) -> Callable[[BenchPrompt], Decoded]:
+         **engine) -> Callable[[BenchPrompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
-    n = 1); guesses and draws seeded per prompt id (the same in every round)."""
+    n = 1); guesses and draws seeded per prompt id (the same in every round). `engine`: the
+    recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent)."""
 
     def run(prompt: BenchPrompt, hook=on_iteration) -> Decoded:
         if jacobi or temperature > 0:
@@ -262,8 +263,7 @@ def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_n
             out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos, guess=guess,
                                 generator=generator, on_iteration=hook, temperature=temperature,
-                                recycle=recycle, recycle_width=recycle_width, recycle_min_ngram=recycle_min_ngram,
-                                blocks_in_flight=blocks_in_flight)
+                                **engine)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
         if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from cllm.collect import ends_in_loop as tail_loops
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
@@ -378,8 +379,6 @@ def longest_run(ids: list[int]) -> int:
 def ends_in_loop(ids: list[int]) -> bool:
     """Whether a completion's last 24 tokens repeat one pattern of at most 8 tokens
     (e.g. '_cache_cache_cache...'), which the one-token degenerate test does not see."""
-    from cllm.collect import ends_in_loop as tail_loops
-
     return tail_loops(ids, min_length=24)
 
 

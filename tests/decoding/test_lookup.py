@@ -79,6 +79,16 @@ def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
     assert _Trie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
 
 
+def test_trie_mask_rows_are_ancestors_and_padding_rows_are_empty():
+    trie = _Trie.build([5, 1, 2], [[7]])  # nodes 0:5, 1:1, 2:2 (tail), 3:7 (draft under the root)
+    T, F = True, False
+    assert trie.ancestor_rows(5) == [[T, F, F, F, F],
+                                     [T, T, F, F, F],
+                                     [T, T, T, F, F],
+                                     [T, F, F, T, F],
+                                     [F, F, F, F, F]]  # a padding row: feed_tree adds its diagonal
+
+
 @pytest.mark.parametrize("min_ngram", [1, 2])
 @pytest.mark.parametrize("recycle", [1, 3])
 @pytest.mark.parametrize("block_size", [2, 7, 16])

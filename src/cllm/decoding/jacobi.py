@@ -400,6 +400,16 @@ class _Trie:
             trie.leaves.append(node)
         return trie
 
+    def ancestor_rows(self, width: int) -> list[list[bool]]:
+        """The tree attention mask, `width` x `width`: row i marks node i's ancestors and itself;
+        rows and columns past the trie (padding) are all False."""
+        rows: list[list[bool]] = []
+        for i, p in enumerate(self.parent):
+            row = list(rows[p]) if p >= 0 else [False] * width
+            row[i] = True
+            rows.append(row)
+        return rows + [[False] * width for _ in range(width - len(rows))]
+
     def path(self, node: int) -> list[int]:
         """The nodes from the root to `node`, in order (increasing indices)."""
         nodes = []
@@ -436,20 +446,10 @@ def _step_recycling(
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
         tries.append(_Trie.build(tail, drafts))
     L = max(len(t.tokens) for t in tries)
-    B = len(rows)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    offsets = torch.zeros(B, L, dtype=torch.long)
-    tree = torch.zeros(B, L, L, dtype=torch.bool)
-    for r, trie in enumerate(tries):
-        n = len(trie.tokens)
-        ids[r, :n] = torch.tensor(trie.tokens)
-        offsets[r, :n] = torch.tensor(trie.depth)
-        tree[r, 0, 0] = True
-        for i in range(1, n):  # ancestors: the parent's row plus itself
-            tree[r, i] = tree[r, trie.parent[i]]
-            tree[r, i, i] = True
-        ids[r, n:] = ids[r, n - 1]  # padding: masked to itself only, never kept
-        offsets[r, n:] = offsets[r, n - 1]
+    # padding repeats a row's last token and offset, sees only itself, and is never kept
+    ids = torch.tensor([t.tokens + t.tokens[-1:] * (L - len(t.tokens)) for t in tries])  # (B, L)
+    offsets = torch.tensor([t.depth + t.depth[-1:] * (L - len(t.depth)) for t in tries])  # (B, L)
+    tree = torch.tensor([t.ancestor_rows(L) for t in tries])  # (B, L, L)
     logits = kv.feed_tree(model, rc, ids.to(cfg.device), offsets, tree)
     out = logits.argmax(dim=-1).tolist()
     stats.forward_passes += 1
@@ -460,7 +460,7 @@ def _step_recycling(
         # the first branch (the tail's, else a draft's) the accepted path lies on: its tokens
         # become the tail, its outputs the next state
         tail_path = trie.path(trie.leaves[0])
-        branch = next(p for p in map(trie.path, trie.leaves) if accepted[-1] in p)
+        branch = next(p for p in (tail_path, *map(trie.path, trie.leaves[1:])) if accepted[-1] in p)
         if branch[-1] != tail_path[-1]:
             _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
         outputs = [out[r][i] for i in branch] + [out[r][i] for i in tail_path[len(branch) :]]
