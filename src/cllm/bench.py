@@ -7,8 +7,8 @@ Methods (names are the DESIGN.md contract):
   cllm_jacobi_plain             fast-forward commit), block size n, on the target / the CLLM
   cllm_jacobi                   the CLLM on our engine at its speed setting: block size n plus
                                 n-gram recycling (--recycle pool drafts of up to --recycle-width
-                                tokens verified in the same forward as a token trie) and
-                                --blocks-in-flight; exact (greedy's tokens)
+                                tokens verified in the same forward as a token trie of at most
+                                --recycle-budget tokens) and --blocks-in-flight; exact
   target_lookahead              the same engine setting on the untrained target (what the
                                 consistency training adds is cllm_jacobi over target_lookahead)
   hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
@@ -89,9 +89,10 @@ class BenchConfig:
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    recycle: int = field(default=4, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
+    recycle: int = field(default=8, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
     recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
     recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
+    recycle_budget: int = field(default=24, metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
@@ -123,8 +124,8 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if self.methods and "target_ar" not in self.methods:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
-        if self.recycle < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
-            raise ValueError("--recycle must be >= 0, --recycle-width and --blocks-in-flight >= 1")
+        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
+            raise ValueError("--recycle and --recycle-budget must be >= 0, --recycle-width and --blocks-in-flight >= 1")
         if not 1 <= self.recycle_min_ngram <= LOOKUP_NGRAM:
             raise ValueError(f"--recycle-min-ngram must be from 1 to {LOOKUP_NGRAM}, got {self.recycle_min_ngram}")
         if not self.temperature > 0:
@@ -309,7 +310,8 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
     }
     more = dict(recycle=config.recycle, recycle_width=config.recycle_width,
-                recycle_min_ngram=config.recycle_min_ngram, blocks_in_flight=config.blocks_in_flight)
+                recycle_min_ngram=config.recycle_min_ngram, recycle_budget=config.recycle_budget or None,
+                blocks_in_flight=config.blocks_in_flight)
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(target, ct, jacobi=True, **jac, **more, **common), [ct])
     if models.cllm is not None:
         cc = counters["cllm"]

@@ -254,7 +254,7 @@ class _DecodeOptions:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default 0)"})
-    recycle: int = field(default=4, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
+    recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})

@@ -319,6 +319,7 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"`cllm_jacobi` and `target_lookahead`: n = {cfg['block_size']} plus {cfg.get('recycle', 0)} recycled "
         f"n-gram drafts of up to {cfg.get('recycle_width', 0)} tokens per forward"
         + (f" (each continuing a match of {cfg['recycle_min_ngram']}+ tokens)" if "recycle_min_ngram" in cfg else "")
+        + (f", at most {cfg['recycle_budget']} fed tokens per forward" if cfg.get("recycle_budget") else "")
         + ", "
         f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
         "the paper's plain Jacobi decoding.",

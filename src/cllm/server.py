@@ -50,7 +50,7 @@ class ServeConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the model dir's name)"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
     block_size: int = field(default=4, metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
-    recycle: int = field(default=4, metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
+    recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})

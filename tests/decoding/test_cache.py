@@ -38,6 +38,26 @@ def test_commit_at_batch_one_only_crops():
     assert rc.physical_length == 5 and rc.valid is None and rc.lengths == [5]
 
 
+def test_commit_kept_at_batch_one_moves_off_branch_entries_up_without_holes():
+    rc = _filled([[1, 1]])
+    rc.valid = None
+    fed = torch.tensor([10.0, 11, 12, 13, 14])[None, None, :, None]  # a trie of 5 nodes after 2 entries
+    rc.kv.update(fed, fed.clone(), 0)
+    cache.commit_kept(rc, [[0, 3, 4]], fed=5)  # the accepted path left the first branch at node 3
+    assert rc.valid is None and rc.lengths == [5] and rc.physical_length == 5
+    assert _keys(rc) == [[0, 1, 10, 13, 14]]
+    assert rc.kv.layers[0].values[0, 0, :, 0].long().tolist() == [0, 1, 10, 13, 14]
+
+
+def test_commit_kept_in_a_batch_marks_holes():
+    rc = _filled([[1, 1], [1, 1]])
+    rc.valid = None
+    rc.kv.update(torch.zeros(2, 1, 4, 1), torch.zeros(2, 1, 4, 1), 0)
+    cache.commit_kept(rc, [[0, 2], [0, 1]], fed=4)
+    assert rc.lengths == [4, 4] and rc.physical_length == 5
+    assert rc.valid.int().tolist() == [[1, 1, 1, 0, 1], [1, 1, 1, 1, 0]]
+
+
 def test_compact_gathers_valid_entries_in_order_left_padded():
     rc = _filled([[0, 1, 0, 1, 1], [1, 1, 1, 0, 1]])
     cache.compact(rc)

@@ -89,6 +89,15 @@ def test_trie_mask_rows_are_ancestors_and_padding_rows_are_empty():
                                      [F, F, F, F, F]]  # a padding row: feed_tree adds its diagonal
 
 
+def test_trie_budget_cuts_drafts_but_never_the_tail():
+    tail, drafts = [5, 1, 2, 3], [[1, 2, 9, 9], [4, 4, 4]]
+    assert _Trie.build(tail, drafts).tokens == [5, 1, 2, 3, 9, 9, 4, 4, 4]
+    trie = _Trie.build(tail, drafts, budget=6)  # the first draft shares 1, 2 and adds 9, 9
+    assert trie.tokens == [5, 1, 2, 3, 9, 9] and trie.leaves == [3, 5, 0]  # the second: cut whole
+    assert _Trie.build(tail, drafts, budget=5).tokens == [5, 1, 2, 3, 9]  # a draft cut inside
+    assert _Trie.build(tail, drafts, budget=2).tokens == [5, 1, 2, 3]  # the tail is fed whole
+
+
 @pytest.mark.parametrize("min_ngram", [1, 2])
 @pytest.mark.parametrize("recycle", [1, 3])
 @pytest.mark.parametrize("block_size", [2, 7, 16])
@@ -107,6 +116,19 @@ def test_recycling_equals_greedy(arch, block_size, recycle, min_ngram):
         assert all(1 <= f <= block_size + recycle * 16 for f in out.stats.fed)
 
 
+@pytest.mark.parametrize("budget", [None, 3, 9])
+def test_recycling_with_a_budget_equals_greedy(arch, budget):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(2, 64, (1, 6), generator=g).repeat(1, 4)
+    expected = greedy_decode(model, prompt, max_new_tokens=40).new_tokens
+    out = jacobi_decode(model, prompt, block_size=5, max_new_tokens=40, recycle=4, recycle_min_ngram=1,
+                        recycle_budget=budget, generator=torch.Generator().manual_seed(0))
+    assert out.new_tokens == expected, (arch, budget)
+    if budget is not None:  # the tail (at most n tokens) is fed whole, drafts only within the budget
+        assert max(out.stats.fed) <= max(budget, 5)
+
+
 def test_pool_drafts_need_a_match_of_min_ngram_tokens():
     #          0  1  2  3  4  5  6  7
     history = [7, 1, 2, 9, 3, 2, 5, 2]  # only the last token (2) occurred before: at 5, then at 2
@@ -115,6 +137,16 @@ def test_pool_drafts_need_a_match_of_min_ngram_tokens():
     history = [4, 2, 6, 8, 4, 2]  # (4, 2) occurred at 0..1, followed by 6, 8
     assert pool_candidates(history, (), 2, 4, min_ngram=2) == [[6, 8]]
     assert pool_candidates(history, (), 2, 4, min_ngram=3) == []
+
+
+def test_shorter_matches_draft_shorter_when_halving():
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12 13 14
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 2, 3, 9, 2, 3]  # (9, 2, 3) never before; (2, 3) twice
+    assert pool_candidates(history, (), 8, 2) == [[9, 2, 3], [4, 5, 6, 7, 8, 9, 5, 2]]
+    # a 2-token match drafts half the width, a 1-token match a quarter
+    assert pool_candidates(history, (), 8, 3, halve_shorter=True) == [[9, 2, 3], [4, 5, 6, 7], [9, 2]]
+    history = [8, 1, 2, 3, 4, 5, 6, 7, 9, 7, 1, 2, 3, 4, 5, 6, 1, 2, 3]  # (1, 2, 3) twice before: full width
+    assert pool_candidates(history, (), 8, 2, halve_shorter=True) == [[4, 5, 6, 1, 2, 3], [4, 5, 6, 7, 9, 7, 1, 2]]
 
 
 def test_recycling_in_a_padded_batch_with_eos_equals_greedy(arch):

@@ -18,7 +18,8 @@ attention mask do the bookkeeping:
 - when the holes (plus left padding) waste a sizeable part of the cache, `compact` gathers each
   row's valid entries into a fresh left-padded layout.
 
-Batch 1 never has holes: rejected entries are simply cropped (no copy).
+Batch 1 never has holes: rejected entries are simply cropped, and entries kept off the main
+branch of a recycling trie are first copied up over the rejected ones (a few entries per layer).
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:
     if all(k == list(range(len(k))) for k in kept):
         commit(rc, [len(k) for k in kept], fed)
         return
+    if len(kept) == 1 and rc.valid is None:  # one row: move the kept entries up, leave no holes
+        _move_to_front(rc, kept[0], fed)
+        commit(rc, [len(kept[0])], fed)
+        return
     last = max((k[-1] + 1 for k in kept if k), default=0)
     if fed > last:
         rc.kv.crop(-(fed - last))
@@ -161,6 +166,19 @@ def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:
         new[r, k] = True
     rc.valid = torch.cat([rc.valid, new], dim=1)
     rc.lengths = [n + len(k) for n, k in zip(rc.lengths, kept, strict=True)]
+
+
+def _move_to_front(rc: RowCache, kept: list[int], fed: int) -> None:
+    """Copy the entries `kept` (increasing indices among the last `fed`) to the first len(kept)
+    of those slots, in order, in every layer (a handful of entries: cheaper than holes, which
+    every later forward would have to mask)."""
+    base = rc.physical_length - fed
+    index = torch.tensor(kept, device=_cache_device(rc)) + base
+    for layer in rc.kv.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue  # a layer that holds nothing (e.g. one that shares another's KV)
+        for x in (layer.keys, layer.values):  # (B, H, S, D); index_select copies before the write
+            x[:, :, base : base + len(kept)] = x.index_select(2, index.to(x.device))
 
 
 def commit(rc: RowCache, keep: list[int], fed: int) -> None:

@@ -83,20 +83,24 @@ def lookup_continuation(history: Sequence[int], count: int, max_ngram: int = LOO
 
 
 def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], width: int, count: int,
-                    max_ngram: int = LOOKUP_NGRAM, min_ngram: int = 1) -> list[list[int]]:
+                    max_ngram: int = LOOKUP_NGRAM, min_ngram: int = 1,
+                    halve_shorter: bool = False) -> list[list[int]]:
     """Up to `count` distinct drafts of up to `width` tokens for what follows `history`: the
     continuations of its last 3 (else 2, else 1, down to `min_ngram`) tokens where they occurred
     before, in the history itself (latest first), then in `recent` sequences (earlier Jacobi
-    states, latest last): the n-gram pool that recycling verifies beside the Jacobi tail."""
+    states, latest last): the n-gram pool that recycling verifies beside the Jacobi tail.
+    `halve_shorter`: each token less of match halves the draft's width (a 3-token match may
+    draft `width` tokens, a 2-token match width // 2): shorter matches are right less often."""
     h = list(history)
     found: list[list[int]] = []
     sources = [h, *reversed(recent)]
     for g in range(min(max_ngram, len(h)), min_ngram - 1, -1):
         key = h[-g:]
+        w = max(1, width >> (max_ngram - g)) if halve_shorter else width
         for seq in sources:  # an occurrence must be followed by a token (so not h's own end)
             for start in range(len(seq) - g - 1, -1, -1):
                 if seq[start : start + g] == key:
-                    cand = list(seq[start + g : start + g + width])
+                    cand = list(seq[start + g : start + g + w])
                     if cand and cand not in found:
                         found.append(cand)
                         if len(found) >= count:
@@ -176,6 +180,7 @@ class _Settings:
     recycle: int = 0  # n-gram pool drafts verified beside the Jacobi tail per iteration
     recycle_width: int = 16  # tokens per pool draft at most
     recycle_min_ngram: int = 2  # a pool draft needs a match of at least this many tokens
+    recycle_budget: int | None = 24  # tokens fed per row per forward at most (tail + drafts)
     blocks_in_flight: int = 1  # > 1: the next blocks' drafts ride behind the current block
 
 
@@ -383,13 +388,17 @@ class _Trie:
     leaves: list[int]  # per branch (tail first, then each draft): its last node
 
     @classmethod
-    def build(cls, tail: Sequence[int], drafts: Sequence[Sequence[int]]) -> _Trie:
+    def build(cls, tail: Sequence[int], drafts: Sequence[Sequence[int]], budget: int | None = None) -> _Trie:
+        """The tail whole, then each draft's new tokens while the trie holds at most `budget`
+        tokens (a draft's nodes past it are cut; None: no limit)."""
         trie = cls(tokens=[tail[0]], parent=[-1], depth=[0], children=[{}], leaves=[])
-        for branch in (tail[1:], *drafts):
+        for b, branch in enumerate((tail[1:], *drafts)):
             node = 0
             for token in branch:
                 child = trie.children[node].get(token)
                 if child is None:
+                    if b > 0 and budget is not None and len(trie.tokens) >= budget:
+                        break
                     child = len(trie.tokens)
                     trie.tokens.append(token)
                     trie.parent.append(node)
@@ -434,7 +443,7 @@ def _step_recycling(
     drafts as branches of one token trie (shared prefixes fed once); the longest path whose
     tokens all equal their predictions is final, its KV entries are kept, and the branch it
     lies on becomes the block's new tail."""
-    tries = []
+    tries, plain = [], True
     for row in rows:
         tail = _tail(row)
         drafts = []
@@ -442,9 +451,13 @@ def _step_recycling(
             # a draft may reach past the tail (its surplus rides as drafts of the next block)
             width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
             drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
-                                                 min_ngram=cfg.recycle_min_ngram)
+                                                 min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
-        tries.append(_Trie.build(tail, drafts))
+        tries.append(_Trie.build(tail, drafts, cfg.recycle_budget))
+        plain = plain and len(tries[-1].tokens) == len(tail)
+    if plain:  # no draft added a token: a plain Jacobi step (causal, no tree mask to build)
+        _step(model, rc, rows, cfg, stats)
+        return
     L = max(len(t.tokens) for t in tries)
     # padding repeats a row's last token and offset, sees only itself, and is never kept
     ids = torch.tensor([t.tokens + t.tokens[-1:] * (L - len(t.tokens)) for t in tries])  # (B, L)
@@ -487,6 +500,7 @@ def jacobi_decode(
     recycle: int = 0,
     recycle_width: int = 16,
     recycle_min_ngram: int = 2,
+    recycle_budget: int | None = 24,
     blocks_in_flight: int = 1,
 ) -> DecodeOutput:
     """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
@@ -515,10 +529,16 @@ def jacobi_decode(
             the same forward, as branches of a tree attention mask; the furthest reaching branch
             is kept. 0 = off. The output stays greedy's. When sampling, the first pool draft
             replaces the Jacobi drafts instead (one branch; the law stays exact).
-        recycle_width: tokens per pool draft at most (a forward's cost grows with its tokens).
+        recycle_width: tokens per pool draft at most. Greedy recycling allows that many after
+            a 3-token match, half as many after a 2-token match, a quarter after a 1-token one
+            (a forward's cost grows with its tokens, and shorter matches are right less often).
         recycle_min_ngram: a pool draft must continue a match of at least this many tokens
             (1-3). 2, the default, skips drafts found from the last token alone: on a CPU, where
             every fed token costs, they were accepted too rarely to pay for themselves.
+        recycle_budget: tokens a row feeds per forward at most when recycling: the tail whole,
+            then the drafts' new tokens until the budget is spent (a draft is cut there); None:
+            no limit. 24 suits a CPU, where the last drafts of a large trie rarely pay for
+            their tokens; a GPU affords more.
         blocks_in_flight: multi-block decoding (greedy only): with k > 1, the drafts of the
             next k - 1 blocks are fed behind the current block's tail and refined by the same
             forwards, so a block starts from refined drafts, and tokens can become final across
@@ -539,6 +559,8 @@ def jacobi_decode(
         raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
     if not isinstance(recycle_min_ngram, int) or not 1 <= recycle_min_ngram <= LOOKUP_NGRAM:
         raise ValueError(f"recycle_min_ngram must be an int from 1 to {LOOKUP_NGRAM}, got {recycle_min_ngram!r}")
+    if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
+        raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
     if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
         raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
     if blocks_in_flight > 1 and sampling is not None:
@@ -565,6 +587,7 @@ def jacobi_decode(
         recycle=recycle,
         recycle_width=recycle_width,
         recycle_min_ngram=recycle_min_ngram,
+        recycle_budget=recycle_budget,
         blocks_in_flight=blocks_in_flight,
     )
     rows = [

@@ -1,0 +1,75 @@
+"""Tokens per forward, fed tokens and a cost-model speedup of recycling settings (no timing noise).
+
+    python scripts/draft_policy.py stdlib-coder-cllm --count 32 --settings 4,4,16,2,0 4,8,16,2,24
+
+Settings are (block size n, recycled drafts, draft width, min n-gram of a draft's match[, budget
+of fed tokens per forward, 0 = none; absent = the engine's default]). Every setting decodes the same HumanEval prompts greedily;
+the output is greedy's whatever the setting, so the settings differ only in how many forwards
+they take and how many tokens each forward feeds. Wall clock on a shared 2-core machine moves
+10-30% between identical runs, so this script ranks settings by a cost model instead: a forward
+feeding k tokens costs t(k) / t(1) AR steps, interpolated from `--cost` (default: the step-time
+ratios `python scripts/profile_step.py --threads 2` measured for k = 1, 2, 4, 8, 16, 32 on the
+development machine, `benchmarks/engine_step_profile.md`). The estimate ignores the per-step
+Python work, so it runs above the measured speedup; `cllm bench` gives the wall-clock number.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from cllm import jacobi_decode
+from cllm.data.prompts import load_prompts
+from cllm.models import load_model, load_tokenizer
+
+COST_K = (1, 2, 4, 8, 16, 32)
+COST_2_THREADS = (1.0, 1.09, 1.24, 1.38, 1.73, 2.13)
+
+
+def step_cost(k: int, ratios: tuple[float, ...]) -> float:
+    """t(k) / t(1), linear between the measured k, proportional to k past the last one."""
+    if k >= COST_K[-1]:
+        return ratios[-1] * k / COST_K[-1]
+    for (k0, r0), (k1, r1) in zip(zip(COST_K, ratios), zip(COST_K[1:], ratios[1:])):
+        if k <= k1:
+            return r0 + (r1 - r0) * (k - k0) / (k1 - k0)
+    raise AssertionError("unreachable")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--count", type=int, default=32, help="HumanEval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--settings", nargs="+", required=True, metavar="N,R,W,M[,B]")
+    ap.add_argument("--cost", default=",".join(map(str, COST_2_THREADS)),
+                    help=f"t(k)/t(1) at k = {', '.join(map(str, COST_K))}")
+    args = ap.parse_args()
+    ratios = tuple(float(x) for x in args.cost.split(","))
+    if len(ratios) != len(COST_K):
+        ap.error(f"--cost needs {len(COST_K)} ratios")
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
+    prompts = [torch.tensor([tok(p.text)["input_ids"]]) for p in load_prompts("humaneval", limit=args.count)]
+    print(f"{args.model}, {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens")
+    print("| n | drafts | width | min n-gram | budget | tokens/forward | fed/forward | estimated speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting in args.settings:
+        n, recycle, width, min_ngram, *budget = map(int, setting.split(","))
+        limit = {"recycle_budget": budget[0] or None} if budget else {}
+        tokens, fed = 0, []
+        for ids in prompts:
+            out = jacobi_decode(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                generator=torch.Generator().manual_seed(0), block_size=n, recycle=recycle,
+                                recycle_width=width, recycle_min_ngram=min_ngram, **limit)
+            tokens += len(out.new_tokens[0])
+            fed += out.stats.fed
+        cost = sum(step_cost(k, ratios) for k in fed)
+        print(f"| {n} | {recycle} | {width} | {min_ngram} | {(budget[0] or 'none') if budget else 'default'} | {tokens / len(fed):.2f} | "
+              f"{sum(fed) / len(fed):.1f} | {tokens / cost:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
