@@ -104,6 +104,18 @@ def test_generate_with_recycling_and_blocks_in_flight_is_still_greedy(plain, ora
         assert code == 0 and out == oracle.text(prompt) + "\n"
 
 
+@pytest.mark.parametrize("budget", [0, 3])
+def test_generate_with_a_recycling_budget_is_still_greedy(plain, oracle, capsys, budget):
+    code, out, _ = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", NEW,
+                       "--recycle", 6, "--recycle-budget", budget)
+    assert code == 0 and out == oracle.text(PROMPTS[0]) + "\n"
+
+
+def test_generate_rejects_a_negative_recycling_budget(plain, capsys):
+    code, _, err = run(capsys, "generate", "--model", plain, "--prompt", "x", "--recycle-budget", -1)
+    assert code != 0 and "--recycle-budget" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_generate_ar_and_jacobi_agree(plain, capsys, block_size):
     args = ["generate", "--model", plain, "--prompt", "class A:", "--max-new-tokens", NEW]

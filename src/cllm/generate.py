@@ -123,6 +123,7 @@ class DecodeParams:
     top_k: int | None = None
     seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
     recycle: int = 0  # Jacobi: n-gram pool drafts verified per iteration
+    recycle_budget: int = 24  # Jacobi with recycling: tokens fed per forward at most (0: no limit)
     blocks_in_flight: int = 1  # Jacobi, greedy: blocks drafted at once
 
     @property
@@ -221,6 +222,7 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled) -> N
         top_p=params.top_p if sampling and params.top_p < 1 else None,
         top_k=params.top_k if sampling else None,
         recycle=params.recycle if params.method == "jacobi" else 0,
+        recycle_budget=params.recycle_budget or None,
         blocks_in_flight=params.blocks_in_flight if params.method == "jacobi" and not sampling else 1,
     )
 
@@ -255,6 +257,7 @@ class _DecodeOptions:
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default 0)"})
     recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
+    recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
@@ -274,8 +277,8 @@ class _DecodeOptions:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.recycle < 0 or self.blocks_in_flight < 1:
-            raise ValueError("--recycle must be >= 0 and --blocks-in-flight >= 1")
+        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1:
+            raise ValueError("--recycle and --recycle-budget must be >= 0, --blocks-in-flight >= 1")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
@@ -285,7 +288,8 @@ class _DecodeOptions:
         return DecodeParams(method=self.method, block_size=self.block_size,
                             max_new_tokens=self.max_new_tokens, stop=tuple(self.stop),
                             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                            seed=self.seed, recycle=self.recycle, blocks_in_flight=self.blocks_in_flight)
+                            seed=self.seed, recycle=self.recycle, recycle_budget=self.recycle_budget,
+                            blocks_in_flight=self.blocks_in_flight)
 
     def load(self):
         from transformers.utils import logging as hf_logging

@@ -51,6 +51,7 @@ class ServeConfig:
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
     block_size: int = field(default=4, metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
     recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
+    recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
@@ -66,8 +67,8 @@ class ServeConfig:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.recycle < 0 or self.blocks_in_flight < 1:
-            raise ValueError("--recycle must be >= 0 and --blocks-in-flight >= 1")
+        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1:
+            raise ValueError("--recycle and --recycle-budget must be >= 0, --blocks-in-flight >= 1")
         for name in ("block_size", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -147,7 +148,7 @@ def parse_params(body: dict, cfg: ServeConfig, prompt_ids: list[int], position_l
     seed = _number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True)
     return DecodeParams(
         method=method, block_size=cfg.block_size, max_new_tokens=max_tokens, stop=_stop(body),
-        recycle=cfg.recycle, blocks_in_flight=cfg.blocks_in_flight,
+        recycle=cfg.recycle, recycle_budget=cfg.recycle_budget, blocks_in_flight=cfg.blocks_in_flight,
         temperature=float(_number(body, "temperature", 0.0, lo=0.0, hi=2.0)),
         top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)),
         top_k=_number(body, "top_k", None, lo=1, hi=2**31 - 1, integer=True), seed=seed,
