@@ -15,7 +15,8 @@ How a row moves (`_advance`), with the cache holding every final token but the l
    last of them is final too, since it was predicted from an all-correct prefix;
 4. when the tail was accepted whole, the output after the block's last token is the next
    block's first token, for free; when the block's last token became known only as such an
-   output, the next forward feeds it alone to learn the next first token (an AR step).
+   output, the next forward feeds it alone to learn the next first token (an AR step; with
+   recycling, pool drafts for the next block ride along in that forward).
 
 Rows of a batch advance independently inside one batched forward per iteration: tails are
 right-padded to the longest and the padding is masked (`cache.py` keeps the per-row bookkeeping).
@@ -447,8 +448,10 @@ def _step_recycling(
     for row in rows:
         tail = _tail(row)
         drafts = []
-        if row.block is not None and len(tail) > 1:
-            # a draft may reach past the tail (its surplus rides as drafts of the next block)
+        # a draft may reach past the tail (its surplus rides as drafts of the next block); between
+        # blocks (the tail is the last final token alone) drafts start the next block
+        between = row.block is None
+        if (len(tail) > 1 and not between) or (between and cfg.blocks_in_flight == 1):
             width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
             drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
@@ -474,9 +477,11 @@ def _step_recycling(
         # become the tail, its outputs the next state
         tail_path = trie.path(trie.leaves[0])
         branch = next(p for p in (tail_path, *map(trie.path, trie.leaves[1:])) if accepted[-1] in p)
-        if branch[-1] != tail_path[-1]:
-            _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
         outputs = [out[r][i] for i in branch] + [out[r][i] for i in tail_path[len(branch) :]]
+        if row.block is None:  # between blocks: the branch's outputs draft the next block
+            row.ahead = outputs
+        elif branch[-1] != tail_path[-1]:
+            _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
         _advance(row, outputs, cfg, stats, accepted=len(accepted))
         kept.append(accepted)
     kv.commit_kept(rc, kept, fed=L)
