@@ -449,9 +449,9 @@ def _step_recycling(
         tail = _tail(row)
         drafts = []
         # a draft may reach past the tail (its surplus rides as drafts of the next block); between
-        # blocks (the tail is the last final token alone) drafts start the next block
-        between = row.block is None
-        if (len(tail) > 1 and not between) or (between and cfg.blocks_in_flight == 1):
+        # blocks (the tail is the last final token alone) drafts start the next block, unless
+        # blocks in flight already hold its drafts
+        if row.block is not None or cfg.blocks_in_flight == 1:
             width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
             drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
