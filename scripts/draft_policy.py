@@ -21,7 +21,7 @@ import torch
 
 from cllm import jacobi_decode
 from cllm.data.prompts import load_prompts
-from cllm.models import load_model, load_tokenizer
+from cllm.models import load_draft_table, load_model, load_tokenizer
 
 COST_K = (1, 2, 4, 8, 16, 32)
 COST_2_THREADS = (1.0, 1.09, 1.24, 1.38, 1.73, 2.13)
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", nargs="+", required=True, metavar="N,R,W,M[,B]")
+    ap.add_argument("--draft-table", default="none", help="auto (the model's own table, `cllm drafts`), none, or a file")
     ap.add_argument("--cost", default=",".join(map(str, COST_2_THREADS)),
                     help=f"t(k)/t(1) at k = {', '.join(map(str, COST_K))}")
     args = ap.parse_args()
@@ -52,8 +53,10 @@ def main() -> None:
         ap.error(f"--cost needs {len(COST_K)} ratios")
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
+    table = load_draft_table(args.model, args.draft_table)
     prompts = [torch.tensor([tok(p.text)["input_ids"]]) for p in load_prompts("humaneval", limit=args.count)]
-    print(f"{args.model}, {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens")
+    print(f"{args.model}, {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens, "
+          + (f"draft table of {len(table):,} contexts" if table is not None else "no draft table"))
     print("| n | drafts | width | min n-gram | budget | tokens/forward | fed/forward | estimated speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
@@ -63,7 +66,7 @@ def main() -> None:
         for ids in prompts:
             out = jacobi_decode(model, ids, max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                 generator=torch.Generator().manual_seed(0), block_size=n, recycle=recycle,
-                                recycle_width=width, recycle_min_ngram=min_ngram, **limit)
+                                recycle_width=width, recycle_min_ngram=min_ngram, draft_table=table, **limit)
             tokens += len(out.new_tokens[0])
             fed += out.stats.fed
         cost = sum(step_cost(k, ratios) for k in fed)

@@ -69,7 +69,11 @@ def bench_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
-    return make_tiny_setup(tmp_path_factory.mktemp("bench"))
+    """The tiny setup, the CLLM with a draft table of its own (from the validation prompts)."""
+    paths = make_tiny_setup(tmp_path_factory.mktemp("bench"))
+    assert main(["drafts", "--model", str(paths["cllm"]), "--prompts", str(paths["val"]), "--max-new-tokens", "24",
+                 "--min-count", "1", "--min-share", "0.1"]) == 0
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,8 @@ def test_bench_json_matches_the_design_contract(report):
         assert key in data["machine"]
     assert data["machine"]["threads"] == 1 and data["config"]["block_size"] == BLOCK
     assert set(data["models"]) == {"target", "cllm", "draft"}
+    # cllm_jacobi drafted from the CLLM's table (`tiny`); the target has none
+    assert data["models"]["cllm"]["draft_table"]["contexts"] > 0 and "draft_table" not in data["models"]["target"]
     assert all(isinstance(m["val_loss"], float) for m in data["models"].values())
     assert json.loads((report.parent / "copy.json").read_text()) == data
 
@@ -160,6 +166,7 @@ def test_report_folder_holds_pictures_html_markdown_and_resolved_config(report):
     assert "target (" in page and "cllm (" in page and "<script" not in page and "http" not in page
     md = (report / "report.md").read_text()
     assert all(f"`{m}`" in md for m in load(report)["methods"])
+    assert "`cllm_jacobi` the cllm's draft table" in md
     config = json.loads((report / "config.json").read_text())
     assert config["block_size"] == BLOCK and config["max_new_tokens"] == NEW
 

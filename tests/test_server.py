@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from cllm.cli import main
+from cllm.models import load_draft_table
 from cllm.server import ServeConfig, create_app
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
 
@@ -33,7 +35,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("serve") / "model", chat_template=CHAT_TEMPLATE)
+    """The served model, with a draft table of its own (`serve --draft-table auto` loads it, so
+    every test below checks greedy outputs with the table in use)."""
+    directory = save_tiny_model(tmp_path_factory.mktemp("serve") / "model", chat_template=CHAT_TEMPLATE)
+    prompts = directory.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(PROMPTS)))
+    assert main(["drafts", "--model", str(directory), "--prompts", str(prompts), "--max-new-tokens", "32",
+                 "--min-count", "1", "--min-share", "0.1"]) == 0
+    assert load_draft_table(directory) is not None
+    return directory
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ Methods (names are the DESIGN.md contract):
   cllm_jacobi                   the CLLM on our engine at its speed setting: block size n plus
                                 n-gram recycling (--recycle pool drafts of up to --recycle-width
                                 tokens verified in the same forward as a token trie of at most
-                                --recycle-budget tokens) and --blocks-in-flight; exact
+                                --recycle-budget tokens) and --blocks-in-flight, with the CLLM's
+                                draft table when it has one (`cllm drafts`); exact
   target_lookahead              the same engine setting on the untrained target (what the
                                 consistency training adds is cllm_jacobi over target_lookahead)
   hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
@@ -54,6 +55,7 @@ from cllm.config import UserError, config_to_dict
 from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
+from cllm.decoding.ngram import NgramTable
 from cllm.rows import derived_seed
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class BenchConfig:
     recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
     recycle_budget: int = field(default=24, metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
+    draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
@@ -132,6 +135,8 @@ class BenchConfig:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
+        if self.draft_tables not in ("auto", "none"):
+            raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
         if self.cllm is not None and self.cllm.strip().lower() in OFF:
             self.cllm = None
 
@@ -149,6 +154,7 @@ class BenchModels:
     cllm: torch.nn.Module | None = None
     draft: torch.nn.Module | None = None
     names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
+    tables: dict[str, NgramTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
 
 
@@ -160,7 +166,7 @@ class BenchPrompt:
 
 
 def load_models(config: BenchConfig) -> BenchModels:
-    from cllm.models import SHIPPED, load_model, load_tokenizer
+    from cllm.models import SHIPPED, load_draft_table, load_model, load_tokenizer
 
     kw = dict(dtype=config.dtype, device=config.device)
     models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
@@ -172,6 +178,10 @@ def load_models(config: BenchConfig) -> BenchModels:
             models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
     if config.draft_model is not None:
         models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    for role in ("target", "cllm"):
+        table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
+        if table is not None:
+            models.tables[role] = table
     return models
 
 
@@ -312,12 +322,13 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     more = dict(recycle=config.recycle, recycle_width=config.recycle_width,
                 recycle_min_ngram=config.recycle_min_ngram, recycle_budget=config.recycle_budget or None,
                 blocks_in_flight=config.blocks_in_flight)
-    candidates["target_lookahead"] = Method("target_lookahead", target, ours(target, ct, jacobi=True, **jac, **more, **common), [ct])
+    candidates["target_lookahead"] = Method("target_lookahead", target, ours(
+        target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct])
     if models.cllm is not None:
         cc = counters["cllm"]
         candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
         candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(
-            models.cllm, cc, jacobi=True, **jac, **more, **common), [cc])
+            models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc])
         candidates["cllm_jacobi_plain"] = Method("cllm_jacobi_plain", models.cllm, ours(
             models.cllm, cc, jacobi=True, **jac, **common), [cc])
         hot = dict(temperature=config.temperature, **common)
@@ -606,6 +617,8 @@ def model_info(models: BenchModels, config: BenchConfig) -> dict[str, dict]:
         if model is not None:
             info[role] = {"name": models.names.get(role, "<in memory>"), "fingerprint": fingerprint(model),
                           "parameters": sum(t.numel() for t in model.parameters()), "val_loss": val.get(role)}
+            if role in models.tables:  # what its recycling method drafted from
+                info[role]["draft_table"] = {"contexts": len(models.tables[role]), **models.tables[role].meta}
     if models.draft is not None:  # None = transformers' default (20 tokens, constant schedule, 0.4)
         info["draft"]["assistant_generation_config"] = {
             key: getattr(models.draft.generation_config, key, None)

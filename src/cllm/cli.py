@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "collect": ("cllm.collect", "CollectConfig", "collect", "Jacobi-decode a prompt set with the target and record trajectories"),
     "train": ("cllm.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
     "distill": ("cllm.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
+    "drafts": ("cllm.drafts", "DraftsConfig", "drafts", "build a model's draft table from its own greedy completions (faster Jacobi, same output)"),
     "generate": ("cllm.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
     "chat": ("cllm.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
     "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),

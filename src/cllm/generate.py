@@ -30,6 +30,7 @@ import torch
 
 from cllm.config import UserError
 from cllm.decoding import IterationEvent, jacobi_decode
+from cllm.decoding.ngram import NgramTable
 
 METHODS = ("jacobi", "ar")
 
@@ -169,6 +170,7 @@ def complete(
     on_text: Callable[[str], None] | None = None,
     on_iteration: Callable[[IterationEvent], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
+    draft_table: NgramTable | None = None,
 ) -> Completion:
     """Decode one prompt, calling `on_text` with each final chunk of text.
 
@@ -180,6 +182,7 @@ def complete(
         on_text: gets the text as it becomes final; the chunks add up to `Completion.text`.
         on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
         cancelled: polled after every step; True stops decoding (e.g. the client went away).
+        draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
     """
     stream = TextStream(codec, params.stop, on_text)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
@@ -187,7 +190,7 @@ def complete(
     handle = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     start = time.perf_counter()
     try:
-        _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled)
+        _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled, draft_table)
     except _Halt:
         pass
     finally:
@@ -202,7 +205,7 @@ def complete(
     )
 
 
-def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled) -> None:
+def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> None:
     def hook(event: IterationEvent) -> None:
         if on_iteration is not None:
             on_iteration(event)
@@ -224,6 +227,7 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled) -> N
         recycle=params.recycle if params.method == "jacobi" else 0,
         recycle_budget=params.recycle_budget or None,
         blocks_in_flight=params.blocks_in_flight if params.method == "jacobi" and not sampling else 1,
+        draft_table=draft_table if params.method == "jacobi" else None,
     )
 
 
@@ -259,6 +263,7 @@ class _DecodeOptions:
     recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
     recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -292,15 +297,17 @@ class _DecodeOptions:
                             blocks_in_flight=self.blocks_in_flight)
 
     def load(self):
+        """The model, its tokenizer (as a TextCodec) and its draft table (or None)."""
         from transformers.utils import logging as hf_logging
 
-        from cllm.models import load_model, load_tokenizer
+        from cllm.models import load_draft_table, load_model, load_tokenizer
 
         hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
         if self.threads:
             torch.set_num_threads(self.threads)
         tokenizer = load_tokenizer(self.model)
-        return load_model(self.model, dtype=self.dtype, device=self.device), TextCodec(tokenizer)
+        table = load_draft_table(self.model, self.draft_table)
+        return load_model(self.model, dtype=self.dtype, device=self.device), TextCodec(tokenizer), table
 
 
 @dataclass
@@ -346,7 +353,7 @@ def generate(config: GenerateConfig) -> int:
     from cllm.report import TrajectoryRecorder, render_block_terminal
 
     prompt = read_prompt(config)
-    model, codec = config.load()
+    model, codec, table = config.load()
     prompt_ids = codec.encode(prompt)
     if not prompt_ids:
         raise UserError("the prompt encodes to no tokens")
@@ -365,7 +372,7 @@ def generate(config: GenerateConfig) -> int:
                     console.print(line)
 
     result = complete(model, codec, prompt_ids, config.params(),
-                      on_text=on_text, on_iteration=on_iteration)
+                      on_text=on_text, on_iteration=on_iteration, draft_table=table)
     if config.show_trajectory:
         console.rule("text")
         _write(result.text)
@@ -385,7 +392,7 @@ def chat(config: ChatConfig) -> int:
     With a chat template, turns are formatted by it; without one, the model continues the plain
     concatenation of every turn's text (a base model's "chat").
     """
-    model, codec = config.load()
+    model, codec, table = config.load()
     interactive = sys.stdin.isatty()
     if not codec.has_chat_template:
         print("(this tokenizer has no chat template: the model continues the conversation's "
@@ -404,7 +411,8 @@ def chat(config: ChatConfig) -> int:
             continue
         messages.append({"role": "user", "content": text})
         try:
-            result = complete(model, codec, codec.chat_ids(messages), config.params(), on_text=_write)
+            result = complete(model, codec, codec.chat_ids(messages), config.params(), on_text=_write,
+                              draft_table=table)
         except ValueError as exc:  # e.g. the history outgrew the model's context
             messages.pop()
             print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)

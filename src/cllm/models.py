@@ -31,6 +31,9 @@ SHIPPED = {
     "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
     "stdlib-coder-cllm": REPO_ROOT / "models" / "stdlib-coder-cllm",
 }
+# A model's draft table (`cllm drafts`), relative to its checkpoint directory: a subfolder, so
+# the checkpoint's own files (and `fingerprint`) do not change when a table is added.
+DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -128,3 +131,32 @@ def tokenizer_fingerprint(path_or_tokenizer) -> str:
 
         return full_fingerprint(tok)[:16]
     return hashlib.sha256(repr(sorted(tok.get_vocab().items())).encode()).hexdigest()[:16]
+
+
+def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
+    """The draft table to decode `model` with (`cllm drafts`), or None.
+
+    `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
+    A table built for another tokenizer is refused: its token ids would mean other tokens.
+    """
+    from cllm.decoding.ngram import NgramTable
+
+    if spec is None or spec.strip().lower() in ("none", "off", ""):
+        return None
+    if spec == "auto":
+        path = Path(resolve_model_path(model))
+        file = path / DRAFT_TABLE
+        if not file.is_file():
+            return None
+    else:
+        file = Path(spec).expanduser()
+        if not file.is_file():
+            raise UserError(f"draft table not found: {file}")
+    try:
+        table = NgramTable.load(file)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"cannot read draft table {file}: {str(exc).splitlines()[0]}") from None
+    built_for = table.meta.get("tokenizer")
+    if built_for and built_for != tokenizer_fingerprint(model):
+        raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
+    return table

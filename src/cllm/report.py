@@ -306,6 +306,16 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _tables_text(models: dict[str, dict]) -> str:
+    """How the recycling methods were helped by a draft table (`cllm drafts`), if they were."""
+    used = [f"{method} the {role}'s draft table ({models[role]['draft_table']['contexts']:,} contexts from its "
+            f"greedy completions of {models[role]['draft_table'].get('num_prompts', '?')} "
+            f"`{models[role]['draft_table'].get('prompts', '?')}` prompts)"
+            for role, method in (("cllm", "`cllm_jacobi`"), ("target", "`target_lookahead`"))
+            if "draft_table" in models.get(role, {})]
+    return "; with " + " and ".join(used) if used else "; no draft tables"
+
+
 def markdown_report(data: dict[str, Any]) -> str:
     """report.md: the tables of the bench JSON, the settings, and links to the pictures."""
     cfg, mach = data["config"], data["machine"]
@@ -320,6 +330,7 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"n-gram drafts of up to {cfg.get('recycle_width', 0)} tokens per forward"
         + (f" (each continuing a match of {cfg['recycle_min_ngram']}+ tokens)" if "recycle_min_ngram" in cfg else "")
         + (f", at most {cfg['recycle_budget']} fed tokens per forward" if cfg.get("recycle_budget") else "")
+        + _tables_text(data["models"])
         + ", "
         f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
         "the paper's plain Jacobi decoding.",

@@ -53,6 +53,7 @@ class ServeConfig:
     recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
     recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
     max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
@@ -222,8 +223,8 @@ class Job:
 class DecodeWorker:
     """One thread, one job at a time, in arrival order."""
 
-    def __init__(self, model, codec: TextCodec, queue_size: int) -> None:
-        self.model, self.codec = model, codec
+    def __init__(self, model, codec: TextCodec, queue_size: int, draft_table=None) -> None:
+        self.model, self.codec, self.draft_table = model, codec, draft_table
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.thread = threading.Thread(target=self._run, name="cllm-decode", daemon=True)
         self.thread.start()
@@ -254,7 +255,7 @@ class DecodeWorker:
             try:
                 result = complete(self.model, self.codec, job.prompt_ids, job.params,
                                   on_text=(lambda text, job=job: job.push("text", text)) if job.stream else None,
-                                  cancelled=lambda job=job: job.cancelled)
+                                  cancelled=lambda job=job: job.cancelled, draft_table=self.draft_table)
             except Exception as exc:  # noqa: BLE001 - reported to the client, the worker lives on
                 log.exception("decode failed")
                 job.push("error", ApiError(500, f"decoding failed: {exc}", type="server_error"))
@@ -333,10 +334,10 @@ def _sse(data: dict | str) -> str:
 class Service:
     """What the routes do: check a request, queue it, answer (plain JSON or SSE)."""
 
-    def __init__(self, model, tokenizer, cfg: ServeConfig) -> None:
+    def __init__(self, model, tokenizer, cfg: ServeConfig, draft_table=None) -> None:
         self.cfg, self.codec = cfg, TextCodec(tokenizer)
         self.context, self.vocab = position_limit(model), model.config.vocab_size
-        self.worker, self.metrics = DecodeWorker(model, self.codec, cfg.queue_size), Metrics()
+        self.worker, self.metrics = DecodeWorker(model, self.codec, cfg.queue_size, draft_table), Metrics()
         self.names = {cfg.model_id, cfg.model}
 
     def check_body(self, raw: bytes) -> dict:
@@ -414,10 +415,11 @@ class Service:
             job.cancelled = True
 
 
-def create_app(model, tokenizer, settings: ServeConfig | None = None) -> FastAPI:
-    """The FastAPI app serving `model`; its decode worker starts now and stops with the app."""
+def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_table=None) -> FastAPI:
+    """The FastAPI app serving `model` (Jacobi with `draft_table`, when given: `cllm drafts`);
+    its decode worker starts now and stops with the app."""
     cfg = settings or ServeConfig()
-    service = Service(model, tokenizer, cfg)
+    service = Service(model, tokenizer, cfg, draft_table)
     metrics, worker = service.metrics, service.worker
     created = int(time.time())
 
@@ -486,15 +488,17 @@ def serve(config: ServeConfig) -> int:
     import uvicorn
     from transformers.utils import logging as hf_logging
 
-    from cllm.models import load_model, load_tokenizer
+    from cllm.models import load_draft_table, load_model, load_tokenizer
 
     hf_logging.disable_progress_bar()
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer = load_tokenizer(config.model)
+    table = load_draft_table(config.model, config.draft_table)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
-    app = create_app(model, tokenizer, config)
+    app = create_app(model, tokenizer, config, table)
+    drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{config.port}/v1 "
-          f"(greedy: {config.method}, n = {config.block_size})", file=sys.stderr, flush=True)
+          f"(greedy: {config.method}, n = {config.block_size}{drafts})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
     return 0

@@ -32,6 +32,7 @@ import torch
 
 from cllm.decoding import cache as kv
 from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
@@ -183,6 +184,7 @@ class _Settings:
     recycle_min_ngram: int = 2  # a pool draft needs a match of at least this many tokens
     recycle_budget: int | None = 24  # tokens fed per row per forward at most (tail + drafts)
     blocks_in_flight: int = 1  # > 1: the next blocks' drafts ride behind the current block
+    draft_table: NgramTable | None = None  # the model's own n-gram continuations (guesses, drafts)
 
 
 def _tail(row: _Row) -> list[int]:
@@ -245,6 +247,9 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
         # `ahead` drafted the new tokens from `start` on; the final ones replace their drafts
         drafted = row.ahead[len(final) : size] if row.ahead else []
         row.ahead = row.ahead[size:]
+        need = size - len(final) - len(drafted)
+        if cfg.draft_table is not None and need:  # the table's continuation first, then `guess`
+            drafted += cfg.draft_table.continuation(row.prompt_list + row.known[: start + len(final)] + drafted, need)
         guess = make_guess(
             cfg.guess,
             size - len(final) - len(drafted),
@@ -456,6 +461,10 @@ def _step_recycling(
             drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
+            if cfg.draft_table is not None:  # one more branch: the table's chain, a block long
+                d = cfg.draft_table.continuation(row.prompt_list + row.known, min(width, cfg.block_size))
+                if d and d != tail[1 : 1 + len(d)] and d not in drafts:
+                    drafts.append(d)
         tries.append(_Trie.build(tail, drafts, cfg.recycle_budget))
         plain = plain and len(tries[-1].tokens) == len(tail)
     if plain:  # no draft added a token: a plain Jacobi step (causal, no tree mask to build)
@@ -507,6 +516,7 @@ def jacobi_decode(
     recycle_min_ngram: int = 2,
     recycle_budget: int | None = 24,
     blocks_in_flight: int = 1,
+    draft_table: NgramTable | None = None,
 ) -> DecodeOutput:
     """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
     `temperature` > 0, lossless Jacobi sampling: the output is distributed exactly as
@@ -548,6 +558,10 @@ def jacobi_decode(
             next k - 1 blocks are fed behind the current block's tail and refined by the same
             forwards, so a block starts from refined drafts, and tokens can become final across
             the block boundary. 1 = one block at a time (the paper).
+        draft_table: an n-gram table of the model's own greedy continuations
+            (`cllm.decoding.ngram`, built by `cllm drafts`): a block's unknown tokens start from
+            its chained continuation (then `guess`), and with recycling its continuation (up
+            to a block long) is verified as one more draft. Speed only: the output is unchanged.
 
     Returns:
         DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
@@ -594,10 +608,11 @@ def jacobi_decode(
         recycle_min_ngram=recycle_min_ngram,
         recycle_budget=recycle_budget,
         blocks_in_flight=blocks_in_flight,
+        draft_table=draft_table,
     )
     rows = [
         _Row(index=r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
-             prompt_list=prompt.row_tokens(r).tolist() if guess == "lookup" or recycle else [])
+             prompt_list=prompt.row_tokens(r).tolist() if guess == "lookup" or recycle or draft_table is not None else [])
         for r in range(B)
     ]
     if sampling is None:
