@@ -7,7 +7,9 @@ import pytest
 
 from cllm.cli import main as cli_main
 from cllm.config import UserError
+from cllm.decoding.ngram import NgramTable
 from cllm.distill import DistillConfig, distill, evaluation_table, repetition_warning
+from cllm.models import DRAFT_TABLE, fingerprint
 from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 
 
@@ -48,6 +50,9 @@ def test_one_command_gives_a_faster_exact_cllm_and_an_evaluation(setup, distille
     assert (out / "model" / "model.safetensors").is_file()
     assert "## Distillation evaluation" in (out / "model" / "MODEL_CARD.md").read_text()
     assert json.loads((out / "distill_config.json").read_text())["block_size"] == BLOCK
+    # the CLLM's draft table, built from its own greedy completions of the training prompts
+    table = NgramTable.load(out / "model" / DRAFT_TABLE)
+    assert len(table) > 0 and table.meta["model_fingerprint"] == fingerprint(out / "model")
 
 
 def test_the_table_shows_repetition_and_warns_when_the_cllm_loops_far_more():
@@ -67,9 +72,10 @@ def test_the_table_shows_repetition_and_warns_when_the_cllm_loops_far_more():
 def test_rerun_skips_every_finished_stage(setup, distilled):
     out = setup[0] / "out"
     before = {p: p.stat().st_mtime_ns for p in [out / "evaluation.json", out / "model" / "train_log.jsonl",
+                                                out / "model" / DRAFT_TABLE,
                                                 *sorted((out / "trajectories").glob("shard-*"))]}
     again = distill(config(setup))
-    assert again.skipped == ["train", "evaluate"]
+    assert again.skipped == ["train", "evaluate", "drafts"]
     assert again.evaluation == distilled.evaluation
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
@@ -85,8 +91,6 @@ def test_bad_distill_input_is_a_one_line_error(setup, tmp_path, capsys):
 
 
 def test_a_second_round_recollects_with_the_first_cllm_and_trains_it_further(setup, distilled):
-    from cllm.models import fingerprint
-
     out = setup[0] / "out"
     result = distill(config(setup, rounds=2))
     assert result.skipped[0] == "train round 1"

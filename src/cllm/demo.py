@@ -1,6 +1,6 @@
 """`cllm demo`: the whole story in a few minutes on the shipped models.
 
-1. a short `cllm bench` (8 HumanEval prompts, 128 tokens, n = 16): every method on the same
+1. a short `cllm bench` (8 HumanEval prompts, 128 tokens, n = 4): every method on the same
    prompts, the table printed, the report folder written (JSON, Markdown, PNGs, HTML);
 2. one prompt decoded live by Jacobi iteration (the CLLM when there is one), then its first
    blocks' trajectories coloured: final / correct / wrong, fast-forwarded and stationary marked.

@@ -6,6 +6,9 @@ consistency-train, evaluate target against CLLM.
                           (resumes from OUT/model/checkpoints/last.pt)
     OUT/evaluation.json   target vs CLLM on held-out prompts: Jacobi tokens per forward at each
                           block size, CLLM Jacobi == CLLM greedy, AR validation loss, agreement
+    OUT/model/drafts/     the CLLM's draft table (`cllm drafts`: what it writes after each 4- and
+                          3-token context in its own greedy completions of the training prompts),
+                          which generate / serve / bench use by default (speed only, exact)
     OUT/distill_config.json
     OUT/trajectories-round2/, OUT/model-round2/, ...   with --rounds k: round r re-collects the
                           trajectories with round r-1's CLLM (on-policy: the CLLM's own
@@ -87,15 +90,21 @@ class DistillConfig:
     eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Jacobi block sizes of the final evaluation"})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluations"})
     eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluations"})
+    # draft table
+    drafts_prompts: int = field(default=2400, metadata={"help": "the CLLM's draft table (cllm drafts) from its greedy completions of this many --prompts (0: no table)"})
+    drafts_max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt for the draft table"})
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size", "rounds"):
+        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size", "rounds",
+                     "drafts_max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not self.eval_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.eval_block_sizes):
             raise UserError(f"eval-block-sizes must be positive integers, got {self.eval_block_sizes!r}")
         if not self.out:
             raise UserError("out must name a directory")
+        if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
+            raise UserError(f"drafts-prompts must be an integer >= 0, got {self.drafts_prompts!r}")
         if self.ar_text is not None and self.ar_text.strip().lower() in ("", "none", "null", "false"):
             self.ar_text = None
         self.train_config()  # validates the training options
@@ -134,6 +143,12 @@ class DistillConfig:
             checkpoint_interval=self.checkpoint_interval,
         )
 
+    def drafts_config(self, model_dir: Path):
+        from cllm.drafts import DraftsConfig
+
+        return DraftsConfig(model=str(model_dir), prompts=self.prompts, max_prompts=self.drafts_prompts,
+                            max_new_tokens=self.drafts_max_new_tokens, batch_size=self.collect_batch_size)
+
     def eval_settings(self) -> dict:
         return {"prompts": self.eval_prompts, "count": self.eval_count, "block_sizes": list(self.eval_block_sizes),
                 "max_new_tokens": self.eval_max_new_tokens, "seed": self.seed}
@@ -142,7 +157,7 @@ class DistillConfig:
 @dataclass
 class DistillSummary:
     out: str
-    skipped: list[str]  # stages found done: "train", "evaluate" (collection always checks)
+    skipped: list[str]  # stages found done: "train", "evaluate", "drafts" (collection always checks)
     evaluation: dict
 
 
@@ -258,6 +273,19 @@ def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict 
     return ev
 
 
+def _drafts_done(config, model_dir: Path) -> bool:
+    """The table beside the CLLM was built from this very CLLM with these settings."""
+    from cllm.config import config_to_dict
+    from cllm.decoding.ngram import NgramTable
+    from cllm.models import DRAFT_TABLE, fingerprint
+
+    table, settings = model_dir / DRAFT_TABLE, (model_dir / DRAFT_TABLE).with_suffix(".config.json")
+    if not table.is_file() or not settings.is_file():
+        return False
+    same = json.loads(settings.read_text()) == config_to_dict(config)
+    return same and NgramTable.load(table).meta.get("model_fingerprint") == fingerprint(model_dir)
+
+
 def distill(config: DistillConfig) -> DistillSummary:
     """Collect, train and evaluate (each stage resumable); returns what the run did.
 
@@ -267,6 +295,7 @@ def distill(config: DistillConfig) -> DistillSummary:
     from accelerate import PartialState
 
     from cllm.collect import collect
+    from cllm.drafts import drafts
     from cllm.models import resolve_model_path
     from cllm.train import CARD, SUMMARY, model_card, train
 
@@ -308,6 +337,13 @@ def distill(config: DistillConfig) -> DistillSummary:
         print(evaluation_table(evaluation))
         if (warning := repetition_warning(evaluation)) is not None:
             print(warning)
+        # 4. the CLLM's draft table (its own greedy completions of the training prompts)
+        if config.drafts_prompts:
+            drafts_config = config.drafts_config(model_dir)
+            if _drafts_done(drafts_config, model_dir):
+                skipped.append("drafts")
+            else:
+                drafts(drafts_config)
     state.wait_for_everyone()
     return DistillSummary(out=str(out), skipped=skipped, evaluation=evaluation)
 

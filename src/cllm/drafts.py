@@ -93,17 +93,18 @@ def drafts(config: DraftsConfig) -> int:
         torch.set_num_threads(config.threads)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype, device=config.device)
-    limit = position_limit(model)
-    keep = limit - config.max_new_tokens if limit else None
-    if keep is not None and keep < 1:
-        raise UserError(f"--max-new-tokens {config.max_new_tokens} leaves no room for a prompt (context {limit})")
-    prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=keep)
+    limit, new = position_limit(model), config.max_new_tokens
+    if limit and new > limit // 2:  # leave half the context to the prompt
+        new = limit // 2
+        print(f"cllm drafts: {new} new tokens per prompt instead of {config.max_new_tokens} (the model's context "
+              f"is {limit} tokens)")
+    prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
     eos = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
 
     started = time.perf_counter()
     with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
-        outputs = completions(model, [p.ids for p in prompts], max_new_tokens=config.max_new_tokens,
+        outputs = completions(model, [p.ids for p in prompts], max_new_tokens=new,
                               batch_size=config.batch_size, eos_token_id=eos, pad_id=pad_id, progress=bar.update)
     seconds = time.perf_counter() - started
     # each completion with the prompt's last tokens before it: what the model writes after them
@@ -111,7 +112,7 @@ def drafts(config: DraftsConfig) -> int:
     sequences = [p.ids[-context:] + o for p, o in zip(prompts, outputs, strict=True)]
     meta = {"model": config.model, "model_fingerprint": fingerprint(config.model),
             "tokenizer": tokenizer_fingerprint(config.model), "prompts": config.prompts,
-            "num_prompts": len(prompts), "max_new_tokens": config.max_new_tokens,
+            "num_prompts": len(prompts), "max_new_tokens": new,
             "new_tokens": sum(len(o) for o in outputs), "cllm_version": __version__}
     table = NgramTable.build(sequences, min_count=config.min_count, min_share=config.min_share, meta=meta)
     table.save(out)

@@ -309,7 +309,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 def _tables_text(models: dict[str, dict]) -> str:
     """How the recycling methods were helped by a draft table (`cllm drafts`), if they were."""
     used = [f"{method} the {role}'s draft table ({models[role]['draft_table']['contexts']:,} contexts from its "
-            f"greedy completions of {models[role]['draft_table'].get('num_prompts', '?')} "
+            f"greedy completions of {models[role]['draft_table'].get('num_prompts', 0):,} "
             f"`{models[role]['draft_table'].get('prompts', '?')}` prompts)"
             for role, method in (("cllm", "`cllm_jacobi`"), ("target", "`target_lookahead`"))
             if "draft_table" in models.get(role, {})]
