@@ -58,7 +58,7 @@ def test_the_table_holds_what_the_model_wrote(drafted, prompt_file):
     for text in texts:
         ids = oracle.ids(text)
         seq = ids[-4:] + oracle.tokens(ids, 32)
-        written |= {tuple(seq[i : i + 5]) for i in range(len(seq) - 4)} | {tuple(seq[i : i + 4]) for i in range(len(seq) - 3)}
+        written |= {tuple(seq[i : i + k]) for k in (5, 4, 3) for i in range(len(seq) - k + 1)}
     assert all(ctx + (nxt,) in written for ctx, nxt in table.next_token.items())
 
 

@@ -6,8 +6,8 @@ consistency-train, evaluate target against CLLM.
                           (resumes from OUT/model/checkpoints/last.pt)
     OUT/evaluation.json   target vs CLLM on held-out prompts: Jacobi tokens per forward at each
                           block size, CLLM Jacobi == CLLM greedy, AR validation loss, agreement
-    OUT/model/drafts/     the CLLM's draft table (`cllm drafts`: what it writes after each 4- and
-                          3-token context in its own greedy completions of the training prompts),
+    OUT/model/drafts/     the CLLM's draft table (`cllm drafts`: what it writes after each 4-, 3-
+                          and 2-token context in its own greedy completions of the training prompts),
                           which generate / serve / bench use by default (speed only, exact)
     OUT/distill_config.json
     OUT/trajectories-round2/, OUT/model-round2/, ...   with --rounds k: round r re-collects the

@@ -1,7 +1,7 @@
 """`cllm drafts`: build a model's draft table from its own greedy completions.
 
 Decodes a prompt set greedily (batched, left-padded) and counts which token the model wrote
-after each context of 4 and 3 tokens (`cllm.decoding.ngram`). The table is saved beside the
+after each context of 4, 3 and 2 tokens (`cllm.decoding.ngram`). The table is saved beside the
 checkpoint, in `drafts/ngram.safetensors` (a subfolder, so the checkpoint's own files and
 fingerprint do not change), where `generate`, `chat`, `serve` and `bench` find it
 (`--draft-table auto`). Jacobi decoding then starts blocks from the table's guesses and
@@ -25,7 +25,7 @@ from cllm.config import UserError, write_config
 class DraftsConfig:
     model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: shipped name or local checkpoint dir"})
     prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file (not the prompts you benchmark on)"})
-    max_prompts: int | None = field(default=2400, metadata={"help": "use only the first N prompts of the set (none: all)"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: all)"})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
     batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
     min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at least this often"})

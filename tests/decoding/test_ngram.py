@@ -41,7 +41,7 @@ def test_the_table_round_trips_through_its_file(tmp_path):
     path = table.save(tmp_path / "drafts" / "ngram.safetensors")
     loaded = NgramTable.load(path)
     assert loaded.next_token == table.next_token and len(loaded) == len(table) > 0
-    assert loaded.orders == (4, 3) and loaded.meta["model"] == "m" and loaded.meta["min_count"] == 2
+    assert loaded.orders == (4, 3, 2) and loaded.meta["model"] == "m" and loaded.meta["min_count"] == 2
     assert not list((tmp_path / "drafts").glob("*.tmp"))
 
 

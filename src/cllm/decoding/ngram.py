@@ -2,7 +2,7 @@
 
 A model decoded greedily keeps writing the same few continuations after the same few tokens
 (`    return`, `self.`, a loop header...). Counting, over many of its own greedy completions,
-which token followed each context of 4 (else 3) tokens gives a table whose chained look-ups
+which token followed each context of 4 (else 3, else 2) tokens gives a table whose chained look-ups
 guess several tokens ahead, without a forward pass. Jacobi decoding uses those guesses as
 drafts (a block's initial guess, and one more recycled branch); every draft is verified by the
 model, so the output stays greedy's whatever the table says. The table only moves speed.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-ORDERS = (4, 3)  # context lengths, longest first: a longer context is right more often
+ORDERS = (4, 3, 2)  # context lengths, longest first: a longer context is right more often
 FORMAT = "cllm-ngram-drafts/1"
 
 
@@ -84,6 +84,7 @@ class NgramTable:
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"cllm": json.dumps(meta)})
         tmp.replace(path)  # never a half-written table under the real name
+        path.chmod(0o644)  # safetensors writes 0600; a table is as shareable as the checkpoint
         return path
 
     @classmethod
