@@ -458,11 +458,12 @@ def _step_recycling(
         # blocks in flight already hold its drafts
         if row.block is not None or cfg.blocks_in_flight == 1:
             width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
-            drafts = [d for d in pool_candidates(row.prompt_list + row.known, row.recent, width, cfg.recycle + 1,
+            history = row.prompt_list + row.known
+            drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
             if cfg.draft_table is not None:  # one more branch: the table's chain, a block long
-                d = cfg.draft_table.continuation(row.prompt_list + row.known, min(width, cfg.block_size))
+                d = cfg.draft_table.continuation(history, min(width, cfg.block_size))
                 if d and d != tail[1 : 1 + len(d)] and d not in drafts:
                     drafts.append(d)
         tries.append(_Trie.build(tail, drafts, cfg.recycle_budget))
