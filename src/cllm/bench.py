@@ -306,9 +306,11 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
 
 
 def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter]) -> list[Method]:
+    from cllm.models import pad_token_id
+
     tok = models.tokenizer
     eos = tok.eos_token_id
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
+    pad_id = pad_token_id(tok)
     common = dict(max_new_tokens=config.max_new_tokens, eos=eos)
     jac = dict(block_size=config.block_size, guess=config.guess, seed=config.seed)
     target, ct = models.target, counters["target"]

@@ -223,23 +223,14 @@ def augment_states(states: Sequence[Sequence[int]], fixed_point: Sequence[int]) 
     return extra
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r) :] = torch.tensor(r)
-        attention_mask[i, width - len(r) :] = 1
-    return input_ids, attention_mask
-
-
 def decode_batch(
     model, prompts: list[_Prompt], config: CollectConfig, *, eos_token_id, pad_id, device
 ) -> tuple[list[tj.TrajectoryRecord], _Counts]:
     """Jacobi-decode one batch of prompts and turn its trajectories into records."""
     from cllm.decoding import jacobi_decode
+    from cllm.decoding.inputs import left_pad
 
-    input_ids, attention_mask = _left_pad([p.ids for p in prompts], pad_id)  # (B, T)
+    input_ids, attention_mask = left_pad([p.ids for p in prompts], pad_id)  # (B, T)
     generators = [torch.Generator().manual_seed(prompt_seed(config.seed, p.id)) for p in prompts]
     recorder = TrajectoryRecorder()
     out = jacobi_decode(
@@ -336,6 +327,7 @@ def collect(config: CollectConfig) -> CollectSummary:
         fingerprint,
         load_model,
         load_tokenizer,
+        pad_token_id,
         resolve_dtype,
         tokenizer_fingerprint,
     )
@@ -356,7 +348,7 @@ def collect(config: CollectConfig) -> CollectSummary:
     prompts = all_prompts[: config.max_prompts]
     tokenizer = load_tokenizer(config.model)
     eos_token_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_id or 0)
+    pad_id = pad_token_id(tokenizer)
     meta = tj.TrajectoryMeta(
         model=config.model, model_fingerprint=fingerprint(config.model),
         tokenizer_fingerprint=tokenizer_fingerprint(config.model), block_size=config.block_size,

@@ -184,12 +184,12 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
         decode_prompts,
         load_eval_prompts,
     )
-    from cllm.models import fingerprint, load_model, load_tokenizer
+    from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
 
     tokenizer = load_tokenizer(cllm_dir)
     models = {"target": load_model(target_name), "cllm": load_model(str(cllm_dir))}
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    pad = pad_token_id(tokenizer)
     prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
                                 max_new_tokens=config.eval_max_new_tokens,
                                 context=position_limit(models["cllm"]))

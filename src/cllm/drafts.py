@@ -51,17 +51,16 @@ def completions(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batc
                 pad_id: int, progress=None) -> list[list[int]]:
     """Each prompt's greedy continuation (batches of similar length, left-padded)."""
     from cllm.decoding import greedy_decode
+    from cllm.decoding.inputs import left_pad
 
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out: list[list[int]] = [[] for _ in prompt_ids]
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
-        rows = [torch.tensor(prompt_ids[i]) for i in batch]
-        input_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
-        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
+        input_ids, mask = left_pad([prompt_ids[i] for i in batch], pad_id)  # (B, T)
         result = greedy_decode(model, input_ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
-                               eos_token_id=eos_token_id)  # (B, T) in, B token lists out
+                               eos_token_id=eos_token_id)
         for i, tokens in zip(batch, result.new_tokens, strict=True):
             out[i] = tokens
         if progress is not None:
@@ -81,6 +80,7 @@ def drafts(config: DraftsConfig) -> int:
         fingerprint,
         load_model,
         load_tokenizer,
+        pad_token_id,
         resolve_model_path,
         tokenizer_fingerprint,
     )
@@ -100,12 +100,12 @@ def drafts(config: DraftsConfig) -> int:
               f"is {limit} tokens)")
     prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
     eos = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
 
     started = time.perf_counter()
     with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
         outputs = completions(model, [p.ids for p in prompts], max_new_tokens=new,
-                              batch_size=config.batch_size, eos_token_id=eos, pad_id=pad_id, progress=bar.update)
+                              batch_size=config.batch_size, eos_token_id=eos, pad_id=pad_token_id(tokenizer),
+                              progress=bar.update)
     seconds = time.perf_counter() - started
     # each completion with the prompt's last tokens before it: what the model writes after them
     context = max(ORDERS)

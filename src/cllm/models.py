@@ -133,6 +133,14 @@ def tokenizer_fingerprint(path_or_tokenizer) -> str:
     return hashlib.sha256(repr(sorted(tok.get_vocab().items())).encode()).hexdigest()[:16]
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else its EOS, else 0 (padding is
+    masked, so only its being a valid id matters)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
 def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     """The draft table to decode `model` with (`cllm drafts`), or None.
 

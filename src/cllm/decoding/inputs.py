@@ -28,6 +28,17 @@ class Prompt:
         return self.input_ids[row, self.input_ids.shape[1] - self.lengths[row] :]
 
 
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows of different lengths -> left-padded input_ids and attention_mask (B, T)."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r)
+        attention_mask[i, width - len(r) :] = 1
+    return input_ids, attention_mask
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     device = getattr(model, "device", None)
     if isinstance(device, torch.device):
