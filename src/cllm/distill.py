@@ -283,7 +283,7 @@ def _drafts_done(config, model_dir: Path) -> bool:
     if not table.is_file() or not settings.is_file():
         return False
     same = json.loads(settings.read_text()) == config_to_dict(config)
-    return same and NgramTable.load(table).meta.get("model_fingerprint") == fingerprint(model_dir)
+    return same and NgramTable.read_meta(table).get("model_fingerprint") == fingerprint(model_dir)
 
 
 def distill(config: DistillConfig) -> DistillSummary:

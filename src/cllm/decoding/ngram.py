@@ -87,8 +87,9 @@ class NgramTable:
         path.chmod(0o644)  # safetensors writes 0600; a table is as shareable as the checkpoint
         return path
 
-    @classmethod
-    def load(cls, path: str | Path) -> NgramTable:
+    @staticmethod
+    def read_meta(path: str | Path) -> dict:
+        """A table file's metadata (what it was built from), without reading its tensors."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -98,6 +99,11 @@ class NgramTable:
             meta = json.loads((f.metadata() or {}).get("cllm", "{}"))
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not a cllm draft table (format {meta.get('format')!r})")
+        return meta
+
+    @classmethod
+    def load(cls, path: str | Path) -> NgramTable:
+        meta = cls.read_meta(path)
         tensors = load_file(str(path))
         orders = tuple(meta["orders"])
         table: dict[tuple[int, ...], int] = {}
