@@ -22,15 +22,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cllm.cli import main as cli_main
 from cllm.collect import (
+    LOOP_WINDOW,
     CollectConfig,
     TrajectoryRecorder,
     augment_states,
     collect,
-    ends_in_loop,
-    is_degenerate,
     prompt_seed,
 )
 from cllm.config import UserError
+from cllm.quality import ends_in_loop as _ends_in_loop
+from cllm.quality import is_degenerate
 from cllm.data.tokenizer import EOT, train_tokenizer
 from cllm.data.trajectories import (
     TrajectoryReader,
@@ -200,6 +201,10 @@ def test_drop_loops_drops_a_prompts_blocks_from_its_first_looping_one(setup, ref
     assert summary.dropped_loops == looping_blocks > 0  # the tiny model loops: the filter has work
     assert summary.records + summary.dropped + summary.dropped_loops == plain.records + plain.dropped
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["drop_loops"] is True
+
+
+def ends_in_loop(ids):  # the collector's window
+    return _ends_in_loop(ids, min_length=LOOP_WINDOW)
 
 
 def test_ends_in_loop_needs_a_short_period_over_the_whole_window():

@@ -8,6 +8,7 @@ from cllm.losses import (
     ar_loss,
     block_logits,
     consistency_loss,
+    distill_loss,
     from_first_difference,
     gc_loss,
     gc_mask,
@@ -177,3 +178,16 @@ def test_gc_window_counts_only_the_positions_right_after_the_first_difference():
     assert gc_mask(state, fixed, valid).tolist() == [[False, False, True, True, True, True, True]]
     assert gc_mask(state, fixed, valid, window=2).tolist() == [[False, False, True, True, True, False, False]]
     assert not gc_mask(fixed, fixed, valid, window=2).any()
+
+
+def test_distillation_is_the_teachers_kl_with_masks_and_no_gradient_into_the_teacher():
+    teacher, student = logits(2, 5, 11), logits(2, 5, 11, seed=1).requires_grad_()
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    per_position = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                            reduction="none").sum(-1)
+    loss = distill_loss(teacher.requires_grad_(), student, mask, normalizer=4)
+    assert torch.allclose(loss, (per_position * mask).sum() / 4, atol=1e-5)
+    loss.backward()
+    assert teacher.grad is None and student.grad is not None
+    assert torch.equal(student.grad[~mask], torch.zeros_like(student.grad[~mask]))
+    assert float(distill_loss(teacher, teacher.clone(), mask)) < 1e-6

@@ -14,9 +14,7 @@ import cllm.pretrain as pretrain_module
 from cllm.config import UserError
 from cllm.pretrain import (
     PretrainConfig,
-    ends_in_loop,
     evaluate_target,
-    longest_run,
     lr_at,
     pretrain,
     write_model_card,
@@ -115,18 +113,6 @@ def test_lr_warms_up_then_decays_to_min_lr():
     lrs = [lr_at(s, config) for s in range(100)]
     assert lrs[:10] == sorted(lrs[:10]) and lrs[9] == 1.0
     assert lrs[10:] == sorted(lrs[10:], reverse=True) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
-
-
-def test_longest_run_counts_one_repeated_token():
-    assert longest_run([]) == 0
-    assert longest_run([1, 2, 2, 2, 3, 3]) == 3
-
-
-def test_ends_in_loop_sees_short_periodic_tails_only():
-    assert ends_in_loop([9, 8] + [1, 2, 3] * 8)
-    assert ends_in_loop([5] * 24)
-    assert not ends_in_loop(list(range(40)))
-    assert not ends_in_loop([1, 2] * 5)  # too short to tell
 
 
 def test_evaluate_target_and_model_card_on_the_tiny_model(reference_run):

@@ -56,6 +56,7 @@ from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
+from cllm.quality import ends_in_loop, is_degenerate
 from cllm.rows import derived_seed
 
 log = logging.getLogger(__name__)
@@ -435,9 +436,17 @@ def method_metrics(decoded: list[Decoded], seconds: list[float], *, own_ar: list
     new, forwards, total_s = sum(map(len, tokens)), sum(d.forward_passes for d in decoded), sum(seconds)
     accepted = [a for d in decoded for a in (d.accepted or [])]
     stats = merge_stats([d.stats for d in decoded]) if jacobi else None
+    # a speed figure never stands alone: how much of this text is repetition (cllm.quality)
+    looping = [ends_in_loop(t) for t in tokens]
+    plain = [d for d, loops in zip(decoded, looping, strict=True) if not loops]
+    plain_forwards = sum(d.forward_passes for d in plain)
     metrics: dict[str, Any] = {
         "tokens_per_second": new / total_s if total_s > 0 else 0.0,
         "tokens_per_forward": new / forwards if forwards else 0.0,
+        "tokens_per_forward_not_looping": (sum(len(d.tokens) for d in plain) / plain_forwards
+                                           if plain_forwards else None),
+        "looping_rate": sum(looping) / len(looping) if looping else 0.0,
+        "degenerate_rate": sum(map(is_degenerate, tokens)) / len(tokens) if tokens else 0.0,
         "speedup_vs_ar": 0.0,  # filled in once target_ar is known
         "exact_match_own_ar": exact_match(tokens, own_ar),
         "agreement_with_target": agreement(tokens, target_ar),

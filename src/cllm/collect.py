@@ -48,6 +48,7 @@ import torch
 
 from cllm.config import UserError, write_config
 from cllm.data import trajectories as tj
+from cllm.quality import ends_in_loop, is_degenerate
 
 log = logging.getLogger(__name__)
 
@@ -176,29 +177,8 @@ class _Counts:
 # ---------------------------------------------------------------------------------------------
 # Cleaning and augmentation (pure functions of token lists)
 
-DEGENERATE_RUN = 10  # the reference drops outputs repeating one token this many times in a row
-
-
-def is_degenerate(tokens: Sequence[int], run: int = DEGENERATE_RUN) -> bool:
-    """True if one token repeats `run` or more times in a row (the reference's filter)."""
-    count = 1
-    for prev, cur in pairwise(tokens):
-        count = count + 1 if cur == prev else 1
-        if count >= run:
-            return True
-    return False
-
-
-LOOP_WINDOW, LOOP_PERIOD = 16, 8  # --drop-loops: the last 16 tokens repeat a pattern of <= 8
-
-
-def ends_in_loop(ids: Sequence[int], *, max_period: int = LOOP_PERIOD, min_length: int = LOOP_WINDOW) -> bool:
-    """Whether the last `min_length` tokens repeat one pattern of at most `max_period` tokens
-    (e.g. '_cache_cache_cache...'), which the one-token degenerate test does not see."""
-    tail = ids[-min_length:]
-    if len(tail) < min_length:
-        return False
-    return any(all(tail[i] == tail[i - p] for i in range(p, len(tail))) for p in range(1, max_period + 1))
+LOOP_WINDOW = 16  # --drop-loops: the last 16 tokens repeat a pattern of <= 8 (shorter than the
+# quality measure's 24, so a block is dropped as soon as the loop shows)
 
 
 def augment_states(states: Sequence[Sequence[int]], fixed_point: Sequence[int]) -> list[list[int]]:
@@ -251,7 +231,8 @@ def decode_batch(
         prefix = list(prompt.ids)
         looping = False
         for block_index, states, fixed in blocks:
-            looping = looping or (config.drop_loops and ends_in_loop(prefix[len(prompt.ids):] + fixed))
+            looping = looping or (config.drop_loops and ends_in_loop(prefix[len(prompt.ids):] + fixed,
+                                                                        min_length=LOOP_WINDOW))
             if looping:
                 counts.dropped_loops += 1
             elif is_degenerate(fixed):

@@ -70,6 +70,12 @@ class DistillConfig:
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
+    kd_weight: float = field(default=0.0, metadata={"help": "weight of distillation from the frozen target (soft labels) on the AR rows and the rollouts; 0: none"})
+    kd_distance: Literal["fkl", "rkl", "jsd"] = field(default="fkl", metadata={"help": "distance of the distillation term"})
+    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "the consistency targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
+    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
+    rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
+    rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
     epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
@@ -84,6 +90,8 @@ class DistillConfig:
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
     drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
+    cut_loops: bool = field(default=False, metadata={"help": "rounds 2+ keep every block but count no consistency target that continues a loop (train --cut-loops); use with --drop-loops false"})
+    accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k (earlier data kept, never replaced); false: round k's alone"})
     # evaluation
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set for the evaluations"})
     eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
@@ -127,9 +135,15 @@ class DistillConfig:
                              batch_size=self.collect_batch_size, drop_loops=self.drop_loops and round_ >= 2)
 
     def train_config(self, round_: int = 1) -> TrainConfig:
+        first = 1 if self.accumulate else round_
+        data = ",".join(str(self.round_dir(r, "trajectories")) for r in range(first, round_ + 1))
+        needs_teacher = self.kd_weight > 0 or self.consistency_teacher == "target"
         return TrainConfig(
-            model=self.round_model(round_), data=str(self.round_dir(round_, "trajectories")),
-            out=str(self.round_dir(round_, "model")),
+            model=self.round_model(round_), data=data, out=str(self.round_dir(round_, "model")),
+            teacher=self.model if round_ > 1 and (needs_teacher or self.accumulate) else None,
+            kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
+            rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
+            rollout_temperature=self.rollout_temperature, cut_loops=self.cut_loops and round_ > 1,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
             ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,
@@ -161,60 +175,46 @@ class DistillSummary:
     evaluation: dict
 
 
-def _fraction(flags) -> float:
-    flags = list(flags)
-    return sum(flags) / len(flags) if flags else 0.0
-
-
 def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillConfig) -> dict:
     """Target vs CLLM on held-out prompts, both loaded in float32 from disk, greedy.
 
-    tokens_per_forward[model][n]: Jacobi at block size n (REFERENCE.md counting);
-    cllm_jacobi_equals_greedy[n]: fraction of prompts whose CLLM Jacobi output is its greedy one;
-    ar_loss[model]: nats/token on the references; greedy_agreement: fraction of prompts whose
-    CLLM greedy output equals the target's, token_agreement: the same per token position;
-    degenerate[model] / looping[model]: fraction of greedy completions that repeat one token
-    10+ times in a row / end in a short loop (what the teacher-forced loss does not show).
+    quality: `cllm.quality.compare_models` on the held-out prompts (parse / degenerate / looping
+    rates of the greedy completions, the target's NLL of them, first divergence from the
+    target's text, plain-Jacobi tokens per forward over all and over non-looping completions);
+    gates: its pass/fail lines. The keys kept from before, read off it: tokens_per_forward[model][n],
+    cllm_jacobi_equals_greedy[n], greedy_agreement / token_agreement (CLLM greedy vs target
+    greedy, per prompt / per token), degenerate[model] / looping[model]; and ar_loss[model]:
+    nats/token on the prompts' references.
     """
-    from cllm.collect import ends_in_loop, is_degenerate
     from cllm.decoding.inputs import position_limit
-    from cllm.evaluate import (
-        accepts_logits_to_keep,
-        ar_validation_loss,
-        decode_prompts,
-        load_eval_prompts,
-    )
+    from cllm.evaluate import accepts_logits_to_keep, ar_validation_loss, load_eval_prompts
     from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
+    from cllm.quality import QualitySettings, compare_models, gates
 
     tokenizer = load_tokenizer(cllm_dir)
     models = {"target": load_model(target_name), "cllm": load_model(str(cllm_dir))}
-    eos = tokenizer.eos_token_id
     pad = pad_token_id(tokenizer)
+    settings = QualitySettings(prompt_sets={config.eval_prompts: config.eval_count},
+                               block_sizes=list(config.eval_block_sizes), max_new_tokens=config.eval_max_new_tokens,
+                               batch_size=config.eval_batch_size, seed=config.seed, val_loss=False, spread=[])
+    quality = compare_models(models, tokenizer, settings, pad_id=pad)
+    per_model = quality["sets"][config.eval_prompts]
     prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
-                                max_new_tokens=config.eval_max_new_tokens,
-                                context=position_limit(models["cllm"]))
-    common = dict(max_new_tokens=config.eval_max_new_tokens, batch_size=config.eval_batch_size,
-                  eos_token_id=eos, pad_id=pad, seed=config.seed)
-    greedy = {name: decode_prompts(m, prompts, method="greedy", **common) for name, m in models.items()}
-    result: dict = {"settings": config.eval_settings(), "prompts_evaluated": len(prompts),
-                    "cllm_fingerprint": fingerprint(cllm_dir), "target_fingerprint": fingerprint(target_name),
-                    "tokens_per_forward": {"target": {}, "cllm": {}}, "cllm_jacobi_equals_greedy": {}}
-    for n in config.eval_block_sizes:
-        for name, model in models.items():
-            jacobi = decode_prompts(model, prompts, method="jacobi", block_size=n, **common)
-            result["tokens_per_forward"][name][str(n)] = jacobi.tokens_per_forward
-            if name == "cllm":
-                pairs = zip(jacobi.new_tokens, greedy["cllm"].new_tokens, strict=True)
-                result["cllm_jacobi_equals_greedy"][str(n)] = _fraction(a == b for a, b in pairs)
-    result["ar_loss"] = {name: ar_validation_loss(m, prompts, batch_size=config.eval_batch_size, pad_id=pad,
-                                                  logits_to_keep=accepts_logits_to_keep(m))
-                         for name, m in models.items()}
-    pairs = list(zip(greedy["cllm"].new_tokens, greedy["target"].new_tokens, strict=True))
-    result["greedy_agreement"] = _fraction(a == b for a, b in pairs)
-    result["token_agreement"] = _fraction(x == y for a, b in pairs for x, y in zip(a, b))
-    result["degenerate"] = {name: _fraction(map(is_degenerate, g.new_tokens)) for name, g in greedy.items()}
-    result["looping"] = {name: _fraction(map(ends_in_loop, g.new_tokens)) for name, g in greedy.items()}
-    return result
+                                max_new_tokens=config.eval_max_new_tokens, context=position_limit(models["cllm"]))
+    cllm = per_model["cllm"]
+    return {
+        "settings": config.eval_settings(), "prompts_evaluated": cllm["prompts"],
+        "cllm_fingerprint": fingerprint(cllm_dir), "target_fingerprint": fingerprint(target_name),
+        "tokens_per_forward": {name: dict(q["tpf"]) for name, q in per_model.items()},
+        "cllm_jacobi_equals_greedy": dict(cllm["jacobi_exact"]),
+        "ar_loss": {name: ar_validation_loss(m, prompts, batch_size=config.eval_batch_size, pad_id=pad,
+                                             logits_to_keep=accepts_logits_to_keep(m)) for name, m in models.items()},
+        "greedy_agreement": cllm["same_as_target"], "token_agreement": cllm["token_agreement"],
+        "degenerate": {name: q["degenerate_rate"] for name, q in per_model.items()},
+        "looping": {name: q["looping_rate"] for name, q in per_model.items()},
+        "quality": quality,
+        "gates": [g.__dict__ for g in gates(quality, "cllm")],
+    }
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -235,6 +235,19 @@ def evaluation_table(ev: dict) -> str:
     for key, what in (("degenerate", "one token 10+ times in a row"), ("looping", "ending in a loop")):
         if key in ev:
             lines.append(f"| greedy completions {what} | {ev[key]['target']:.0%} | {ev[key]['cllm']:.0%} |")
+    if "quality" in ev:
+        (q,) = ev["quality"]["sets"].values()
+        t, c = q["target"], q["cllm"]
+        for n in c["tpf_not_looping"]:
+            lines.append(f"| Jacobi tokens per forward, n = {n}, completions that do not loop | "
+                         f"{_fmt(t['tpf_not_looping'][n])} | {_fmt(c['tpf_not_looping'][n])} |")
+        lines.append(f"| greedy completions that parse | {t['parse_rate']:.0%} | {c['parse_rate']:.0%} |")
+        lines.append(f"| target's NLL of the greedy completions (nats/token) | {_fmt(t['target_nll'])} | "
+                     f"{_fmt(c['target_nll'])} |")
+        lines.append(f"| first token that differs from the target's greedy text (mean index) | | "
+                     f"{_fmt(c['first_divergence'], 1)} |")
+    for g in ev.get("gates", []):
+        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'])} ({'pass' if g['passed'] else 'FAIL'}) |")
     return "\n".join(lines)
 
 
@@ -268,7 +281,7 @@ def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict 
     ev = json.loads(path.read_text())
     if ev.get("settings") != config.eval_settings() or ev.get("cllm_fingerprint") != fingerprint(cllm_dir):
         return None
-    if "looping" not in ev:  # written before the repetition rows existed
+    if "quality" not in ev:  # written before the quality measures existed
         return None
     return ev
 

@@ -41,7 +41,11 @@ def load_eval_prompts(name: str, tokenizer, *, count: int, max_new_tokens: int, 
 @dataclass(frozen=True)
 class DecodeResult:
     new_tokens: list[list[int]]  # per prompt
-    row_forwards: int  # forward passes each row took part in, summed over rows
+    forwards: list[int]  # per prompt: the forward passes its row took part in, prefill included
+
+    @property
+    def row_forwards(self) -> int:
+        return sum(self.forwards)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -57,7 +61,7 @@ def decode_prompts(model, prompts: Sequence[EvalPrompt], *, method: Literal["jac
     from cllm.decoding import greedy_decode, jacobi_decode
 
     device = next(model.parameters()).device
-    new_tokens, row_forwards = [], 0
+    new_tokens, forwards = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         rows = rows_from_lists([p.ids for p in chunk], [[]] * len(chunk), pad_id)
@@ -69,8 +73,8 @@ def decode_prompts(model, prompts: Sequence[EvalPrompt], *, method: Literal["jac
         else:
             out = greedy_decode(model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         new_tokens += out.new_tokens
-        row_forwards += out.stats.row_forwards
-    return DecodeResult(new_tokens, row_forwards)
+        forwards += out.stats.forwards_per_row(len(chunk))
+    return DecodeResult(new_tokens, forwards)
 
 
 @torch.no_grad()

@@ -10,6 +10,8 @@ If `normalizer` is None the local count is used (convenient for tests and single
   sampled from the trajectory, y* its fixed point, theta- = stop-gradient.
 - Local consistency (LC, eq. 5): the same between adjacent states y^(j+1) and y^(j).
 - AR (eq. 6): next-token cross-entropy on prompt + generated text or ground truth.
+- Distillation (GKD): D(p_target || q_theta) to a frozen teacher's full distribution, on any text
+  (ground truth, the target's continuations, the student's own rollouts).
 
 The caller computes the logits; these functions never call a model. `block_logits` cuts the
 (B, N, V) block-aligned logits these losses take out of a forward over ``prefix + block``, and
@@ -105,6 +107,25 @@ def ar_loss(
     ).view(labels.shape)
     total = (per_position * mask).sum()
     return _normalise(total, mask, normalizer)
+
+
+def distill_loss(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    distance: Distance = "fkl",
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Distillation from a frozen teacher (GKD, Agarwal et al. 2024): D(teacher || student) per
+    position, soft labels instead of the hard tokens of `ar_loss`.
+
+    teacher_logits, student_logits: (B, T, V) aligned with each other (the logits at t of both
+    models on the same input); mask (B, T) selects counted positions. On the target's own text it
+    keeps the student's next-token distribution, not only its argmax, where the target's is;
+    on the student's own text (on-policy) it corrects the contexts the student actually reaches.
+    """
+    return consistency_loss(teacher_logits, student_logits, mask, distance=distance, normalizer=normalizer)
 
 
 def from_first_difference(state: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

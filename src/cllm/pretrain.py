@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from cllm.collect import ends_in_loop as tail_loops
+from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
@@ -364,24 +364,6 @@ class TargetEvaluation:
     samples: list[dict]  # {"id", "prompt", "completion"}: completion cut at the function end
 
 
-DEGENERATE_RUN = 10
-
-
-def longest_run(ids: list[int]) -> int:
-    """Length of the longest run of one repeated token."""
-    best = run = 0
-    for i, tok in enumerate(ids):
-        run = run + 1 if i and tok == ids[i - 1] else 1
-        best = max(best, run)
-    return best
-
-
-def ends_in_loop(ids: list[int]) -> bool:
-    """Whether a completion's last 24 tokens repeat one pattern of at most 8 tokens
-    (e.g. '_cache_cache_cache...'), which the one-token degenerate test does not see."""
-    return tail_loops(ids, min_length=24)
-
-
 @torch.no_grad()
 def stream_loss(model, stream: torch.Tensor, context: int, batch_tokens: int = 4096) -> float:
     """Mean nats/token over consecutive, non-overlapping windows covering the whole stream."""
@@ -440,7 +422,7 @@ def evaluate_target(
         new = new[: new.index(eot)] if finished else new
         completion = tokenizer.decode(new)
         parsed += function_parses(prompt.text, completion, finished=finished)
-        degenerate += longest_run(new) >= DEGENERATE_RUN
+        degenerate += is_degenerate(new)
         looping += ends_in_loop(new)
         if len(samples) < n_samples:  # shown whole, unfinished last line included
             cut = cut_at_function_end(prompt.text, completion, finished=True)

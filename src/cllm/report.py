@@ -265,6 +265,9 @@ COLUMNS = [  # (JSON key, header, format)
     ("tokens_per_second", "tokens/s", "{:.1f}"),
     ("speedup_vs_ar", "speedup vs target AR", "{:.2f}x"),
     ("tokens_per_forward", "tokens/forward", "{:.2f}"),
+    ("tokens_per_forward_not_looping", "tokens/forward, not looping", "{:.2f}"),
+    ("looping_rate", "looping", "{:.0%}"),
+    ("degenerate_rate", "degenerate", "{:.0%}"),
     ("exact_match_own_ar", "= own AR", "{:.0%}"),
     ("agreement_with_target", "agreement w/ target", "{:.0%}"),
     ("mean_fast_forwarded", "mean fast-fwd", "{:.2f}"),
@@ -275,6 +278,7 @@ COLUMNS = [  # (JSON key, header, format)
 
 
 SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": "tok/fwd", "= own AR": "=AR",
+         "tokens/forward, not looping": "¬loop", "looping": "loop", "degenerate": "degen",
          "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd",
          "fed tokens/forward": "fed"}
 
@@ -296,7 +300,8 @@ def methods_table(data: dict[str, Any]):
     for name, m in data["methods"].items():
         table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in COLUMNS))
     table.caption = "tok/s: tokens/s · ×AR: speedup over target AR · tok/fwd: tokens per forward · =AR: " \
-                    "outputs equal to own greedy · agree: token agreement with target greedy · ff: mean fast-forwarded · " \
+                    "outputs equal to own greedy · ¬loop: tok/fwd over completions that do not end in a loop · " \
+                    "loop / degen: completions ending in a loop / repeating one token 10+ times · agree: token agreement with target greedy · ff: mean fast-forwarded · " \
                     "fed: tokens fed per forward (a step's cost grows with it)"
     return table
 

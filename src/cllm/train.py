@@ -95,6 +95,13 @@ class TrainConfig:
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step (with --ar-text)"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window (with --ar-text)"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
+    teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and --consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter disabled); trajectories collected with it are accepted too"})
+    kd_weight: float = field(default=0.0, metadata={"help": "weight of a distillation term D(teacher || model) on the AR rows (labels / fixed points / text windows, as --ar-target and --ar-text choose) and on --rollout-prompts: soft labels from the frozen teacher, in place of (--ar-weight 0) or beside the hard AR term"})
+    kd_distance: Literal["fkl", "rkl", "jsd"] = field(default="fkl", metadata={"help": "distance of the distillation term: forward KL(teacher || model), reverse KL or JSD"})
+    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "whose logits on the fixed point (GC) or next state (LC) the states learn: the model being trained, stop-gradient (the reference), or the frozen teacher"})
+    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the records' prompts are continued by the model being trained and the distillation term also counts on its text (GKD)"})
+    rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
+    rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled at this temperature"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B models"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then cosine decay to 0"})
@@ -111,6 +118,7 @@ class TrainConfig:
     lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or comma-separated module names"})
     augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one (default: all, the reference)"})
+    cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own repetitions are cut out of its targets, the rest of the prompt kept"})
     states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set (name or JSONL/Parquet file) for evaluation"})
@@ -126,7 +134,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
-                    "ar_text_windows", "ar_text_length",
+                    "ar_text_windows", "ar_text_length", "rollout_tokens",
                     "eval_interval", "checkpoint_interval", "lora_r", "lora_alpha"]
         positive += [n for n in ("max_steps", "micro_batch_size", "eval_block_size", "stop_at_step", "gc_window")
                      if getattr(self, n) is not None]
@@ -135,13 +143,14 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
+                   "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size {self.micro_batch_size}")
-        for name in ("ar_weight", "lr", "weight_decay", "grad_clip"):
+        for name in ("ar_weight", "kd_weight", "lr", "weight_decay", "grad_clip", "rollout_temperature"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
         if self.lr == 0:
@@ -150,8 +159,10 @@ class TrainConfig:
             raise UserError("label-smoothing, warmup-ratio and lora-dropout must be in [0, 1)")
         if self.augmented and self.consistency != "gc":
             raise UserError("augmented states break the adjacency LC needs: use --augmented only with --consistency gc")
-        if self.eval_count < 0 or self.seed < 0:
-            raise UserError("eval-count and seed must be >= 0")
+        if self.eval_count < 0 or self.seed < 0 or self.rollout_prompts < 0:
+            raise UserError("eval-count, seed and rollout-prompts must be >= 0")
+        if self.rollout_prompts and not self.kd_weight:
+            raise UserError("--rollout-prompts needs --kd-weight > 0: the rollouts are scored by the teacher")
         if not self.out or not self.data:
             raise UserError("data and out must name directories")
 
@@ -164,12 +175,21 @@ class TrainConfig:
         return self.consistency in ("lc", "gc+lc")
 
     @property
+    def uses_ar_rows(self) -> bool:
+        """The AR rows are computed: the hard AR term or the distillation term counts on them."""
+        return self.ar_weight > 0 or self.kd_weight > 0
+
+    @property
     def ar_on_fixed_points(self) -> bool:
-        return self.ar_weight > 0 and self.ar_target in ("fixed_points", "both")
+        return self.uses_ar_rows and self.ar_target in ("fixed_points", "both")
 
     @property
     def ar_on_labels(self) -> bool:
-        return self.ar_weight > 0 and self.ar_target in ("labels", "both")
+        return self.uses_ar_rows and self.ar_target in ("labels", "both")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.kd_weight > 0 or self.consistency_teacher == "target"
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -195,12 +215,15 @@ class MicroBatch:
     gc_mask: torch.Tensor  # (B*k, N) bool
     lc_mask: torch.Tensor  # (B*k, N) bool
     text: torch.Tensor | None = None  # (W, L + 1) text windows for the AR term (--ar-text)
+    rollout: Rows | None = None  # prompt + the model's own continuation (--rollout-prompts)
 
     def to(self, device) -> MicroBatch:
+        def move(x):
+            return None if x is None else x.to(device)
+
         return MicroBatch(self.fixed_point.to(device), self.state.to(device), self.next_state.to(device),
-                          self.owner.to(device), None if self.labels is None else self.labels.to(device),
-                          self.gc_mask.to(device), self.lc_mask.to(device),
-                          None if self.text is None else self.text.to(device))
+                          self.owner.to(device), move(self.labels), self.gc_mask.to(device),
+                          self.lc_mask.to(device), move(self.text), move(self.rollout))
 
 
 @dataclass
@@ -209,14 +232,22 @@ class Counts:
 
     gc: int = 0
     lc: int = 0
-    ar: int = 0
+    ar: int = 0  # positions of the AR rows (labels, fixed points, text windows)
+    rollout: int = 0  # the rollouts' token budget (their lengths are not known before decoding)
 
-    def add(self, mb: MicroBatch, config: TrainConfig) -> None:
+    @property
+    def kd(self) -> int:
+        return self.ar + self.rollout
+
+    def add(self, mb: MicroBatch, config: TrainConfig, rollouts: int = 0) -> None:
+        """Count `mb`'s positions; `rollouts`: how many rollouts it will carry."""
         self.gc += int(mb.gc_mask.sum()) if config.uses_gc else 0
         self.lc += int(mb.lc_mask.sum()) if config.uses_lc else 0
         self.ar += int(mb.fixed_point.block_mask.sum()) if config.ar_on_fixed_points else 0
         self.ar += int(mb.labels.block_mask.sum()) if config.ar_on_labels else 0
-        self.ar += (mb.text.shape[0] * (mb.text.shape[1] - 1)) if mb.text is not None and config.ar_weight > 0 else 0
+        if mb.text is not None and config.uses_ar_rows:
+            self.ar += mb.text.shape[0] * (mb.text.shape[1] - 1)
+        self.rollout += rollouts * config.rollout_tokens
 
 
 def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
@@ -244,6 +275,19 @@ def pick_states(draws: torch.Tensor, num_states: torch.Tensor, k: int) -> tuple[
     return picks, exists
 
 
+def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
+    """(B, width) bool: block positions whose token ends a loop of the generated text so far."""
+    from cllm.quality import ends_in_loop
+
+    out = torch.zeros(len(records), width, dtype=torch.bool)
+    for r, record in enumerate(records):
+        text = list(record.prefix_ids[record.prompt_len :])
+        for i, token in enumerate(record.fixed_point):
+            text.append(token)
+            out[r, i] = ends_in_loop(text)
+    return out
+
+
 def make_micro_batch(
     records: Sequence[TrajectoryRecord], draws: torch.Tensor, *, pad_id: int, block_size: int,
     config: TrainConfig,
@@ -263,6 +307,8 @@ def make_micro_batch(
     # a record that starts at its fixed point, or a pick beyond its states, counts nothing
     valid = b.block_mask.bool()[owner] & exists.reshape(-1)[:, None]
     fixed = b.fixed_point[owner]
+    if config.cut_loops:  # positions that continue a loop are no consistency target
+        valid = valid & ~loop_positions(records, b.fixed_point.shape[1])[owner]
     return MicroBatch(
         fixed_point=Rows(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
         state=state, next_state=next_state, owner=owner,
@@ -277,54 +323,162 @@ class StepLosses:
     gc: torch.Tensor
     lc: torch.Tensor
     ar: torch.Tensor
+    kd: torch.Tensor
     total: torch.Tensor
 
 
+class FrozenTeacher:
+    """The frozen target whose logits the distillation term and `--consistency-teacher target`
+    learn: a second copy of the model (eval mode, no gradients), or, when LoRA trains the model
+    being distilled from itself, the same weights with the adapter disabled (no second copy)."""
+
+    def __init__(self, copy=None, peft_model=None):
+        if (copy is None) == (peft_model is None):
+            raise ValueError("a teacher is a copy or a LoRA model, not both")
+        self.copy, self.peft_model = copy, peft_model
+
+    @torch.no_grad()
+    def __call__(self, fn):
+        """fn(model) -> logits, run on the teacher without gradients."""
+        if self.copy is not None:
+            return fn(self.copy)
+        with self.peft_model.disable_adapter():
+            return fn(self.peft_model.get_base_model())
+
+
 def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig, pad_id: int,
-                     *, logits_to_keep: bool = True) -> StepLosses:
-    """This micro-batch's share of ``consistency + ar_weight * ar`` for the global batch."""
+                     *, logits_to_keep: bool = True, teacher: FrozenTeacher | None = None) -> StepLosses:
+    """This micro-batch's share of ``consistency + ar_weight * ar + kd_weight * kd`` for the global
+    batch (each term a sum over its counted positions divided by its global count)."""
     device = next(model.parameters()).device
     mb = mb.to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
     fp = mb.fixed_point
     B = len(fp)
     records = torch.arange(B, device=mb.owner.device)
+    target_teacher = config.consistency_teacher == "target"
+    kd = config.kd_weight > 0
     # 1. one forward over the records' prefixes (with gradients), then the blocks that continue
-    #    them: the states (with), the fixed point (with when AR learns it, else a stop-gradient
-    #    target), the next states (stop-gradient, LC)
-    groups = {"state": BlockGroup(mb.state, fp.block_mask[mb.owner], mb.owner, grad=True),
-              "fixed_point": BlockGroup(fp.block_ids, fp.block_mask, records, grad=config.ar_on_fixed_points)}
-    if config.uses_lc:
+    #    them: the states (with), the fixed point (with when AR learns it, a stop-gradient GC
+    #    target when the model is its own teacher), the next states (stop-gradient, LC)
+    groups = {"state": BlockGroup(mb.state, fp.block_mask[mb.owner], mb.owner, grad=True)}
+    if config.ar_on_fixed_points or (config.uses_gc and not target_teacher):
+        groups["fixed_point"] = BlockGroup(fp.block_ids, fp.block_mask, records, grad=config.ar_on_fixed_points)
+    if config.uses_lc and not target_teacher:
         groups["next_state"] = BlockGroup(mb.next_state, fp.block_mask[mb.owner], mb.owner, grad=False)
+    student, frozen = {}, {}  # logits of the model being trained / of the frozen teacher
     with autocast:
-        logits = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
-                          strict=True))
-        # 2. the AR rows on the ground truth have prefixes of their own; text windows too
+        student = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
+                           strict=True))
+        # 2. the AR rows on the ground truth have prefixes of their own; text windows and
+        #    rollouts too
         if config.ar_on_labels:
-            logits["labels"] = forward_blocks(model, mb.labels, logits_to_keep=logits_to_keep)
-        if mb.text is not None and len(mb.text) and config.ar_weight > 0:
-            logits["text"] = model(input_ids=mb.text[:, :-1], use_cache=False).logits
-    # 3. the terms, each normalised by its global count
-    zero = logits["state"].new_zeros(())
-    gc = lc = ar = zero
+            student["labels"] = forward_blocks(model, mb.labels, logits_to_keep=logits_to_keep)
+        if mb.text is not None and len(mb.text) and config.uses_ar_rows:
+            student["text"] = model(input_ids=mb.text[:, :-1], use_cache=False).logits
+        if mb.rollout is not None:
+            student["rollout"] = forward_blocks(model, mb.rollout, logits_to_keep=logits_to_keep)
+        # 3. the frozen teacher on the rows whose targets it gives
+        if teacher is not None:
+            def blocks(rows):
+                return teacher(lambda m: forward_blocks(m, rows, logits_to_keep=logits_to_keep))
+
+            if (config.uses_gc and target_teacher) or (kd and config.ar_on_fixed_points):
+                frozen["fixed_point"] = blocks(fp)
+            if config.uses_lc and target_teacher:
+                o = mb.owner
+                frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state, fp.block_mask[o]))
+            if kd:
+                for name in ("labels", "rollout"):
+                    if name in student:
+                        frozen[name] = blocks(mb.rollout if name == "rollout" else mb.labels)
+                if "text" in student:
+                    frozen["text"] = teacher(lambda m: m(input_ids=mb.text[:, :-1], use_cache=False).logits)
+    # 4. the terms, each normalised by its global count
+    zero = student["state"].new_zeros(())
+    gc = lc = ar = kd_term = zero
+    gc_teacher = frozen if target_teacher else student
     if config.uses_gc:
-        gc = losses.gc_loss(logits["state"], logits["fixed_point"][mb.owner], mb.gc_mask,
+        gc = losses.gc_loss(student["state"], gc_teacher["fixed_point"][mb.owner], mb.gc_mask,
                             distance=config.distance, normalizer=max(counts.gc, 1))
     if config.uses_lc:
-        lc = losses.lc_loss(logits["state"], logits["next_state"], mb.lc_mask,
+        lc = losses.lc_loss(student["state"], gc_teacher["next_state"], mb.lc_mask,
                             distance=config.distance, normalizer=max(counts.lc, 1))
-    ar_rows = {"fixed_point": fp if config.ar_on_fixed_points else None,
-               "labels": mb.labels if config.ar_on_labels else None}
-    if "text" in logits:
+    # the AR rows: (logits name, targets, counted positions)
+    ar_rows = []
+    if config.ar_on_fixed_points:
+        ar_rows.append(("fixed_point", fp.block_ids, fp.block_mask.bool()))
+    if config.ar_on_labels:
+        ar_rows.append(("labels", mb.labels.block_ids, mb.labels.block_mask.bool()))
+    if "text" in student:
         target = mb.text[:, 1:]
-        ar = ar + losses.ar_loss(logits["text"], target, torch.ones_like(target, dtype=torch.bool),
-                                 label_smoothing=config.label_smoothing, normalizer=max(counts.ar, 1))
-    for name, rows in ar_rows.items():
-        if rows is not None:
-            ar = ar + losses.ar_loss(logits[name], rows.block_ids, rows.block_mask.bool(),
-                                     label_smoothing=config.label_smoothing,
+        ar_rows.append(("text", target, torch.ones_like(target, dtype=torch.bool)))
+    for name, targets, mask in ar_rows:
+        if config.ar_weight > 0:
+            ar = ar + losses.ar_loss(student[name], targets, mask, label_smoothing=config.label_smoothing,
                                      normalizer=max(counts.ar, 1))
-    return StepLosses(gc, lc, ar, gc + lc + config.ar_weight * ar)
+        if kd:
+            kd_term = kd_term + losses.distill_loss(frozen[name], student[name], mask, distance=config.kd_distance,
+                                                    normalizer=max(counts.kd, 1))
+    if "rollout" in student:
+        kd_term = kd_term + losses.distill_loss(frozen["rollout"], student["rollout"], mb.rollout.block_mask.bool(),
+                                                distance=config.kd_distance, normalizer=max(counts.kd, 1))
+    total = gc + lc + config.ar_weight * ar + config.kd_weight * kd_term
+    return StepLosses(gc, lc, ar, kd_term, total)
+
+
+def rollout_prompts(records: Sequence[TrajectoryRecord]) -> list[list[int]]:
+    """The distinct prompts of the records (their first block's prompt tokens), in record order."""
+    seen, out = set(), []
+    for r in records:
+        if r.prompt_id not in seen:
+            seen.add(r.prompt_id)
+            out.append(list(r.prefix_ids[: r.prompt_len]))
+    return out
+
+
+@torch.no_grad()
+def make_rollouts(model, prompts: Sequence[Sequence[int]], config: TrainConfig, seeds: Sequence[int], *,
+                  eos_token_id, pad_id: int) -> Rows:
+    """Rows ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
+    temperature, one generator per prompt seeded by `seeds`), decoded with the KV cache."""
+    from cllm.decoding import greedy_decode, sample_decode
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = rows_from_lists(prompts, [[]] * len(prompts), pad_id)
+    ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
+    if config.rollout_temperature > 0:
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        out = sample_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id,
+                            temperature=config.rollout_temperature, generator=generators)
+    else:
+        out = greedy_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id)
+    model.train(was_training)
+    return rows_from_lists(prompts, out.new_tokens, pad_id)
+
+
+def step_rollout_prompts(prompts: Sequence[Sequence[int]], step: int, config: TrainConfig) -> list[int]:
+    """Indices of the step's rollout prompts: a seeded draw (the step number is the RNG state)."""
+    generator = torch.Generator().manual_seed(derived_seed(config.seed, "rollout-prompts", step))
+    return torch.randperm(len(prompts), generator=generator)[: config.rollout_prompts].tolist()
+
+
+def load_teacher(config: TrainConfig, model, device) -> FrozenTeacher | None:
+    """The frozen teacher, when a term needs one (see `FrozenTeacher`)."""
+    from cllm.models import load_model, tokenizer_fingerprint
+
+    if not config.needs_teacher:
+        return None
+    name = config.teacher or config.model
+    if config.lora and name == config.model:
+        return FrozenTeacher(peft_model=model)
+    if tokenizer_fingerprint(name) != tokenizer_fingerprint(config.model):
+        raise UserError(f"--teacher {name} has another tokenizer than --model {config.model}")
+    copy = load_model(name, dtype="float32").to(device).eval()
+    copy.requires_grad_(False)
+    return FrozenTeacher(copy=copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,27 +486,40 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
 
 
 def open_data(config: TrainConfig) -> tuple[TrajectoryReader, list[TrajectoryRecord]]:
-    """The trajectory directory, checked against --model; every problem is one UserError."""
+    """The trajectory directories (comma-separated: their records together, e.g. earlier on-policy
+    rounds kept beside the latest), each collected with --model or --teacher, one block size and
+    tokenizer; every problem is one UserError. Returns the first directory's reader (its meta
+    describes the run) and all records."""
     from cllm.models import fingerprint, tokenizer_fingerprint
 
-    path = Path(config.data)
-    if not path.is_dir():
-        raise UserError(f"trajectory directory not found: {path}")
-    reader = TrajectoryReader(path)
-    meta = reader.meta
-    if meta.tokenizer_fingerprint != tokenizer_fingerprint(config.model):
-        raise UserError(f"{path} was collected with another tokenizer than --model {config.model} "
-                        f"({meta.tokenizer_fingerprint} != {tokenizer_fingerprint(config.model)})")
-    if meta.model_fingerprint != fingerprint(config.model):
-        raise UserError(f"{path} was collected with another model ({meta.model!r}, fingerprint "
-                        f"{meta.model_fingerprint}) than --model {config.model} ({fingerprint(config.model)})")
-    records = reader.records()
+    paths = [Path(p.strip()) for p in config.data.split(",") if p.strip()]
+    allowed = {fingerprint(config.model): config.model}
+    if config.teacher:
+        allowed[fingerprint(config.teacher)] = config.teacher
+    readers, records = [], []
+    for path in paths:
+        if not path.is_dir():
+            raise UserError(f"trajectory directory not found: {path}")
+        reader = TrajectoryReader(path)
+        meta = reader.meta
+        if meta.tokenizer_fingerprint != tokenizer_fingerprint(config.model):
+            raise UserError(f"{path} was collected with another tokenizer than --model {config.model} "
+                            f"({meta.tokenizer_fingerprint} != {tokenizer_fingerprint(config.model)})")
+        if meta.model_fingerprint not in allowed:
+            raise UserError(f"{path} was collected with another model ({meta.model!r}, fingerprint "
+                            f"{meta.model_fingerprint}) than --model {config.model} ({fingerprint(config.model)})"
+                            + (f" or --teacher {config.teacher}" if config.teacher else ""))
+        if readers and meta.block_size != readers[0].meta.block_size:
+            raise UserError(f"{path} has block size {meta.block_size}, {readers[0].directory} "
+                            f"{readers[0].meta.block_size}: train on one block size at a time")
+        readers.append(reader)
+        records += reader.records()
     if len(records) < config.batch_size:
-        raise UserError(f"{path} holds {len(records)} records, fewer than batch-size {config.batch_size}")
+        raise UserError(f"{config.data} holds {len(records)} records, fewer than batch-size {config.batch_size}")
     if config.ar_on_labels and not any(r.labels for r in records):
-        raise UserError(f"{path} has no ground-truth labels (its prompts had no references): "
+        raise UserError(f"{config.data} has no ground-truth labels (its prompts had no references): "
                         "use --ar-target fixed_points")
-    return reader, records
+    return readers[0], records
 
 
 def data_digest(records: Sequence[TrajectoryRecord]) -> str:
@@ -523,6 +690,7 @@ def train(config: TrainConfig) -> TrainSummary:
     model.train()
     base = model.get_base_model() if config.lora else model  # what decoding and HF calls see
     keep = accepts_logits_to_keep(base)
+    teacher = load_teacher(config, model, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
@@ -539,6 +707,10 @@ def train(config: TrainConfig) -> TrainSummary:
         log.info("resuming %s from step %d of %d", out, step, total)
 
     text_stream = load_text_stream(config.ar_text, tokenizer) if config.ar_text else None
+    rollout_room = (position_limit(base) or 10**9) - config.rollout_tokens
+    if config.rollout_prompts and rollout_room < 1:
+        raise UserError(f"rollout-tokens {config.rollout_tokens} leaves no room for a prompt")
+    prompts = [p[-rollout_room:] for p in rollout_prompts(records)] if config.rollout_prompts else []
 
     # 3. held-out prompts, evaluated by the main process alone
     context = position_limit(base)
@@ -588,18 +760,26 @@ def train(config: TrainConfig) -> TrainSummary:
                 windows = sample_text_windows(text_stream, config, step)
                 for mb, share in zip(mbs, windows.tensor_split(len(mbs)), strict=True):
                     mb.text = share
+            # the step's rollout prompts, dealt out to the micro-batches (decoded below, by their owner)
+            picks = step_rollout_prompts(prompts, step, config) if prompts else []
+            shares = [picks[i :: len(mbs)] for i in range(len(mbs))]
             counts = Counts()
-            for mb in mbs:
-                counts.add(mb, config)
+            for mb, share in zip(mbs, shares, strict=True):
+                counts.add(mb, config, rollouts=len(share))
             # 4.2 this process's micro-batches: forwards and ONE backward each; DDP syncs the last
-            mine = mbs[rank::P]
-            sums = torch.zeros(4, dtype=torch.float64)
-            for k, mb in enumerate(mine):
+            mine = list(zip(mbs, shares, strict=True))[rank::P]
+            sums = torch.zeros(5, dtype=torch.float64)
+            for k, (mb, share) in enumerate(mine):
+                if share:  # on-policy: the model continues its prompts as it is now
+                    seeds = [derived_seed(config.seed, "rollout", step, i) for i in share]
+                    mb.rollout = make_rollouts(base, [prompts[i] for i in share], config, seeds,
+                                               eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
                 with nullcontext() if k == len(mine) - 1 else accelerator.no_sync(model):
-                    parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep)
+                    parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep,
+                                             teacher=teacher)
                     # DDP averages gradients over processes; the terms are already global sums
                     accelerator.backward(parts.total * P)
-                sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar]).detach().double().cpu()
+                sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar, parts.kd]).detach().double().cpu()
             # 4.3 clip, AdamW, schedule
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             lr = scheduler.get_last_lr()[0]
@@ -612,9 +792,9 @@ def train(config: TrainConfig) -> TrainSummary:
                 sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
                 flag = torch.tensor([float(interrupted["set"])], device=accelerator.device)
                 interrupted["set"] = bool(accelerator.reduce(flag, "sum").item())
-            loss, gc, lc, ar = sums.tolist()
+            loss, gc, lc, ar, kd = sums.tolist()
             record = {"step": step, "epoch": round(step / per_epoch, 4), "loss": loss, "gc": gc, "lc": lc,
-                      "ar": ar, "lr": lr, "grad_norm": float(grad_norm)}
+                      "ar": ar, "kd": kd, "lr": lr, "grad_norm": float(grad_norm)}
             if step % config.eval_interval == 0 or step == total:
                 eval_last = run_eval()
                 if eval_last:

@@ -70,7 +70,7 @@ def autoregressive(
         for r, token in enumerate(next_ids):
             if active[r]:
                 new_tokens[r].append(token)
-                stats.accepted.append(1)
+                stats.count(r, 1)
                 active[r] = token not in eos and len(new_tokens[r]) < max_new_tokens
         if not any(active):
             break

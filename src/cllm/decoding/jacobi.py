@@ -308,7 +308,7 @@ def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
     #    the output after the last of them
     if accepted is None:
         accepted = accepted_length(tail, outputs)
-    stats.accepted.append(_make_final(row, outputs[:accepted], cfg))
+    stats.count(row.index, _make_final(row, outputs[:accepted], cfg))
     # 2. Jacobi update of the block, then log it (a carry step between blocks has no block)
     block = row.block
     if block is not None:
@@ -621,7 +621,7 @@ def jacobi_decode(
     else:
         firsts = [draw(p, row.generator) for p, row in zip(sampling.probs(logits), rows, strict=True)]
     for row, token in zip(rows, firsts, strict=True):
-        stats.accepted.append(_make_final(row, [token], cfg))
+        stats.count(row.index, _make_final(row, [token], cfg))
         _open_blocks(row, cfg, stats)
 
     # 2. iterate: one batched forward per step; finished rows leave the batch (and the cache)

@@ -66,6 +66,8 @@ class DecodeStats:
     new_tokens: int = 0  # over all rows
     # per (row, forward the row took part in): how many tokens that forward made final for it
     accepted: list[int] = field(default_factory=list)
+    # the batch row of each entry of `accepted` (so per-row counts survive batching)
+    accepted_rows: list[int] = field(default_factory=list)
     # Jacobi only, per block: updates it took (0 when its only token came for free)
     iterations_per_block: list[int] = field(default_factory=list)
     # Jacobi only, per update: fast-forwarded tokens (REFERENCE.md)
@@ -79,6 +81,18 @@ class DecodeStats:
     @property
     def row_forwards(self) -> int:
         return len(self.accepted)
+
+    def count(self, row: int, tokens: int) -> None:
+        """One forward of batch row `row` made `tokens` tokens final."""
+        self.accepted.append(tokens)
+        self.accepted_rows.append(row)
+
+    def forwards_per_row(self, rows: int) -> list[int]:
+        """Forward passes each of `rows` batch rows took part in (prefill included)."""
+        counts = [0] * rows
+        for r in self.accepted_rows:
+            counts[r] += 1
+        return counts
 
     @property
     def tokens_per_forward(self) -> float:
