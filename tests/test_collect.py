@@ -30,8 +30,6 @@ from cllm.collect import (
     prompt_seed,
 )
 from cllm.config import UserError
-from cllm.quality import ends_in_loop as _ends_in_loop
-from cllm.quality import is_degenerate
 from cllm.data.tokenizer import EOT, train_tokenizer
 from cllm.data.trajectories import (
     TrajectoryReader,
@@ -41,6 +39,8 @@ from cllm.data.trajectories import (
     write_meta,
 )
 from cllm.decoding import IterationEvent, greedy_decode
+from cllm.quality import ends_in_loop as _ends_in_loop
+from cllm.quality import is_degenerate
 from tests.tiny import CODE_TEXTS
 
 BLOCK, NEW = 12, 36

@@ -40,7 +40,6 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field, fields
-from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 

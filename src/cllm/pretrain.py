@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
@@ -40,6 +39,7 @@ from cllm.data.tokenizer import (
     tokenizer_fingerprint,
     train_tokenizer,
 )
+from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 logger = logging.getLogger(__name__)
