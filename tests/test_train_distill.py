@@ -197,3 +197,19 @@ def test_several_trajectory_directories_train_together(world, tmp_path):
                           out=str(other), block_size=BLOCK // 2, max_new_tokens=NEW, batch_size=16))
     with pytest.raises(UserError, match="one block size at a time"):
         train(config(world, tmp_path / "out2", data=f"{world.data},{other}", max_steps=2, eval_count=0))
+
+
+def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level():
+    from cllm.train import pick_states, progressive_keys
+
+    fixed = torch.tensor([[1, 2, 3, 4]] * 3)
+    # states with noise 1, 3/4, 1/2, 1/4, then the fixed point
+    traj = torch.tensor([[9, 9, 9, 9], [1, 9, 9, 9], [1, 2, 9, 9], [1, 2, 3, 9], [1, 2, 3, 4]])
+    states = traj[None].expand(3, -1, -1)
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    blocks = torch.tensor([0, 15, 8])  # noise levels 0, 1 and 8/15
+    keys = progressive_keys(states, fixed, valid, blocks, torch.rand(3, 5, generator=torch.Generator().manual_seed(0)))
+    picks, exists = pick_states(keys, torch.tensor([5, 5, 5]), 1)
+    assert picks[:, 0].tolist() == [3, 0, 2] and exists.all()
+    two, _ = pick_states(keys, torch.tensor([5, 5, 5]), 2)
+    assert two[0].tolist() == [3, 2] and two[1].tolist() == [0, 1]

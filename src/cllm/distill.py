@@ -64,6 +64,7 @@ class DistillConfig:
     distance: losses.Distance = field(default="argmax", metadata={"help": "consistency distance: fkl, rkl, jsd, argmax"})
     states_per_record: int = field(default=8, metadata={"help": "trajectory states per record and step (they share the prefix's forward)"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
+    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
     ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
     ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
@@ -144,6 +145,7 @@ class DistillConfig:
             kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
             rollout_temperature=self.rollout_temperature, cut_loops=self.cut_loops and round_ > 1,
+            state_schedule=self.state_schedule,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
             ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,

@@ -118,6 +118,7 @@ class TrainConfig:
     lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or comma-separated module names"})
     augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one (default: all, the reference)"})
+    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a record train: uniformly drawn (the reference), or Jacobi Forcing's progressive schedule: block j of a prompt aims at noise linspace(0, 1, 16)[j mod 16] (noise = the fraction of the block's tokens not yet at the fixed point) and takes the states nearest to it"})
     cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own repetitions are cut out of its targets, the rest of the prompt kept"})
     states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
@@ -143,6 +144,7 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
+                   "state_schedule": ("uniform", "progressive"),
                    "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
@@ -288,6 +290,25 @@ def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Ten
     return out
 
 
+NOISE_WINDOW = 16  # Jacobi Forcing's W: noise levels cycle over this many consecutive blocks
+
+
+def progressive_keys(states: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor,
+                     block_index: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Keys in [0, 1) for `pick_states` (lowest first) under the progressive schedule.
+
+    states (B, S, N), fixed_point (B, N), valid (B, N), block_index (B,), draws (B, S). A state's
+    noise is the fraction of its valid tokens that differ from the fixed point; block j aims at
+    t_j = linspace(0, 1, W)[j mod W]; the key is the distance to t_j (ties broken by `draws`),
+    so the states nearest to the block's noise level come first.
+    """
+    differs = (states != fixed_point[:, None, :]) & valid[:, None, :]  # (B, S, N)
+    noise = differs.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)  # (B, S)
+    levels = torch.linspace(0, 1, NOISE_WINDOW)[block_index % NOISE_WINDOW]  # (B,)
+    distance = (noise - levels[:, None]).abs()  # in [0, 1]
+    return (distance + draws * 1e-3) / 1.002  # stays below the key of ineligible states (2.0)
+
+
 def make_micro_batch(
     records: Sequence[TrajectoryRecord], draws: torch.Tensor, *, pad_id: int, block_size: int,
     config: TrainConfig,
@@ -299,7 +320,10 @@ def make_micro_batch(
     B, S = len(records), b.states.shape[1]
     if draws.shape[1] < S:
         raise ValueError(f"draws cover {draws.shape[1]} states, the records hold up to {S}")
-    picks, exists = pick_states(draws[:, :S], b.num_states, k)  # (B, k) each
+    draws = draws[:, :S]
+    if config.state_schedule == "progressive":
+        draws = progressive_keys(b.states, b.fixed_point, b.block_mask.bool(), b.block_index, draws)
+    picks, exists = pick_states(draws, b.num_states, k)  # (B, k) each
     owner = torch.arange(B).repeat_interleave(k)  # (B*k,)
     j = picks.reshape(-1)
     j_next = torch.minimum(j + 1, b.num_states[owner] - 1)
