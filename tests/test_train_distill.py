@@ -213,3 +213,25 @@ def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level
     assert picks[:, 0].tolist() == [3, 0, 2] and exists.all()
     two, _ = pick_states(keys, torch.tensor([5, 5, 5]), 2)
     assert two[0].tolist() == [3, 2] and two[1].tolist() == [0, 1]
+
+
+def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(world, tmp_path, monkeypatch):
+    import json
+
+    import cllm.train as train_module
+    from cllm.train import BEST
+
+    common = dict(max_steps=40, eval_interval=10, eval_count=8, select="gated")
+    # the synthetic target repeats one word 16 times: every evaluation fails the degenerate gate
+    none = train(config(world, tmp_path / "none", **common))
+    assert none.selected_step is None and not (tmp_path / "none" / BEST).exists()
+    # with gates that every evaluation passes, the fastest one is exported
+    monkeypatch.setattr(train_module, "passes_text_gates", lambda *args: True)
+    run = train(config(world, tmp_path / "any", **common))
+    evals = [json.loads(line) for line in (tmp_path / "any" / "train_log.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval_tokens_per_forward_not_looping"] for r in evals if r["step"] and "eval_ar_loss" in r}
+    assert run.selected_step == max(evals, key=evals.get)
+    assert run.eval_after["tokens_per_forward_not_looping"] == evals[run.selected_step]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "any").state_dict()
+    best = torch.load(tmp_path / "any" / BEST, weights_only=False)["trainable"]
+    assert all(torch.equal(exported[k], v) for k, v in best.items())

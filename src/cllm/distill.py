@@ -88,6 +88,7 @@ class DistillConfig:
     train_eval_count: int = field(default=16, metadata={"help": "held-out prompts evaluated during training"})
     eval_interval: int = field(default=100, metadata={"help": "evaluate during training every N steps"})
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"help": "the CLLM of a round: the last step's weights, or the fastest evaluation that passed the loop / degenerate gates (train --select gated)"})
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
     drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
@@ -145,7 +146,7 @@ class DistillConfig:
             kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
             rollout_temperature=self.rollout_temperature, cut_loops=self.cut_loops and round_ > 1,
-            state_schedule=self.state_schedule,
+            state_schedule=self.state_schedule, select=self.select,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
             ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,

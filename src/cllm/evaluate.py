@@ -101,17 +101,30 @@ def accepts_logits_to_keep(model) -> bool:
 
 def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,
              batch_size: int, eos_token_id, pad_id: int, bf16: bool = False, seed: int = 0) -> dict:
-    """Jacobi tokens per forward (greedy, REFERENCE.md counting) and AR validation loss."""
+    """Jacobi tokens per forward (greedy, REFERENCE.md counting), over all prompts and over those
+    whose completion does not end in a loop; how often the greedy completions loop or
+    degenerate (`cllm.quality`); Jacobi == greedy; and the AR validation loss."""
+    from cllm.quality import ends_in_loop, is_degenerate, strip_eos
+
     was_training = model.training
     model.eval()
     device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
+    common = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, eos_token_id=eos_token_id,
+                  pad_id=pad_id, seed=seed)
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-        decoded = decode_prompts(model, prompts, method="jacobi", block_size=block_size,
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                 eos_token_id=eos_token_id, pad_id=pad_id, seed=seed)
+        decoded = decode_prompts(model, prompts, method="jacobi", block_size=block_size, **common)
+        greedy = decode_prompts(model, prompts, method="greedy", **common)
         ar = ar_validation_loss(model, prompts, batch_size=batch_size, pad_id=pad_id,
                                 logits_to_keep=accepts_logits_to_keep(model))
     model.train(was_training)
-    return {"tokens_per_forward": decoded.tokens_per_forward, "ar_loss": ar}
-
-
+    eos = eos_token_id if isinstance(eos_token_id, int) else None
+    texts = [strip_eos(t, eos)[0] for t in greedy.new_tokens]
+    looping = [ends_in_loop(t) for t in texts]
+    kept = [(len(t), f) for t, f, loops in zip(decoded.new_tokens, decoded.forwards, looping, strict=True)
+            if not loops]
+    n = max(len(texts), 1)
+    return {"tokens_per_forward": decoded.tokens_per_forward,
+            "tokens_per_forward_not_looping": sum(t for t, _ in kept) / sum(f for _, f in kept) if kept else None,
+            "looping_rate": sum(looping) / n, "degenerate_rate": sum(map(is_degenerate, texts)) / n,
+            "jacobi_equals_greedy": sum(a == b for a, b in zip(decoded.new_tokens, greedy.new_tokens, strict=True)) / n,
+            "ar_loss": ar}

@@ -27,6 +27,15 @@ import torch
 
 DEGENERATE_RUN = 10  # the reference drops outputs repeating one token this many times in a row
 LOOP_MIN_LENGTH, LOOP_MAX_PERIOD = 24, 8  # the tail that must repeat, and the longest pattern
+# the gates: a CLLM may loop at most LOOP_MARGIN more often than its target, degenerate at most
+# DEGENERATE_MAX of the time, parse at most PARSE_MARGIN less often, and lose at most
+# VAL_LOSS_MARGIN (relative) of validation loss
+LOOP_MARGIN, DEGENERATE_MAX, PARSE_MARGIN, VAL_LOSS_MARGIN = 0.05, 0.03, 0.03, 0.03
+
+
+def passes_text_gates(looping: float, degenerate: float, target_looping: float) -> bool:
+    """The two gates on free-running text that a checkpoint must pass to be chosen."""
+    return looping <= target_looping + LOOP_MARGIN and degenerate <= DEGENERATE_MAX
 
 
 def is_degenerate(tokens: Sequence[int], run: int = DEGENERATE_RUN) -> bool:
@@ -258,14 +267,17 @@ def gates(result: dict, model: str, *, target: str = "target", tpf_bars: dict[st
 
     out = []
     loop_m, loop_t = pooled(model, "looping_rate"), pooled(target, "looping_rate")
-    out.append(Gate("looping", loop_m, f"<= {loop_t + 0.05:.3f} (target {loop_t:.3f} + 0.05)", loop_m <= loop_t + 0.05))
+    bar = loop_t + LOOP_MARGIN
+    out.append(Gate("looping", loop_m, f"<= {bar:.3f} (target {loop_t:.3f} + {LOOP_MARGIN})", loop_m <= bar))
     degenerate = pooled(model, "degenerate_rate")
-    out.append(Gate("degenerate", degenerate, "<= 0.030", degenerate <= 0.03))
+    out.append(Gate("degenerate", degenerate, f"<= {DEGENERATE_MAX:.3f}", degenerate <= DEGENERATE_MAX))
     parse_m, parse_t = pooled(model, "parse_rate"), pooled(target, "parse_rate")
-    out.append(Gate("parses", parse_m, f">= {parse_t - 0.03:.3f} (target {parse_t:.3f} - 0.03)", parse_m >= parse_t - 0.03))
+    bar = parse_t - PARSE_MARGIN
+    out.append(Gate("parses", parse_m, f">= {bar:.3f} (target {parse_t:.3f} - {PARSE_MARGIN})", parse_m >= bar))
     vm, vt = result["val_loss"].get(model), result["val_loss"].get(target)
     if vm is not None and vt is not None:
-        out.append(Gate("validation loss", vm, f"<= {vt * 1.03:.3f} (target {vt:.3f} + 3%)", vm <= vt * 1.03))
+        bar = vt * (1 + VAL_LOSS_MARGIN)
+        out.append(Gate("validation loss", vm, f"<= {bar:.3f} (target {vt:.3f} + {VAL_LOSS_MARGIN:.0%})", vm <= bar))
     for n, bar in tpf_bars.items():
         values = [(s[model]["tpf_not_looping"].get(n), s[model]["prompts"]) for s in result["sets"].values()]
         if any(v is None for v, _ in values):

@@ -57,6 +57,7 @@ from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
 from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
+from cllm.quality import passes_text_gates
 from cllm.rows import (
     BlockGroup,
     Rows,
@@ -73,6 +74,7 @@ Consistency = Literal["gc", "lc", "gc+lc"]
 ArTarget = Literal["labels", "fixed_points", "both"]
 
 CHECKPOINT = "checkpoints/last.pt"
+BEST = "checkpoints/best.pt"  # --select gated: the weights of the best evaluation that passed the gates
 CONFIG = "train_config.json"
 LOG = "train_log.jsonl"
 SUMMARY = "train_summary.json"
@@ -128,6 +130,7 @@ class TrainConfig:
     eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps the reference tokens of the AR validation loss"})
     eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluation"})
     eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after the last)"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"help": "which weights OUT ends with: the last step's, or (gated) those of the evaluation with the most Jacobi tokens per forward over non-looping completions among those whose greedy completions loop at most 5 points more often than the target's and degenerate at most 3% of the time (the last step's when none passes)"})
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the end and on Ctrl-C)"})
     stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is reached; rerun without it to continue"})
     resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false starts over"})
@@ -144,7 +147,7 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
-                   "state_schedule": ("uniform", "progressive"),
+                   "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
                    "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
@@ -568,7 +571,10 @@ def check_out_dir(out: Path, config: TrainConfig) -> None:
 
 def check_resumable(saved: dict, config: TrainConfig, digest: str) -> None:
     current = config_to_dict(config)
+    defaults = config_to_dict(TrainConfig())
     for key in sorted(set(saved["config"]) | set(current)):
+        if key not in saved["config"] and current.get(key) == defaults.get(key):
+            continue  # an option added since the run started, left at its default
         if key not in RESUME_FREE and saved["config"].get(key) != current.get(key):
             raise UserError(f"{config.out} holds a run with {key}={saved['config'].get(key)!r}, not "
                             f"{current.get(key)!r}: use another --out or --resume false")
@@ -624,7 +630,8 @@ class TrainSummary:
     train_time_s: float
     final_loss: float | None
     eval_before: dict | None  # the untrained model (the target)
-    eval_after: dict | None
+    eval_after: dict | None  # the exported weights' evaluation
+    selected_step: int | None = None  # --select gated: the step whose weights were exported
 
 
 def load_text_stream(name: str, tokenizer) -> torch.Tensor:
@@ -700,7 +707,7 @@ def train(config: TrainConfig) -> TrainSummary:
     accelerator.wait_for_everyone()
     if is_main:
         if state is None:
-            for stale in (ckpt_path, log_path, out / SUMMARY):
+            for stale in (ckpt_path, out / BEST, log_path, out / SUMMARY):
                 stale.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         write_config(config, out / CONFIG)
@@ -719,13 +726,13 @@ def train(config: TrainConfig) -> TrainSummary:
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
     model, optimizer = accelerator.prepare(model, optimizer)
-    step, elapsed, eval_before, eval_last = 0, 0.0, None, None
+    step, elapsed, eval_before, eval_last, best = 0, 0.0, None, None, None
     if state is not None:
         load_trainable_state(accelerator.unwrap_model(model), state["trainable"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, elapsed = state["step"], state["elapsed_s"]
-        eval_before, eval_last = state["eval_before"], state["eval_last"]
+        eval_before, eval_last, best = state["eval_before"], state["eval_last"], state.get("best")
         if is_main:
             truncate_log(log_path, step)
         log.info("resuming %s from step %d of %d", out, step, total)
@@ -758,7 +765,19 @@ def train(config: TrainConfig) -> TrainSummary:
                 "data_digest": digest, "data_position": {"epoch": epoch, "batch_in_epoch": index},
                 "trainable": trainable_state(accelerator.unwrap_model(model)),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "eval_before": eval_before, "eval_last": eval_last}
+                "eval_before": eval_before, "eval_last": eval_last, "best": best}
+
+    def consider(evaluation: dict) -> None:
+        """--select gated: keep these weights if they pass the text gates and are the fastest yet."""
+        nonlocal best
+        score = evaluation.get("tokens_per_forward_not_looping")
+        target_looping = (eval_before or {}).get("looping_rate", 0.0)
+        if score is None or not passes_text_gates(evaluation["looping_rate"], evaluation["degenerate_rate"],
+                                                  target_looping):
+            return
+        if best is None or score > best["score"]:
+            best = {"step": step, "score": score, "eval": evaluation}
+            save_checkpoint(out / BEST, {"trainable": trainable_state(accelerator.unwrap_model(model)), **best})
 
     if state is None:
         eval_before = eval_last = run_eval()
@@ -823,6 +842,8 @@ def train(config: TrainConfig) -> TrainSummary:
                 eval_last = run_eval()
                 if eval_last:
                     record |= {f"eval_{k}": v for k, v in eval_last.items()}
+                    if config.select == "gated" and is_main:
+                        consider(eval_last)
             elapsed += time.perf_counter() - t0
             record["elapsed_s"] = round(elapsed, 3)
             if is_main:
@@ -841,11 +862,19 @@ def train(config: TrainConfig) -> TrainSummary:
 
     # 5. the HF checkpoint, summary and model card (a finished run only)
     finished = step >= total
+    chosen = best if config.select == "gated" else None
+    if config.select == "gated" and best is None and finished and is_main:
+        log.warning("no evaluation passed the gates (looping, degenerate); the last step's weights are exported")
     summary = TrainSummary(out=str(out), finished=finished, steps=step, total_steps=total,
                            records=len(records), train_time_s=round(elapsed, 1),
                            final_loss=loss if loss is not None else _last_loss(log_path),
-                           eval_before=eval_before, eval_after=eval_last if finished else None)
+                           eval_before=eval_before,
+                           eval_after=(chosen["eval"] if chosen else eval_last) if finished else None,
+                           selected_step=chosen["step"] if chosen and finished else None)
     if finished and is_main:
+        if chosen:  # the gated choice's weights (the run's own state stays in last.pt)
+            saved = torch.load(out / BEST, map_location="cpu", weights_only=False)
+            load_trainable_state(accelerator.unwrap_model(model), saved["trainable"])
         export(accelerator.unwrap_model(model), tokenizer, out, lora=config.lora)
         info = {"summary": asdict(summary), "base_model": config.model,
                 "base_fingerprint": fingerprint(config.model), "model_fingerprint": fingerprint(out),
@@ -885,7 +914,7 @@ heads); decode it with `cllm.jacobi_decode`, whose output equals greedy decoding
 - this checkpoint: fingerprint `{info['model_fingerprint']}`
 - trajectories: `{info['data']}` ({s['records']} records; collected from `{meta['prompts']}` with block
   size {meta['block_size']}, {meta['max_new_tokens']} new tokens, guess `{meta['guess']}`, {meta['dtype']})
-- training: {s['steps']} steps, {s['train_time_s']} s, final loss {_fmt(s['final_loss'])}
+- training: {s['steps']} steps, {s['train_time_s']} s, final loss {_fmt(s['final_loss'])}{_selected(s)}
   (consistency `{info['config']['consistency']}` / `{info['config']['distance']}` + {info['config']['ar_weight']} x AR on `{info['config']['ar_target']}`)
 
 ## Evaluation
@@ -913,10 +942,17 @@ included (REFERENCE.md); AR loss = mean nats/token on the prompts' references.
 """
 
 
+def _selected(s: dict) -> str:
+    step = s.get("selected_step")
+    return "" if step is None else f"; weights of step {step}, chosen by the quality gates (--select gated)"
+
+
 def _print_summary(s: TrainSummary) -> None:
     before, after = s.eval_before or {}, s.eval_after or {}
     state = "trained" if s.finished else "stopped (rerun to continue)"
     print(f"{state}: {s.steps}/{s.total_steps} steps on {s.records} records in {s.train_time_s:.0f} s -> {s.out}")
+    if s.selected_step is not None:
+        print(f"  exported the weights of step {s.selected_step} (--select gated)")
     if after:
         print(f"  Jacobi tokens per forward {_fmt(before.get('tokens_per_forward'))} -> "
               f"{_fmt(after.get('tokens_per_forward'))}, AR validation loss "
