@@ -95,7 +95,9 @@ def test_accumulated_micro_batches_give_the_full_gradient_with_kd_rollouts_and_t
     dict(kd_weight=1.0, ar_weight=1.0, rollout_prompts=4, rollout_tokens=6, rollout_temperature=0.8,
          consistency_teacher="target"),
     dict(lora=True, kd_weight=1.0, ar_weight=0.0, ar_target="both", rollout_prompts=3, rollout_tokens=4),
-], ids=["full-sampled-rollouts", "lora-adapter-off-teacher"])
+    dict(lora=True, kd_weight=1.0, rollout_prompts=3, rollout_tokens=5, rollout_policy="teacher",
+         rollout_temperature=0.5),
+], ids=["full-sampled-rollouts", "lora-adapter-off-teacher", "lora-teacher-rollouts"])
 def test_a_stopped_run_with_distillation_resumes_to_the_same_losses(world, tmp_path, overrides):
     common = dict(max_steps=8, eval_count=0, checkpoint_interval=3, **overrides)
     train(config(world, tmp_path / "straight", **common))
@@ -235,3 +237,15 @@ def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(wo
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "any").state_dict()
     best = torch.load(tmp_path / "any" / BEST, weights_only=False)["trainable"]
     assert all(torch.equal(exported[k], v) for k, v in best.items())
+
+
+def test_teacher_rollouts_are_the_teachers_own_text(world):
+    from cllm.decoding import greedy_decode
+
+    cfg = config(world, world.root / "unused", kd_weight=1.0, rollout_prompts=2, rollout_tokens=6,
+                 rollout_policy="teacher")
+    teacher_model = tiny_llama(5).eval()
+    prompt = rollout_prompts(TrajectoryReader(world.data).records())[0]
+    rows = FrozenTeacher(copy=teacher_model)(lambda m: make_rollouts(m, [prompt], cfg, [0], eos_token_id=0, pad_id=0))
+    want = greedy_decode(teacher_model, torch.tensor([prompt]), max_new_tokens=6, eos_token_id=0).new_tokens[0]
+    assert rows.block_ids[0, : len(want)].tolist() == want

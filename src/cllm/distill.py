@@ -77,6 +77,7 @@ class DistillConfig:
     rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
     rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled"})
+    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "rollouts by the model being trained (on-policy) or by the frozen target"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
     epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
@@ -145,7 +146,7 @@ class DistillConfig:
             teacher=self.model if round_ > 1 and (needs_teacher or self.accumulate) else None,
             kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
-            rollout_temperature=self.rollout_temperature, cut_loops=self.cut_loops and round_ > 1,
+            rollout_temperature=self.rollout_temperature, rollout_policy=self.rollout_policy, cut_loops=self.cut_loops and round_ > 1,
             state_schedule=self.state_schedule, select=self.select,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,

@@ -104,6 +104,7 @@ class TrainConfig:
     rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the records' prompts are continued by the model being trained and the distillation term also counts on its text (GKD)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
     rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled at this temperature"})
+    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "who writes the rollouts: the model being trained (on-policy, GKD) or the frozen teacher (its own continuations, e.g. sampled at a low temperature as Medusa-2's self-distillation data)"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B models"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then cosine decay to 0"})
@@ -148,6 +149,7 @@ class TrainConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
                    "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
+                   "rollout_policy": ("model", "teacher"),
                    "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
@@ -366,7 +368,7 @@ class FrozenTeacher:
 
     @torch.no_grad()
     def __call__(self, fn):
-        """fn(model) -> logits, run on the teacher without gradients."""
+        """fn(model) -> logits (or anything), run on the teacher without gradients."""
         if self.copy is not None:
             return fn(self.copy)
         with self.peft_model.disable_adapter():
@@ -813,10 +815,14 @@ def train(config: TrainConfig) -> TrainSummary:
             mine = list(zip(mbs, shares, strict=True))[rank::P]
             sums = torch.zeros(5, dtype=torch.float64)
             for k, (mb, share) in enumerate(mine):
-                if share:  # on-policy: the model continues its prompts as it is now
+                if share:  # on-policy: the model continues its prompts as it is now (or the teacher)
                     seeds = [derived_seed(config.seed, "rollout", step, i) for i in share]
-                    mb.rollout = make_rollouts(base, [prompts[i] for i in share], config, seeds,
-                                               eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
+
+                    def roll(m, share=share, seeds=seeds):
+                        return make_rollouts(m, [prompts[i] for i in share], config, seeds,
+                                             eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
+
+                    mb.rollout = roll(base) if config.rollout_policy == "model" else teacher(roll)
                 with nullcontext() if k == len(mine) - 1 else accelerator.no_sync(model):
                     parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep,
                                              teacher=teacher)
