@@ -1,27 +1,10 @@
-"""The greedy oracle against transformers' own greedy search, and its counting."""
+"""The greedy oracle's counting and EOS (its tokens against transformers' `generate` and a
+no-cache argmax loop: test_oracles.py)."""
 
 import torch
 
 from cllm import greedy_decode, jacobi_decode
 from tests.decoding.conftest import left_padded, random_prompt, tiny_model
-
-
-def test_greedy_equals_hf_generate_on_a_left_padded_batch():
-    model = tiny_model("llama")
-    ids, mask = left_padded([random_prompt(41, 4), random_prompt(42, 9)])
-    eos = 1  # the config's EOS: generate stops rows there too and pads them after it
-    ours = greedy_decode(model, ids, mask, max_new_tokens=20, eos_token_id=eos)
-    hf = model.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=20,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    for r, row in enumerate(hf[:, ids.shape[1] :].tolist()):
-        expected = row[: row.index(eos) + 1] if eos in row else row
-        assert ours.new_tokens[r] == expected
 
 
 def test_greedy_counts_one_forward_per_token_prefill_included():
