@@ -63,14 +63,26 @@ def test_the_table_holds_what_the_model_wrote(drafted, prompt_file):
 
 
 @pytest.mark.parametrize("spec", ["auto", "none", "explicit"])
-def test_generate_with_the_table_is_still_greedy(drafted, capsys, spec):
+def test_generate_with_the_table_is_still_greedy(drafted, capsys, spec, monkeypatch):
+    """The table drafts (a spy counts the tokens its look-ups return) and the text stays greedy's;
+    with `none` it is never consulted."""
     directory, _ = drafted
     oracle = Oracle(directory)
     table = str(directory / DRAFT_TABLE) if spec == "explicit" else spec
+    drafted_tokens = []
+    lookup = NgramTable.continuation
+
+    def spy(self, history, count):
+        found = lookup(self, history, count)
+        drafted_tokens.extend(found)
+        return found
+
+    monkeypatch.setattr(NgramTable, "continuation", spy)
     for prompt in PROMPTS:
         code, out, _ = run(capsys, "generate", "--model", directory, "--prompt", prompt, "--max-new-tokens", NEW,
                            "--block-size", 5, "--draft-table", table)
         assert code == 0 and out == oracle.text(prompt) + "\n", (spec, prompt)
+    assert (len(drafted_tokens) > 0) == (spec != "none"), len(drafted_tokens)
 
 
 def test_auto_finds_no_table_for_a_model_without_one(tmp_path):

@@ -172,11 +172,13 @@ def test_text_stream_chunks_add_up_and_never_hold_half_a_character_or_stop_strin
     assert not any("\ufffd" in c or c.endswith("imp") for c in chunks)
 
 
-def test_sampling_with_a_seed_is_reproducible(oracle):
+def test_sampling_with_a_seed_is_reproducible_and_another_seed_samples_otherwise(oracle):
     codec, ids = TextCodec(oracle.tokenizer), oracle.ids("def f(x):")
     params = DecodeParams(max_new_tokens=NEW, temperature=1.0, top_p=0.9, seed=7)
     first, second = (complete(oracle.model, codec, ids, params) for _ in range(2))
     assert first.tokens == second.tokens and first.method == "jacobi_sample"
+    other = complete(oracle.model, codec, ids, dataclasses.replace(params, seed=8))
+    assert other.tokens != first.tokens and first.text != oracle.text("def f(x):")
     assert first.forward_passes <= len(first.tokens)
     ar = complete(oracle.model, codec, ids, dataclasses.replace(params, method="ar"))
     assert ar.method == "ar_sample" and ar.forward_passes == len(ar.tokens)

@@ -1,11 +1,16 @@
 """Training forwards: the shared-prefix forward computes what separate rows compute."""
 
+import itertools
+import math
+from collections import Counter
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.rows import BlockGroup, forward_blocks, forward_shared_prefix, rows_from_lists
 from cllm.train import pick_states
+from tests.chisquare import chi_square
 
 
 def tiny(seed: int = 0) -> LlamaForCausalLM:
@@ -54,19 +59,25 @@ def test_stop_gradient_group_keeps_no_graph_and_matches():
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_pick_states_draws_distinct_non_fixed_states_uniformly(k):
-    num_states = torch.tensor([1, 2, 4, 9])  # non-fixed states: 0, 1, 3, 8
-    counts = torch.zeros(4, 9)
+    """Records of 1, 2, 4 and 9 states (0, 1, 3, 8 non-fixed), M = 50,000 of each in one call.
+    The set of picks of a record with m non-fixed states must be uniform over the C(m, k)
+    subsets: Pearson's chi-square (tests/chisquare.py) rejects at p < 1e-6. At k = 1, moving
+    0.015 of probability onto one state is rejected with probability 0.9999 (simulated; 0.8 for
+    0.01), where the former check (2000 draws, each share within 0.05) passed a shift of 0.05."""
+    M = 50_000
+    num_states = torch.tensor([1, 2, 4, 9]).repeat(M)  # (4M,)
     g = torch.Generator().manual_seed(0)
-    for _ in range(2000):
-        picks, exists = pick_states(torch.rand(4, 9, generator=g), num_states, k)
-        assert picks.shape == exists.shape == (4, k)
-        for b in range(4):
-            real = picks[b][exists[b]].tolist()
-            assert len(real) == min(k, int(num_states[b]) - 1) == len(set(real))
-            assert all(j < num_states[b] - 1 for j in real)
-            for j in real:
-                counts[b, j] += 1
-    # record 3: each of its 8 non-fixed states is picked with probability k/8
-    share = counts[3, :8] / 2000
-    assert torch.allclose(share, torch.full((8,), k / 8), atol=0.05)
-    assert counts[0].sum() == 0
+    picks, exists = pick_states(torch.rand(4 * M, 9, generator=g), num_states, k)
+    assert picks.shape == exists.shape == (4 * M, k)
+    subsets = {3: Counter(), 8: Counter()}
+    for n, row, real in zip(num_states.tolist(), picks.tolist(), exists.tolist()):
+        chosen = [j for j, e in zip(row, real) if e]
+        assert len(chosen) == min(k, n - 1) == len(set(chosen)) and all(j < n - 1 for j in chosen)
+        if n - 1 in subsets:
+            subsets[n - 1][tuple(sorted(chosen))] += 1
+    for m, counts in subsets.items():
+        if k >= m:  # one subset, all of them: checked above
+            continue
+        law = {c: 1 / math.comb(m, k) for c in itertools.combinations(range(m), k)}
+        result = chi_square(counts, law)
+        assert not result.rejects(), f"{m} non-fixed states, k = {k}: {result}"

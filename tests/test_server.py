@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from cllm.cli import main
+from cllm.generate import DecodeParams, TextCodec, complete
 from cllm.models import load_draft_table
 from cllm.server import ServeConfig, create_app
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
@@ -107,6 +108,12 @@ def sse_events(server, path, body) -> list:
     return [json.loads(p) for p in payloads[:-1]]
 
 
+def finish_reason(oracle, ids: list[int], max_new_tokens: int = NEW) -> str:
+    """What a greedy completion must report: "stop" when it ends with EOS, else "length"."""
+    tokens = oracle.tokens(ids, max_new_tokens)
+    return "stop" if tokens and tokens[-1] == oracle.tokenizer.eos_token_id else "length"
+
+
 def assert_ok_afterwards(server, oracle):
     """The server still answers correctly (after an error)."""
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "import re", "max_tokens": NEW})
@@ -118,7 +125,7 @@ def test_openai_client_completions_equal_greedy_decode(client, oracle):
         response = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0)
         choice = response.choices[0]
         assert choice.text == oracle.text(prompt)
-        assert choice.finish_reason in ("stop", "length")
+        assert choice.finish_reason == finish_reason(oracle, oracle.ids(prompt))
         tokens = oracle.tokens(oracle.ids(prompt))
         assert response.usage.completion_tokens == len(tokens)
         assert response.usage.prompt_tokens == len(oracle.ids(prompt))
@@ -131,7 +138,9 @@ def test_openai_client_streamed_completion_equals_greedy_decode(client, oracle):
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == oracle.text("class A:")
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == finish_reason(oracle, oracle.ids("class A:"))
+    assert set(reasons[:-1]) <= {None}
     assert chunks[-1].usage.completion_tokens == len(oracle.tokens(oracle.ids("class A:")))
 
 
@@ -145,7 +154,8 @@ def test_openai_client_chat_streamed_and_not_equals_greedy_decode_of_the_templat
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].finish_reason == finish_reason(oracle, oracle.chat_ids(messages))
+    assert response.choices[0].finish_reason == finish_reason(oracle, oracle.chat_ids(messages))
 
 
 def test_raw_http_sse_is_openai_chunks_ending_with_done(server, oracle):
@@ -155,6 +165,8 @@ def test_raw_http_sse_is_openai_chunks_ending_with_done(server, oracle):
     assert len({e["id"] for e in events}) == 1
     assert "".join(e["choices"][0]["text"] for e in events) == oracle.text("for k in d:\n")
     assert [e["choices"][0]["finish_reason"] for e in events][:-1] == [None] * (len(events) - 1)
+    last = events[-1]["choices"][0]["finish_reason"]
+    assert last == finish_reason(oracle, oracle.ids("for k in d:\n"))
     assert events[-1]["cllm"]["method"] == "jacobi" and events[-1]["cllm"]["block_size"] == BLOCK
 
     chat = sse_events(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -230,10 +242,23 @@ def test_openai_client_raises_on_bad_requests_with_the_servers_message(client, s
     assert_ok_afterwards(server, oracle)
 
 
-def test_sampling_with_a_seed_is_reproducible(client):
-    texts = [client.completions.create(model=NAME, prompt="def f(x):", max_tokens=NEW, temperature=0.9,
-                                       top_p=0.95, seed=11).choices[0].text for _ in range(2)]
-    assert texts[0] == texts[1]
+def test_sampling_follows_the_seed_the_temperature_and_top_p(client, oracle, model_dir):
+    """The same seed gives the same text and another seed another; the text is what `complete`
+    samples in-process with the same settings (so temperature, top_p and seed reach the
+    decoder), and not the greedy text."""
+    def sample(seed: int) -> str:
+        response = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=NEW,
+                                             temperature=0.9, top_p=0.95, seed=seed)
+        return response.choices[0].text
+
+    first, again, other = sample(11), sample(11), sample(12)
+    assert first == again != other
+    engine = ServeConfig(model=str(model_dir))  # the server runs with the default engine settings
+    params = DecodeParams(block_size=BLOCK, max_new_tokens=NEW, temperature=0.9, top_p=0.95,
+                          seed=11, recycle=engine.recycle, recycle_budget=engine.recycle_budget)
+    expected = complete(oracle.model, TextCodec(oracle.tokenizer), oracle.ids("def f(x):"), params,
+                        draft_table=load_draft_table(model_dir))
+    assert first == expected.text != oracle.text("def f(x):")
 
 
 def test_stop_string_cuts_the_completion(client, oracle):

@@ -1,27 +1,14 @@
-"""The greedy oracle against transformers' own greedy search, and its counting."""
+"""The greedy oracle's counting, EOS and dtype (its tokens against transformers' `generate` and
+a no-cache argmax loop: test_oracles.py)."""
 
+import copy
+
+import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import left_padded, random_prompt, tiny_model
-
-
-def test_greedy_equals_hf_generate_on_a_left_padded_batch():
-    model = tiny_model("llama")
-    ids, mask = left_padded([random_prompt(41, 4), random_prompt(42, 9)])
-    eos = 1  # the config's EOS: generate stops rows there too and pads them after it
-    ours = greedy_decode(model, ids, mask, max_new_tokens=20, eos_token_id=eos)
-    hf = model.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=20,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )
-    for r, row in enumerate(hf[:, ids.shape[1] :].tolist()):
-        expected = row[: row.index(eos) + 1] if eos in row else row
-        assert ours.new_tokens[r] == expected
+from cllm.decoding.sampling import sample_decode
+from tests.decoding.conftest import VOCAB, left_padded, random_prompt, tiny_model
 
 
 def test_greedy_counts_one_forward_per_token_prefill_included():
@@ -50,10 +37,22 @@ def test_zero_new_tokens_runs_no_forward():
     assert out.new_tokens == [[]] and out.forward_passes == 0
 
 
-def test_decoders_run_in_the_models_dtype():
-    model = tiny_model("llama")
-    half = type(model)(model.config).to(torch.bfloat16).eval()
-    half.load_state_dict(model.state_dict())
-    assert len(greedy_decode(half, random_prompt(47, 4), max_new_tokens=5).new_tokens[0]) == 5
-    out = jacobi_decode(half, random_prompt(47, 4), block_size=4, max_new_tokens=9)
-    assert len(out.new_tokens[0]) == 9
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decoders_run_in_the_models_dtype(dtype):
+    """Every forward of every decoder (greedy and sampling) returns logits in the model's dtype
+    and the model stays in it; the budget is decoded. (Tokens: test_jacobi_exact.py compares
+    Jacobi with same-dtype greedy in both dtypes.)"""
+    model = copy.deepcopy(tiny_model("llama")).to(dtype)
+    seen = []
+    hook = model.register_forward_hook(lambda module, args, out: seen.append(out.logits.dtype))
+    prompt, g = random_prompt(47, 4), torch.Generator().manual_seed(0)
+    outs = [greedy_decode(model, prompt, max_new_tokens=9),
+            jacobi_decode(model, prompt, block_size=4, max_new_tokens=9),
+            jacobi_decode(model, prompt, block_size=4, max_new_tokens=9, temperature=0.8,
+                          generator=g),
+            sample_decode(model, prompt, max_new_tokens=9, temperature=0.8, generator=g)]
+    hook.remove()
+    assert seen == [dtype] * sum(out.forward_passes for out in outs)
+    assert all(p.dtype == dtype for p in model.parameters())
+    for out in outs:
+        assert len(out.new_tokens[0]) == 9 and all(0 <= t < VOCAB for t in out.new_tokens[0])
