@@ -118,14 +118,12 @@ def test_sample_decode_has_the_exact_autoregressive_law(model, name):
     assert not result.rejects(), str(result)
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: a pool draft may be copied from the current "
-                   "block's own drafts (row.recent[-1]) yet is verified as a point mass while "
-                   "the drafts after it keep their laws; docs/testing.md")
 def test_jacobi_sampling_with_pool_drafts_has_the_exact_autoregressive_law(model):
     """Recycling under sampling: a pool draft (point-mass law) replaces the Jacobi drafts.
 
-    N = 8000 and n = 6 (first 4 tokens compared) for a wide margin: X2 = 313-344 on 80 df
-    (p < 1e-28) over four seeds; with the current state left out of the pool, 74-98 (p > 0.08)."""
+    N = 8000 and n = 6 (first 4 tokens compared) for a wide margin. When the pool could copy the
+    current state's own drafts (the bug this test found): X2 = 313-344 on 80 df (p < 1e-28) over
+    four seeds; with the current state left out of the pool: 74-98 (p > 0.08)."""
     settings = dict(block_size=6, max_new_tokens=6, temperature=1.0, recycle=1)
     result = chi_square(sampled(jacobi(model), 30, n=2 * N, **settings), exact(model, settings))
     assert not result.rejects(), str(result)

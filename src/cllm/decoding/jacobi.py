@@ -276,13 +276,16 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
 
 def _swap_in_pool_draft(row: _Row, cfg: _Settings) -> None:
     """Sampling with recycling: the first pool draft (chosen from final tokens and earlier states
-    only, so independent of this forward's draws) takes the tail's draft positions, with a point
-    mass as its law; verification stays exact. (Greedy verifies several drafts in a tree.)"""
+    only, never the current one, so independent of the drafts it replaces) takes the tail's draft
+    positions, with a point mass as its law; verification stays exact. (Greedy verifies several
+    drafts in a tree.)"""
     block = row.block
     if block is None or block.committed == len(block.state):
         return
     width = min(len(block.state) - block.committed, cfg.recycle_width)
-    found = pool_candidates(row.prompt_list + row.known, row.recent, width, 1, min_ngram=cfg.recycle_min_ngram)
+    # not row.recent[-1], the current state: a draft copied from the very drafts it replaces would be
+    # chosen by looking at them, and the laws of the drafts after it would no longer be theirs
+    found = pool_candidates(row.prompt_list + row.known, row.recent[:-1], width, 1, min_ngram=cfg.recycle_min_ngram)
     if found:
         d = found[0]
         _set_drafts(row, d)
