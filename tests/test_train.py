@@ -387,6 +387,7 @@ def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
         collect(CollectConfig(model=str(world.target), prompts=str(prompts), out=str(tmp_path / "bare"),
                               block_size=BLOCK, max_new_tokens=NEW, batch_size=16))
         overrides["data"] = str(tmp_path / "bare")
+        overrides["ar_target"] = "labels"  # asked for explicitly (auto falls back to the fixed points)
     elif case == "batch too big":
         overrides["batch_size"] = 4096
     elif case == "foreign out":

@@ -249,3 +249,20 @@ def test_teacher_rollouts_are_the_teachers_own_text(world):
     rows = FrozenTeacher(copy=teacher_model)(lambda m: make_rollouts(m, [prompt], cfg, [0], eos_token_id=0, pad_id=0))
     want = greedy_decode(teacher_model, torch.tensor([prompt]), max_new_tokens=6, eos_token_id=0).new_tokens[0]
     assert rows.block_ids[0, : len(want)].tolist() == want
+
+
+def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world, tmp_path):
+    import json
+
+    from cllm.collect import CollectConfig, collect
+    from tests.test_train import NEW, write_prompts
+
+    prompts = write_prompts(tmp_path / "bare.jsonl", 16, seed=3, references=False)
+    collect(CollectConfig(model=str(world.target), prompts=str(prompts), out=str(tmp_path / "bare"),
+                          block_size=BLOCK, max_new_tokens=NEW, batch_size=16))
+    summary = train(config(world, tmp_path / "out", data=str(tmp_path / "bare"), max_steps=2, eval_count=0))
+    assert summary.finished
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["ar_target"] == "fixed_points"
+    # with references, auto means the labels
+    train(config(world, tmp_path / "out2", max_steps=2, eval_count=0))
+    assert json.loads((tmp_path / "out2" / "train_config.json").read_text())["ar_target"] == "labels"

@@ -66,7 +66,7 @@ class DistillConfig:
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
     state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
-    ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on labels (ground truth), fixed_points or both"})
+    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: labels (ground truth), fixed_points, both, or auto (labels when the prompts have references, else fixed points)"})
     ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
@@ -274,7 +274,10 @@ def _train_done(config: TrainConfig) -> bool:
     out = Path(config.out)
     if not (out / SUMMARY).is_file() or not (out / CONFIG).is_file():
         return False
-    return json.loads((out / CONFIG).read_text()) == config_to_dict(config)
+    saved, wanted = json.loads((out / CONFIG).read_text()), config_to_dict(config)
+    if wanted["ar_target"] == "auto" and saved.get("ar_target") in ("labels", "fixed_points"):
+        saved["ar_target"] = "auto"  # train wrote what auto resolved to
+    return saved == wanted
 
 
 def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict | None:

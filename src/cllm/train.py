@@ -39,6 +39,7 @@ evaluates and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -71,7 +72,7 @@ from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_l
 log = logging.getLogger(__name__)
 
 Consistency = Literal["gc", "lc", "gc+lc"]
-ArTarget = Literal["labels", "fixed_points", "both"]
+ArTarget = Literal["auto", "labels", "fixed_points", "both"]
 
 CHECKPOINT = "checkpoints/last.pt"
 BEST = "checkpoints/best.pt"  # --select gated: the weights of the best evaluation that passed the gates
@@ -92,7 +93,7 @@ class TrainConfig:
     consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), local (LC), or both"})
     distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
     ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR (reference 10)"})
-    ar_target: ArTarget = field(default="labels", metadata={"help": "AR loss on the ground truth (labels), on the target's fixed points, or both"})
+    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: the ground truth (labels), the target's fixed points, both, or auto (labels when the trajectories' prompts had references, else fixed points)"})
     ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded corpus) or a UTF-8 text file; keeps language modelling over whole contexts, not only the prompts' continuations"})
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step (with --ar-text)"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window (with --ar-text)"})
@@ -151,7 +152,7 @@ class TrainConfig:
                    "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
                    "rollout_policy": ("model", "teacher"),
                    "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
-                   "ar_target": ("labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
+                   "ar_target": ("auto", "labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -547,8 +548,18 @@ def open_data(config: TrainConfig) -> tuple[TrajectoryReader, list[TrajectoryRec
         raise UserError(f"{config.data} holds {len(records)} records, fewer than batch-size {config.batch_size}")
     if config.ar_on_labels and not any(r.labels for r in records):
         raise UserError(f"{config.data} has no ground-truth labels (its prompts had no references): "
-                        "use --ar-target fixed_points")
+                        "use --ar-target fixed_points or auto")
     return readers[0], records
+
+
+def resolve_ar_target(config: TrainConfig, records: Sequence[TrajectoryRecord]) -> TrainConfig:
+    """--ar-target auto: the labels when the records have them, else the fixed points."""
+    if config.ar_target != "auto":
+        return config
+    has_labels = any(r.labels for r in records)
+    if not has_labels:
+        log.info("ar-target auto: the trajectories have no references, so the AR rows are the fixed points")
+    return dataclasses.replace(config, ar_target="labels" if has_labels else "fixed_points")
 
 
 def data_digest(records: Sequence[TrajectoryRecord]) -> str:
@@ -691,6 +702,7 @@ def train(config: TrainConfig) -> TrainSummary:
 
     # 1. inputs: records (checked against --model), output dir, batch geometry, schedule length
     reader, records = open_data(config)
+    config = resolve_ar_target(config, records)
     meta = reader.meta
     check_out_dir(out, config)
     micro = config.micro_batch_size or max(config.batch_size // P, 1)
