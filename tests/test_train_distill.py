@@ -143,7 +143,7 @@ def test_bad_distillation_options_are_one_line_errors(world, tmp_path):
     with pytest.raises(UserError, match="needs --kd-weight"):
         config(world, tmp_path / "out", rollout_prompts=4)
     with pytest.raises(UserError, match="kd-distance must be one of"):
-        config(world, tmp_path / "out", kd_weight=1.0, kd_distance="argmax")
+        config(world, tmp_path / "out", kd_weight=1.0, kd_distance="xkl")
     with pytest.raises(UserError, match="another tokenizer"):
         train(config(world, tmp_path / "out", kd_weight=1.0, teacher=str(foreign_model(world, "tokenizer"))))
 

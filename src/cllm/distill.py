@@ -72,7 +72,7 @@ class DistillConfig:
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
     kd_weight: float = field(default=0.0, metadata={"help": "weight of distillation from the frozen target (soft labels) on the AR rows and the rollouts; 0: none"})
-    kd_distance: Literal["fkl", "rkl", "jsd"] = field(default="fkl", metadata={"help": "distance of the distillation term"})
+    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: fkl, rkl, jsd, or argmax (cross-entropy on the target's argmax)"})
     consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "the consistency targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
     rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})

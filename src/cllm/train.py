@@ -100,7 +100,7 @@ class TrainConfig:
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
     teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and --consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter disabled); trajectories collected with it are accepted too"})
     kd_weight: float = field(default=0.0, metadata={"help": "weight of a distillation term D(teacher || model) on the AR rows (labels / fixed points / text windows, as --ar-target and --ar-text choose) and on --rollout-prompts: soft labels from the frozen teacher, in place of (--ar-weight 0) or beside the hard AR term"})
-    kd_distance: Literal["fkl", "rkl", "jsd"] = field(default="fkl", metadata={"help": "distance of the distillation term: forward KL(teacher || model), reverse KL or JSD"})
+    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: forward KL(teacher || model), reverse KL, JSD, or argmax (cross-entropy on the teacher's argmax: what greedy decoding keeps)"})
     consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "whose logits on the fixed point (GC) or next state (LC) the states learn: the model being trained, stop-gradient (the reference), or the frozen teacher"})
     rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the records' prompts are continued by the model being trained and the distillation term also counts on its text (GKD)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
@@ -151,7 +151,7 @@ class TrainConfig:
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
                    "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
                    "rollout_policy": ("model", "teacher"),
-                   "kd_distance": ("fkl", "rkl", "jsd"), "consistency_teacher": ("model", "target"),
+                   "kd_distance": ("fkl", "rkl", "jsd", "argmax"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("auto", "labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
