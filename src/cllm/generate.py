@@ -259,7 +259,7 @@ class _DecodeOptions:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
-    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default 0)"})
+    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
     recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
     recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
@@ -350,7 +350,12 @@ def generate(config: GenerateConfig) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     from rich.console import Console
 
-    from cllm.report import TrajectoryRecorder, render_block_terminal
+    from cllm.report import (
+        TrajectoryRecorder,
+        render_block_terminal,
+        sources_summary,
+        trajectory_legend,
+    )
 
     prompt = read_prompt(config)
     model, codec, table = config.load()
@@ -362,12 +367,14 @@ def generate(config: GenerateConfig) -> int:
     if config.show_trajectory:
         console, recorder = Console(file=sys.stdout, highlight=False), TrajectoryRecorder()
         on_text = None  # the text comes after the trajectories
+        console.print(trajectory_legend())
 
         def on_iteration(event: IterationEvent) -> None:
             recorder(event)
             if event.converged:
                 block = recorder.blocks[event.row][-1]
-                console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations")
+                console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations · "
+                              f"{sources_summary(block.sources)}")
                 for line in render_block_terminal(block, lambda t: codec.decode([t])):
                     console.print(line)
 
