@@ -123,3 +123,37 @@ def test_a_torch_that_transformers_would_disable_is_named_in_one_line(torch_v, t
         assert torch_v in problem and tf_v in problem and "\n" not in problem
     if torch_v.startswith("2.5") and not fine:
         assert "transformers>=4.56,<5" in problem
+
+
+def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_the_cli(tmp_path):
+    """One call (model, tokenizer, draft table, the CLI's setting) against the README's three
+    calls with the setting spelled out, and against `cllm generate`'s decode: same tokens, same
+    forward passes (the count depends on the setting and the table)."""
+    from cllm.cli import main
+    from cllm.decoding import RECOMMENDED, jacobi_decode
+    from cllm.generate import GenerateConfig, TextCodec, complete
+    from cllm.models import load_draft_table, load_for_decoding
+    from tests.test_bench import make_tiny_setup
+
+    paths = make_tiny_setup(tmp_path)
+    model_dir = str(paths["cllm"])
+    assert main(["drafts", "--model", model_dir, "--prompts", str(paths["val"]), "--max-new-tokens", "24",
+                 "--min-count", "1", "--min-share", "0.1"]) == 0
+    fast = load_for_decoding(model_dir)
+    assert fast.draft_table is not None and fast.settings["draft_table"] is fast.draft_table
+    assert {k: v for k, v in fast.settings.items() if k != "draft_table"} == dict(RECOMMENDED)
+    model, tok, table = load_model(model_dir), load_tokenizer(model_dir), load_draft_table(model_dir)
+    cli = GenerateConfig(model=model_dir, prompt="x")
+    for text in ("def add(a, b):\n", "class Point:\n    def"):
+        ids = tok(text, return_tensors="pt").input_ids
+        seed = dict(generator=torch.Generator().manual_seed(0))  # the guesses' seed, as the CLI's default
+        one = jacobi_decode(fast.model, ids, max_new_tokens=40, eos_token_id=fast.tokenizer.eos_token_id,
+                            **seed, **fast.settings)
+        seed = dict(generator=torch.Generator().manual_seed(0))
+        three = jacobi_decode(model, ids, max_new_tokens=40, eos_token_id=tok.eos_token_id, block_size=4, recycle=8,
+                              recycle_width=16, recycle_min_ngram=2, recycle_budget=24, draft_table=table, **seed)
+        generated = complete(model, TextCodec(tok), ids[0].tolist(), cli.params().__class__(
+            **{**cli.params().__dict__, "max_new_tokens": 40}), draft_table=table)
+        assert one.new_tokens == three.new_tokens and one.new_tokens[0] == generated.tokens
+        assert one.forward_passes == three.forward_passes == generated.forward_passes
+    assert load_for_decoding(model_dir, draft_table="none").settings["draft_table"] is None

@@ -59,7 +59,7 @@ import torch
 
 from cllm.benchlog import PROGRESS, BenchLog, run_key, stats_from
 from cllm.config import UserError, config_to_dict
-from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
+from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
@@ -92,7 +92,7 @@ class BenchConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
+    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
     methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
@@ -100,11 +100,11 @@ class BenchConfig:
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    recycle: int = field(default=8, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
-    recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
-    recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
-    recycle_budget: int = field(default=24, metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
+    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
+    recycle_width: int = field(default=RECOMMENDED["recycle_width"], metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
+    recycle_min_ngram: int = field(default=RECOMMENDED["recycle_min_ngram"], metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
+    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from cllm.config import UserError
-from cllm.decoding import IterationEvent, jacobi_decode
+from cllm.decoding import RECOMMENDED, IterationEvent, jacobi_decode
 from cllm.decoding.ngram import NgramTable
 
 METHODS = ("jacobi", "ar")
@@ -253,16 +253,16 @@ def unescape(text: str) -> str:
 class _DecodeOptions:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token by token)"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
+    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
     stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
-    recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
-    recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
+    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
+    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})

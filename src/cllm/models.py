@@ -13,7 +13,9 @@ import functools
 import hashlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -247,3 +249,43 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
     return table
+
+
+@dataclass
+class DecodingModel:
+    """A model ready for the fast path: `jacobi_decode(m.model, ids, **m.settings)` decodes as
+    `cllm generate` does by default (greedy: the same tokens as greedy decoding)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    draft_table: Any  # its NgramTable (`cllm drafts`), or None when its folder has none
+    settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED + draft_table
+    name: str
+
+
+def load_for_decoding(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    draft_table: str | None = "auto",
+    trust_remote_code: bool = False,
+) -> DecodingModel:
+    """One call for the fast path: the model (a shipped name, a local folder or a hub id
+    `owner/name`), its tokenizer, its draft table and the decode setting of the CLI.
+
+    Args:
+        draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
+
+    Example:
+        fast = load_for_decoding("stdlib-coder-cllm")
+        ids = fast.tokenizer("def add(a, b):", return_tensors="pt").input_ids
+        out = jacobi_decode(fast.model, ids, max_new_tokens=64,
+                            eos_token_id=fast.tokenizer.eos_token_id, **fast.settings)
+    """
+    from cllm.decoding import RECOMMENDED
+
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    table = load_draft_table(name_or_path, draft_table)
+    model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return DecodingModel(model, tokenizer, table, {**RECOMMENDED, "draft_table": table}, str(name_or_path))

@@ -25,8 +25,9 @@ Token ids only: the engine knows nothing of tokenizers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -37,6 +38,13 @@ from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 GUESSES = ("prompt", "repeat", "random", "lookup")
+# The setting `cllm generate / chat / serve / bench` decode with by default: the fastest measured
+# on the 2-core CPU here (benchmarks/). `jacobi_decode`'s own defaults are the paper's plain
+# Jacobi (n = 16, no drafts); `jacobi_decode(model, ids, **RECOMMENDED, draft_table=table)` is the
+# CLI's (`cllm.models.load_for_decoding` brings the table too). On a GPU, where a wide step costs
+# about a narrow one, a larger block and no budget may pay (block_size=16, recycle_budget=None).
+RECOMMENDED: Mapping[str, int | None] = MappingProxyType(dict(
+    block_size=4, recycle=8, recycle_width=16, recycle_min_ngram=2, recycle_budget=24, blocks_in_flight=1))
 LOOKUP_NGRAM = 3  # the "lookup" guess matches the last 3, else 2, else 1 tokens
 RECENT_STATES = 8  # recycling: the n-gram pool remembers this many recent Jacobi states
 
@@ -597,9 +605,14 @@ def jacobi_decode(
             its chained continuation (then `guess`), and with recycling its continuation (up
             to a block long) is verified as one more draft. Speed only: the output is unchanged.
 
+    The defaults are the paper's plain Jacobi decoding. The CLI's faster setting (n = 4, 8
+    recycled drafts, the model's draft table) is `jacobi_decode(model, ids, **RECOMMENDED,
+    draft_table=table)`, or in one call from a model's name, `fast = load_for_decoding(name)`
+    then `jacobi_decode(fast.model, ids, **fast.settings)` (`cllm.models`).
+
     Returns:
         DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
-        fast-forwarded and stationary tokens).
+        fast-forwarded and stationary tokens, where the tokens came from).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
