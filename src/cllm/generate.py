@@ -18,6 +18,7 @@ at the first stop string and decoding halts there, by raising out of the decoder
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -393,34 +394,103 @@ class ChatConfig(_DecodeOptions):
     system: str | None = field(default=None, metadata={"help": "system message (used with a chat template)"})
 
 
+CHAT_COMMANDS = {"/help": "show this", "/reset": "forget the conversation (the system message stays)",
+                 "/exit": "quit (so do Ctrl-D, and Ctrl-C while no reply is being written)"}
+CHAT_HELP = ("commands: " + " · ".join(f"{c} {what}" for c, what in CHAT_COMMANDS.items())
+             + " · Ctrl-C during a reply stops it and keeps the chat")
+
+
+def trim_history(messages: list[dict], prompt_length: Callable[[list[dict]], int], room: int) -> tuple[list[dict], int]:
+    """Drop the oldest turns (a system message stays) until the prompt for the next reply is at
+    most `room` tokens long. A dropped user message takes the assistant's reply after it along,
+    so the history still starts with a user turn. Returns (messages kept, how many dropped);
+    raises UserError when the last message alone does not fit."""
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(head):]
+    dropped = 0
+    while prompt_length(head + turns) > room:
+        if len(turns) <= 1:
+            raise UserError(f"this message alone leaves no room for a reply within the model's context "
+                            f"({prompt_length(head + turns)} prompt tokens, {room} at most): send a shorter one")
+        turns, dropped = turns[1:], dropped + 1
+        while len(turns) > 1 and turns[0]["role"] != "user":
+            turns, dropped = turns[1:], dropped + 1
+    return head + turns, dropped
+
+
+def _show(shown: list[str], chunk: str) -> None:
+    shown.append(chunk)
+    _write(chunk)
+
+
 def chat(config: ChatConfig) -> int:
-    """Read a user turn per line from stdin, stream the reply; `/exit` or EOF quits.
+    """Read a user turn per line from stdin, stream the reply; `/exit`, EOF or Ctrl-C at the
+    prompt quits. `/help` and `/reset` are commands, never sent to the model. The history is
+    trimmed from its oldest turns when it would not leave the reply room in the model's context
+    (said on stderr); Ctrl-C during a reply stops it and the chat goes on.
 
     With a chat template, turns are formatted by it; without one, the model continues the plain
     concatenation of every turn's text (a base model's "chat").
     """
+    from cllm.decoding.inputs import position_limit
+
     model, codec, table = config.load()
     interactive = sys.stdin.isatty()
     if not codec.has_chat_template:
         print("(this tokenizer has no chat template: the model continues the conversation's "
               "plain text)", file=sys.stderr)
-    messages: list[dict] = []
-    if config.system and codec.has_chat_template:
-        messages.append({"role": "system", "content": config.system})
+    if interactive:
+        print(f"({CHAT_HELP})", file=sys.stderr)
+    limit = position_limit(model)
+    room = limit - config.max_new_tokens if limit is not None else None
+    system = [{"role": "system", "content": config.system}] if config.system and codec.has_chat_template else []
+    messages: list[dict] = list(system)
     while True:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if line == "" or line.strip() == "/exit":
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
             return 0
         text = line.rstrip("\n")
-        if not text.strip():
+        command = text.strip()
+        if line == "" or command == "/exit":
+            return 0
+        if not command:
+            continue
+        if command.startswith("/") and " " not in command:
+            if command == "/reset":
+                messages = list(system)
+                print("(conversation cleared)", file=sys.stderr)
+            else:
+                unknown = "" if command == "/help" else f"unknown command {command}; "
+                print(f"({unknown}{CHAT_HELP})", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
+        if room is not None:
+            try:
+                messages, dropped = trim_history(messages, lambda m: len(codec.chat_ids(m)), room)
+            except UserError as exc:
+                messages.pop()
+                print(f"error: {exc}", file=sys.stderr)
+                continue
+            if dropped:
+                print(f"(history trimmed: the {dropped} oldest message(s) dropped to leave {config.max_new_tokens} "
+                      f"new tokens room in the model's {limit} positions)", file=sys.stderr)
+        shown: list[str] = []
         try:
-            result = complete(model, codec, codec.chat_ids(messages), config.params(), on_text=_write,
-                              draft_table=table)
-        except ValueError as exc:  # e.g. the history outgrew the model's context
+            result = complete(model, codec, codec.chat_ids(messages), config.params(),
+                              on_text=functools.partial(_show, shown), draft_table=table)
+        except KeyboardInterrupt:  # stop this reply; what was shown stays in the conversation
+            _write("\n")
+            print("(reply stopped; the chat goes on)", file=sys.stderr)
+            if shown:
+                messages.append({"role": "assistant", "content": "".join(shown)})
+            else:
+                messages.pop()
+            continue
+        except ValueError as exc:  # the prompt does not fit a model without a known position limit
             messages.pop()
             print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
             continue
