@@ -346,3 +346,23 @@ def test_without_matplotlib_the_report_is_written_without_plots(tiny, tmp_path, 
     assert main(small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "")) == 0
     assert not list(out.glob("*.png")) and "matplotlib is not installed" in " ".join(load(out)["notes"])
     assert "](speedup.png)" not in (out / "report.md").read_text()
+
+
+def test_humaneval_exec_reports_pass_at_1_per_method(tiny, tmp_path, capsys):
+    """The tiny random models write noise: every completion fails its tests (pass@1 0), and the
+    exact method's completions are its AR's (run once)."""
+    out = tmp_path / "b"
+    args = small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "", "--prompts",
+                      "humaneval", "--max-prompts", "2", "--quality", "humaneval-exec", "--quality-timeout", "2")
+    assert main(args) == 0
+    data = load(out)
+    assert {m: r["pass_at_1"] for m, r in data["methods"].items()} == {"target_ar": 0.0, "target_jacobi": 0.0}
+    q = data["quality"]
+    assert q["kind"] == "humaneval-exec" and q["distinct_completions"] == 2 and set(q["results"]) == {"HumanEval/0", "HumanEval/1"}
+    assert all(r != "passed" for per in q["results"].values() for r in per.values())
+    assert "pass@1" in capsys.readouterr().out and "## HumanEval tests (pass@1)" in (out / "report.md").read_text()
+
+
+def test_humaneval_exec_needs_the_humaneval_prompts(capsys):
+    assert main(["bench", "--quality", "humaneval-exec", "--prompts", "stdlib-val"]) == 2
+    assert "needs --prompts humaneval" in capsys.readouterr().err

