@@ -270,8 +270,7 @@ def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
                    "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling"):
         wanted = ["target_ar", *(["cllm_ar"] if method.startswith("cllm") else []), method]
         out = tmp_path / method
-        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4",
-                               "--max-new-tokens", "8")) == 0, method
+        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4")) == 0, method
         assert set(load(out)["methods"]) == set(wanted)
 
 
