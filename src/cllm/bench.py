@@ -641,7 +641,7 @@ def validation_losses(models: BenchModels, config: BenchConfig, progress: Progre
                 if log is not None:
                     log.add_value(name, out[role])
             stage.advance()
-            stage.note(f"{role}: {out[role]:.3f} nats/token")
+            stage.note(f"{role}: " + (f"{out[role]:.3f} nats/token" if out[role] is not None else "no tokens scored"))
     return out
 
 
