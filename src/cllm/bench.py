@@ -408,9 +408,13 @@ def measure(methods: list[Method], prompts: list[BenchPrompt], *, repeats: int, 
     progress = progress or Progress.off()
     recorded = {(m.name, p.id): log.decode(m.name, p.id, p.ids) if log else None for m in methods for p in prompts}
     pending = [m for m in methods if any(recorded[m.name, p.id] is None for p in prompts)]
-    for prompt in prompts[:warmup]:
-        for method in pending:
-            timed(method, prompt, device)
+    if pending and warmup:
+        with progress.stage("warm-up", min(warmup, len(prompts)) * len(pending),
+                            detail=f"{len(pending)} methods, untimed") as stage:
+            for prompt in prompts[:warmup]:
+                for method in pending:
+                    timed(method, prompt, device)
+                    stage.advance()
     decoded: dict[str, list[Decoded]] = {m.name: [] for m in methods}
     seconds: dict[str, list[float]] = {m.name: [] for m in methods}
     detail = f"{len(prompts)} prompts x {len(methods)} methods x {repeats} rounds, interleaved"
