@@ -365,3 +365,9 @@ def test_humaneval_exec_reports_pass_at_1_per_method(tiny, tmp_path, capsys):
 def test_humaneval_exec_needs_the_humaneval_prompts(capsys):
     assert main(["bench", "--quality", "humaneval-exec", "--prompts", "stdlib-val"]) == 2
     assert "needs --prompts humaneval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (0.9, 2, 1), (3.8, 2, 1), (3.0, 16, 2),
+                                                         (None, 2, 2), (1.4, 4, 2)])
+def test_the_demo_takes_one_thread_when_others_keep_the_cpu_busy(load, cores, threads):
+    assert bench_module.threads_for_load(load, cores) == threads

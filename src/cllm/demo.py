@@ -13,6 +13,7 @@ but whose exactness and counting are real.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from cllm.bench import (
     print_results,
     raise_on_violations,
     run_bench,
+    threads_for_load,
     write_report,
 )
 from cllm.config import write_config
@@ -47,7 +49,7 @@ class DemoConfig:
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
     val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: skip)"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer than 2 cores free)"})
     out: str = field(default="reports/demo", metadata={"help": "report folder"})
     prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first prompt)"})
     live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view (display only)"})
@@ -55,7 +57,9 @@ class DemoConfig:
     resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
 
     def __post_init__(self):
-        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats", "threads"):
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.live_delay < 0 or self.show_blocks < 0 or self.val_prompts < 0:
@@ -160,7 +164,14 @@ def demo(config: DemoConfig) -> int:
     hf_logging.disable_progress_bar()  # one progress display: ours
     console = Console()
     progress = Progress(console)
-    torch.set_num_threads(config.threads)
+    threads = config.threads
+    if not threads:  # a shared CPU: one thread (two that wait on each other made the demo take an hour)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        threads = threads_for_load(load, os.cpu_count())
+        if threads < 2:
+            console.print(f"[yellow]note:[/] load average {load:.1f} on {os.cpu_count()} cores: the demo uses "
+                          "1 torch thread (--threads 2 to insist)", highlight=False)
+    torch.set_num_threads(threads)
     cllm, target = config.cllm, config.target
     if _shipped_missing(config.target):
         console.print(f"[yellow]No trained target at {SHIPPED[config.target]} yet (`cllm pretrain` builds it): "
@@ -171,7 +182,7 @@ def demo(config: DemoConfig) -> int:
     bench_config = BenchConfig(target=target, cllm=cllm, prompts=config.prompts, max_prompts=config.max_prompts,
                                max_new_tokens=config.max_new_tokens, block_size=config.block_size,
                                sweep_block_sizes=config.sweep_block_sizes, repeats=config.repeats,
-                               threads=config.threads, val_prompts=config.val_prompts, out=config.out,
+                               threads=threads, val_prompts=config.val_prompts, out=config.out,
                                resume=config.resume)
     if models is None:
         models = load_models(bench_config)
