@@ -236,3 +236,138 @@ def test_bad_settings_are_one_line_errors(bad, capsys):
     assert main(["bench", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm bench: error:") and "\n" not in err
+
+
+def small_args(tiny, out, *extra):
+    return bench_args(tiny, out, "--repeats", "1", "--val-prompts", "0", *extra)
+
+
+def test_methods_without_the_cllms_own_ar_and_a_sweep_work(tiny, tmp_path, capsys):
+    """The reported crash: the CLLM loaded, its greedy method left out, a block-size sweep."""
+    out = tmp_path / "b"
+    assert main(small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "2,4")) == 0
+    data = load(out)
+    assert set(data["methods"]) == {"target_ar", "target_jacobi"} and set(data["sweep"]) == {"target"}
+    assert any("no block-size sweep of the CLLM" in n for n in data["notes"])
+    assert "no block-size sweep of the CLLM" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("methods", ["target_ar,cllm_jacobi", "target_ar,cllm_jacobi_sampling",
+                                     "target_ar,cllm_ar_sampling,cllm_jacobi_plain"])
+def test_a_cllm_method_without_cllm_ar_is_refused_before_anything_loads(methods, tiny, tmp_path, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("models were loaded")
+
+    monkeypatch.setattr(bench_module, "load_models", never)
+    assert main(small_args(tiny, tmp_path / "b", "--methods", methods)) == 2
+    err = capsys.readouterr().err
+    assert "needs cllm_ar too" in err and err.count("\n") == 1
+
+
+def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
+    """Each method alone beside the references it needs (target_ar; cllm_ar for cllm_*)."""
+    for method in ("target_jacobi", "hf_generate", "prompt_lookup", "target_lookahead", "cllm_jacobi",
+                   "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling"):
+        wanted = ["target_ar", *(["cllm_ar"] if method.startswith("cllm") else []), method]
+        out = tmp_path / method
+        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4")) == 0, method
+        assert set(load(out)["methods"]) == set(wanted)
+
+
+def test_an_interrupted_bench_keeps_its_decodes_and_the_same_command_resumes(tiny, tmp_path, monkeypatch, capsys):
+    real = bench_module.timed
+    calls = []
+
+    def interrupt_after(limit):
+        def timed(method, prompt, device):
+            calls.append((method.name, prompt.id))
+            if len(calls) > limit:
+                raise KeyboardInterrupt
+            return real(method, prompt, device)
+        return timed
+
+    out = tmp_path / "b"
+    args = small_args(tiny, out, "--methods", "target_ar,target_jacobi,cllm_ar,cllm_jacobi", "--sweep-block-sizes", "4",
+                      "--warmup", "0")
+    per_prompt = 4  # methods x 1 round
+    monkeypatch.setattr(bench_module, "timed", interrupt_after(2 * per_prompt + 1))  # Ctrl-C in prompt 3
+    assert main(args) == 130
+    assert "the same command resumes" in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert [r["prompt_id"] for r in records if r["kind"] == "decode"] == ["q0"] * 4 + ["q1"] * 4
+    calls.clear()
+    monkeypatch.setattr(bench_module, "timed", interrupt_after(10**6))
+    assert main(args) == 0
+    assert {p for _, p in calls} == {"q2", "q3", "q4"} and len(calls) == 3 * per_prompt  # q0, q1 not redone
+    data = load(out)
+    assert any(n.startswith("resumed: 8 of 20") for n in data["notes"])
+    resumed = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    # the resumed run reports what one uninterrupted run reports (tokens; timings differ)
+    monkeypatch.setattr(bench_module, "timed", real)
+    fresh_out = tmp_path / "fresh"
+    assert main(small_args(tiny, fresh_out, *args[len(small_args(tiny, out)):])) == 0
+    fresh = [json.loads(line) for line in (fresh_out / "outputs.jsonl").read_text().splitlines()]
+    assert resumed == fresh
+    assert load(fresh_out)["sweep"] == data["sweep"]
+
+
+def test_a_run_with_other_settings_keeps_the_old_record_and_measures_afresh(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "b"
+    base = small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "")
+    assert main(base) == 0
+    calls = []
+    real = bench_module.timed
+    monkeypatch.setattr(bench_module, "timed", lambda *a: calls.append(1) or real(*a))
+    assert main([*base, "--block-size", "2"]) == 0
+    assert len(calls) == 2 + 2 * len(PROMPTS)  # warm-up + every prompt: nothing reused
+    kept = list(out.glob("progress-*.jsonl"))
+    assert len(kept) == 1 and kept[0].read_text().count('"kind": "decode"') == 2 * len(PROMPTS)
+    calls.clear()
+    assert main([*base, "--block-size", "2", "--resume", "false"]) == 0
+    assert len(calls) == 2 + 2 * len(PROMPTS) and len(list(out.glob("progress-*.jsonl"))) >= 1
+
+
+@pytest.mark.parametrize(("load", "cores", "threads", "warns"), [
+    (0.1, 2, 2, False), (2.3, 2, 2, True), (0.9, 2, 1, False), (1.6, 2, 1, True), (3.0, 16, 2, False),
+    (None, 2, 2, False)])
+def test_a_busy_machine_is_warned_about(load, cores, threads, warns):
+    message = bench_module.load_warning(load, cores, threads)
+    assert (message is not None) == warns
+    if warns:
+        assert "unreliable" in message and f"{load:.1f}" in message
+
+
+def test_without_matplotlib_the_report_is_written_without_plots(tiny, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now fails
+    out = tmp_path / "b"
+    assert main(small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "")) == 0
+    assert not list(out.glob("*.png")) and "matplotlib is not installed" in " ".join(load(out)["notes"])
+    assert "](speedup.png)" not in (out / "report.md").read_text()
+
+
+def test_humaneval_exec_reports_pass_at_1_per_method(tiny, tmp_path, capsys):
+    """The tiny random models write noise: every completion fails its tests (pass@1 0), and the
+    exact method's completions are its AR's (run once)."""
+    out = tmp_path / "b"
+    args = small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "", "--prompts",
+                      "humaneval", "--max-prompts", "2", "--quality", "humaneval-exec", "--quality-timeout", "2")
+    assert main(args) == 0
+    data = load(out)
+    assert {m: r["pass_at_1"] for m, r in data["methods"].items()} == {"target_ar": 0.0, "target_jacobi": 0.0}
+    q = data["quality"]
+    assert q["kind"] == "humaneval-exec" and q["distinct_completions"] == 2 and set(q["results"]) == {"HumanEval/0", "HumanEval/1"}
+    assert all(r != "passed" for per in q["results"].values() for r in per.values())
+    assert "pass@1" in capsys.readouterr().out and "## HumanEval tests (pass@1)" in (out / "report.md").read_text()
+
+
+def test_humaneval_exec_needs_the_humaneval_prompts(capsys):
+    assert main(["bench", "--quality", "humaneval-exec", "--prompts", "stdlib-val"]) == 2
+    assert "needs --prompts humaneval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (0.9, 2, 1), (3.8, 2, 1), (3.0, 16, 2),
+                                                         (None, 2, 2), (1.4, 4, 2)])
+def test_the_demo_takes_one_thread_when_others_keep_the_cpu_busy(load, cores, threads):
+    assert bench_module.threads_for_load(load, cores) == threads

@@ -36,3 +36,30 @@ def test_missing_config_file_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("cllm demo: error:") and "\n" not in err
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["bench", "--blok-size", "4"], "cllm bench: error: unrecognized argument --blok-size (did you mean --block-size?)"),
+    (["generate", "--sed=3"], "cllm generate: error: unrecognized argument --sed (did you mean --seed?)"),
+    (["bnech"], "cllm: error: unknown command 'bnech' (did you mean bench?)"),
+])
+def test_a_typo_gets_one_line_naming_the_closest_flag(args, expected, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1
+
+
+def test_a_bad_value_is_one_line_without_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--block-size", "x"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err == "cllm bench: error: argument --block-size: invalid int value: 'x'\n"
+
+
+def test_help_states_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    seed = out[out.index("--seed SEED seed"):].split(" --", 1)[0]
+    assert seed.count("default") == 1 and "(default: 0)" in seed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -59,3 +60,23 @@ def test_demo_falls_back_to_a_tiny_random_model_on_a_bare_checkout(tmp_path, mon
     data = json.loads((out / "bench.json").read_text())
     assert data["models"]["target"]["name"] == "tiny random Llama (fallback)"
     assert "trajectory.html" in report_files(out)
+
+
+def test_demo_output_in_a_log_shows_progress_the_engine_and_a_whole_table(tiny, tmp_path, capsys):
+    """Piped to a file (capsys is no terminal): a stamped line per stage and per prompt, no bar,
+    a table that fits 80 columns with no cell cut, and the live decode on the headline's engine
+    with where its tokens came from."""
+    out = tmp_path / "demo"
+    config = DemoConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), prompts=str(tiny["prompts"]),
+                        out=str(out), **SMALL)
+    assert demo(config) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    stamped = [line for line in lines if re.match(r"\[\s*\d+\.\d s\] ", line)]
+    assert any("bench done in" in line for line in stamped) and any("sweep done in" in line for line in stamped)
+    assert sum(": 1" in line and "methods x 1 rounds" in line for line in stamped) == 2  # one per prompt
+    assert "…" not in printed and "━" in printed
+    table_lines = [line for line in lines if line.startswith(("┃", "│", "┏", "└"))]
+    assert table_lines and max(map(len, table_lines)) <= 80
+    assert "live[/]" not in printed and "cllm_jacobi, the CLLM on the engine (n = 4, 8 recycled drafts" in printed
+    assert "tokens: " in printed and "one per forward (as AR)" in printed

@@ -232,3 +232,62 @@ def test_bad_generate_input_is_a_one_line_error(plain, capsys, args):
 def test_unknown_model_directory_is_a_one_line_error(tmp_path, capsys):
     code, _, err = run(capsys, "generate", "--model", tmp_path / "nope", "--prompt", "x")
     assert code == 2 and err.startswith("cllm generate: error: model directory not found")
+
+
+def test_trim_history_drops_the_oldest_turns_and_keeps_the_system_message():
+    from cllm.config import UserError
+    from cllm.generate import trim_history
+
+    def msg(role, n):
+        return {"role": role, "content": "x" * n}
+
+    length = lambda ms: sum(len(m["content"]) for m in ms)  # noqa: E731 - one token per character
+    history = [msg("system", 5), msg("user", 10), msg("assistant", 20), msg("user", 10), msg("assistant", 20),
+               msg("user", 10)]
+    assert trim_history(history, length, 100) == (history, 0)
+    kept, dropped = trim_history(history, length, 50)  # 75 -> drop the first exchange -> 45
+    assert dropped == 2 and kept == [history[0], *history[3:]]
+    kept, dropped = trim_history(history, length, 15)
+    assert dropped == 4 and kept == [history[0], history[5]]
+    with pytest.raises(UserError, match="leaves no room"):
+        trim_history(history, length, 14)
+
+
+def test_chat_trims_its_history_to_the_context_and_says_so(plain, capsys, monkeypatch):
+    """128 positions, 40 new tokens: by the third turn the history no longer fits; every turn
+    still gets its reply (it used to fail on every message from then on)."""
+    turns = ["def f(x):", "class A:", "import re", "for k in d:", "while True:"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(t + "\n" for t in turns)))
+    code, out, err = run(capsys, "chat", "--model", plain, "--max-new-tokens", 40)
+    assert code == 0 and "error" not in err
+    assert err.count("tokens/forward") == len(turns)  # a reply per turn
+    assert "history trimmed" in err and "oldest message(s) dropped" in err
+
+
+def test_chat_commands_are_not_sent_and_reset_starts_over(plain, oracle, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n/help\n/reset\n/nope\ndef f(x):\n/exit\n"))
+    code, out, err = run(capsys, "chat", "--model", plain, "--max-new-tokens", NEW)
+    first = oracle.text("def f(x):")
+    assert code == 0 and out == first + "\n" + first + "\n"  # after /reset, as if it were the first turn
+    assert err.count("tokens/forward") == 2 and "/reset forget the conversation" in err
+    assert "conversation cleared" in err and "unknown command /nope" in err
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on_with_what_was_shown(plain, oracle, capsys, monkeypatch):
+    import cllm.generate as generate_module
+
+    real, prompts = generate_module.complete, []
+
+    def complete(model, codec, prompt_ids, params, *, on_text=None, **kwargs):
+        prompts.append(list(prompt_ids))
+        if len(prompts) == 1:  # the first reply: a few words shown, then Ctrl-C
+            on_text(" partial")
+            raise KeyboardInterrupt
+        return real(model, codec, prompt_ids, params, on_text=on_text, **kwargs)
+
+    monkeypatch.setattr(generate_module, "complete", complete)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\nclass A:\n"))
+    code, out, err = run(capsys, "chat", "--model", plain, "--max-new-tokens", NEW)
+    second = oracle.text("def f(x): partialclass A:")
+    assert code == 0 and out == " partial\n" + second + "\n" and "reply stopped" in err
+    assert prompts[1] == oracle.ids("def f(x): partialclass A:")

@@ -1,11 +1,13 @@
 """Model/tokenizer loading: local checkpoints, clear errors, fingerprints."""
 
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.config import UserError
-from cllm.models import fingerprint, load_model, resolve_dtype
+from cllm.models import fingerprint, load_model, load_tokenizer, resolve_dtype
 
 
 def tiny_llama(seed=0):
@@ -41,3 +43,117 @@ def test_fingerprint_tells_models_apart_and_is_stable(tmp_path):
     assert fingerprint(tmp_path / "a") == fingerprint(tmp_path / "a")
     assert fingerprint(tmp_path / "a") != fingerprint(tmp_path / "b")
     assert fingerprint(tiny_llama(0)) != fingerprint(tiny_llama(1))
+
+
+def _spy_hub(monkeypatch, error: Exception | None = None) -> list[str]:
+    """Record every hub look-up (and fail it with `error`); the hub is treated as online."""
+    import huggingface_hub
+
+    from cllm import models
+
+    calls: list[str] = []
+
+    def model_info(repo_id, *args, **kwargs):
+        calls.append(repo_id)
+        if error is not None:
+            raise error
+        return object()
+
+    models._hub_problem.cache_clear()
+    monkeypatch.setattr(models, "_hub_offline", lambda: False)
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["runs/nothing", "./nothing", "nothing", "a/b/c", "~/nothing/model"])
+def test_a_missing_local_path_fails_at_once_without_asking_the_hub(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()  # `runs/nothing` beside a runs/ folder is a local path
+    calls = _spy_hub(monkeypatch)
+    with pytest.raises(UserError, match=f"^model directory not found: {re.escape(name)}$"):
+        load_model(name)
+    assert calls == []
+
+
+def test_a_hub_id_is_looked_up_once_and_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = _spy_hub(monkeypatch, error=ConnectionError("Name or service not known"))
+    with pytest.raises(UserError, match="model directory not found: owner/name, and the hub could not be reached"):
+        load_model("owner/name")
+    with pytest.raises(UserError):
+        load_tokenizer("owner/name")
+    assert calls == ["owner/name"]  # one request, remembered: no retries
+
+
+def test_a_hub_id_the_hub_has_is_handed_to_transformers(tmp_path, monkeypatch):
+    from cllm.models import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    calls = _spy_hub(monkeypatch)
+    assert resolve_model_path("owner/name") == "owner/name" and calls == ["owner/name"]
+
+
+def test_offline_a_hub_id_that_is_not_cached_fails_without_a_request(tmp_path, monkeypatch):
+    from cllm import models
+
+    monkeypatch.chdir(tmp_path)
+    calls = _spy_hub(monkeypatch)
+    monkeypatch.setattr(models, "_hub_offline", lambda: True)
+    with pytest.raises(UserError, match="nor a cached hub model"):
+        load_model("owner/name")
+    assert calls == []
+
+
+def test_a_mistyped_shipped_name_suggests_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="did you mean the shipped model stdlib-coder"):
+        load_model("stdlib-codr")
+
+
+@pytest.mark.parametrize(("torch_v", "tf_v", "fine"), [
+    ("2.13.0+cpu", "5.24.0", True), ("2.6.0", "5.0.0", True), ("2.5.1+cu121", "5.24.0", False),
+    ("2.5.1", "4.57.6", True), ("2.1.0", "4.56.0", True), ("2.0.1", "4.56.0", False)])
+def test_a_torch_that_transformers_would_disable_is_named_in_one_line(torch_v, tf_v, fine):
+    from cllm.models import version_problem
+
+    problem = version_problem(torch_v, tf_v)
+    assert (problem is None) == fine
+    if not fine:
+        assert torch_v in problem and tf_v in problem and "\n" not in problem
+    if torch_v.startswith("2.5") and not fine:
+        assert "transformers>=4.56,<5" in problem
+
+
+def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_the_cli(tmp_path):
+    """One call (model, tokenizer, draft table, the CLI's setting) against the README's three
+    calls with the setting spelled out, and against `cllm generate`'s decode: same tokens, same
+    forward passes (the count depends on the setting and the table)."""
+    from cllm.cli import main
+    from cllm.decoding import RECOMMENDED, jacobi_decode
+    from cllm.generate import GenerateConfig, TextCodec, complete
+    from cllm.models import load_draft_table, load_for_decoding
+    from tests.test_bench import make_tiny_setup
+
+    paths = make_tiny_setup(tmp_path)
+    model_dir = str(paths["cllm"])
+    assert main(["drafts", "--model", model_dir, "--prompts", str(paths["val"]), "--max-new-tokens", "24",
+                 "--min-count", "1", "--min-share", "0.1"]) == 0
+    fast = load_for_decoding(model_dir)
+    assert fast.draft_table is not None and fast.settings["draft_table"] is fast.draft_table
+    assert {k: v for k, v in fast.settings.items() if k != "draft_table"} == dict(RECOMMENDED)
+    model, tok, table = load_model(model_dir), load_tokenizer(model_dir), load_draft_table(model_dir)
+    cli = GenerateConfig(model=model_dir, prompt="x")
+    for text in ("def add(a, b):\n", "class Point:\n    def"):
+        ids = tok(text, return_tensors="pt").input_ids
+        seed = dict(generator=torch.Generator().manual_seed(0))  # the guesses' seed, as the CLI's default
+        one = jacobi_decode(fast.model, ids, max_new_tokens=40, eos_token_id=fast.tokenizer.eos_token_id,
+                            **seed, **fast.settings)
+        seed = dict(generator=torch.Generator().manual_seed(0))
+        three = jacobi_decode(model, ids, max_new_tokens=40, eos_token_id=tok.eos_token_id, block_size=4, recycle=8,
+                              recycle_width=16, recycle_min_ngram=2, recycle_budget=24, draft_table=table, **seed)
+        generated = complete(model, TextCodec(tok), ids[0].tolist(), cli.params().__class__(
+            **{**cli.params().__dict__, "max_new_tokens": 40}), draft_table=table)
+        assert one.new_tokens == three.new_tokens and one.new_tokens[0] == generated.tokens
+        assert one.forward_passes == three.forward_passes == generated.forward_passes
+    assert load_for_decoding(model_dir, draft_table="none").settings["draft_table"] is None

@@ -120,3 +120,25 @@ def test_markdown_and_terminal_tables_list_every_method():
     console.print(methods_table(data))
     text = console.export_text()
     assert all(m in text for m in data["methods"]) and "1.20x" in text
+
+
+def test_the_methods_table_fits_80_columns_with_no_cell_cut():
+    """Every method, full-size figures and the longest method name: wider than 80 columns as one
+    table, so it is split in two, and every figure is printed whole (rich cuts cells with '…')."""
+    from rich.console import Console
+
+    from cllm.report import methods_tables
+
+    data = fake_bench_json()
+    big = dict(data["methods"]["target_jacobi"], tokens_per_second=12345.6, mean_fed_tokens=123.4,
+               ms_per_forward=1234.5, tokens_per_forward_not_looping=4.25, looping_rate=0.5, degenerate_rate=0.25)
+    data["methods"] = {"cllm_jacobi_sampling": big, "target_lookahead": dict(big, speedup_vs_ar=12.34)}
+    console = Console(width=80, record=True)
+    tables = methods_tables(data, width=80)
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert len(tables) == 2 and max(map(len, text.splitlines())) <= 80 and "…" not in text
+    for figure in ("12345.6", "12.34x", "123.4", "1234.5", "4.25", "50%", "25%", "cllm_jacobi_sampling"):
+        assert figure in text, figure
+    assert len(methods_tables(data, width=200)) == 1

@@ -2,7 +2,8 @@
 
 Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast without torch):
 
-    from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput
+    from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
+    from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 __all__ = [
+    "RECOMMENDED",
     "DecodeOutput",
     "DecodeStats",
     "IterationEvent",
@@ -27,6 +29,7 @@ _EXPORTS = {name: "cllm.decoding" for name in __all__ if name != "__version__"}
 
 if TYPE_CHECKING:
     from cllm.decoding import (
+        RECOMMENDED,
         DecodeOutput,
         DecodeStats,
         IterationEvent,

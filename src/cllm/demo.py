@@ -13,6 +13,7 @@ but whose exactness and counting are real.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -22,14 +23,17 @@ from cllm.bench import (
     BenchConfig,
     BenchModels,
     load_models,
+    print_results,
     raise_on_violations,
     run_bench,
+    threads_for_load,
     write_report,
 )
 from cllm.config import write_config
 from cllm.decoding import jacobi_decode
 from cllm.models import SHIPPED
-from cllm.report import TrajectoryRecorder, methods_table, render_block_terminal, token_marks
+from cllm.progress import Progress
+from cllm.report import TrajectoryRecorder, render_block_terminal, token_marks
 
 FALLBACK_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -45,14 +49,17 @@ class DemoConfig:
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
     val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: skip)"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer than 2 cores free)"})
     out: str = field(default="reports/demo", metadata={"help": "report folder"})
     prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first prompt)"})
     live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view (display only)"})
     show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live decode"})
+    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
 
     def __post_init__(self):
-        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats", "threads"):
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.live_delay < 0 or self.show_blocks < 0 or self.val_prompts < 0:
@@ -85,20 +92,26 @@ def fallback_models() -> BenchModels:
     return BenchModels(model, tokenizer, names={"target": "tiny random Llama (fallback)"})
 
 
-def live_decode(console, model, tokenizer, prompt_ids: list[int], *, block_size: int, max_new_tokens: int,
-                delay: float, seed: int = 0):
-    """Jacobi-decode one prompt, redrawing the text at every iteration: final tokens green, the
-    block's not-yet-final tail red. Returns (DecodeOutput, TrajectoryRecorder)."""
+def live_decode(console, model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int, delay: float,
+                seed: int = 0, **engine):
+    """Decode one prompt on the engine (`engine`: jacobi_decode's options, e.g. the bench's
+    cllm_jacobi setting), redrawing the text at every iteration: final tokens coloured by where
+    they came from (`report.SOURCE_STYLES`), the block's not-yet-final tail red. In a log (not a
+    terminal) only the last frame is printed, without pauses. Returns (DecodeOutput, TrajectoryRecorder)."""
     from rich.live import Live
     from rich.text import Text
 
-    from cllm.report import show_token
+    from cllm.report import SOURCE_STYLES, show_token
 
     recorder = TrajectoryRecorder()
-    finished: list[int] = []  # tokens of converged blocks
+    finished: list[tuple[int, str]] = []  # (token, source) of converged blocks
+    live_view = console.is_terminal
 
-    def view(state: tuple[int, ...] = (), committed: int = 0, iteration: int = 0) -> Text:
-        text = Text(tokenizer.decode(finished + list(state[:committed])), style="green")
+    def view(state: tuple[int, ...] = (), committed: int = 0, sources: tuple[str, ...] = (),
+             iteration: int = 0) -> Text:
+        text = Text()
+        for token, source in finished + list(zip(state[:committed], sources)):
+            text.append(tokenizer.decode([token]), style=SOURCE_STYLES.get(source, "green"))
         for token in state[committed:]:
             text.append(show_token(tokenizer.decode([token])), style="red dim")
         text.append(f"\n[{len(finished) + committed} tokens final · block iteration {iteration}]", style="dim")
@@ -108,38 +121,57 @@ def live_decode(console, model, tokenizer, prompt_ids: list[int], *, block_size:
         def on_iteration(event) -> None:
             recorder(event)
             if event.converged:
-                finished.extend(event.state[: event.committed])
-                live.update(view(), refresh=True)
-            else:
-                live.update(view(event.state, event.committed, event.iteration), refresh=True)
-            if delay:
-                time.sleep(delay)
+                finished.extend(zip(event.state[: event.committed], event.sources))
+            if live_view:
+                live.update(view() if event.converged else
+                            view(event.state, event.committed, event.sources, event.iteration), refresh=True)
+                if delay:
+                    time.sleep(delay)
 
         out = jacobi_decode(model, torch.tensor([prompt_ids], device=next(model.parameters()).device),
-                            block_size=block_size, max_new_tokens=max_new_tokens,
-                            eos_token_id=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(seed),
-                            on_iteration=on_iteration)
-        live.update(Text(tokenizer.decode(out.new_tokens[0]), style="green"), refresh=True)
+                            max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            generator=torch.Generator().manual_seed(seed), on_iteration=on_iteration, **engine)
+        final = view()
+        final.right_crop(len(final.plain) - len(final.plain.rsplit("\n", 1)[0]))  # no iteration counter
+        live.update(final, refresh=True)
     if not console.is_terminal:
         console.print()  # a non-terminal Live leaves its last frame unterminated
     return out, recorder
 
 
 def _headline(data: dict) -> str:
+    from cllm.report import sources_summary
+
     m = data["methods"]
+    busy = " (machine busy: see the warning)" if data["machine"].get("load_warning") else ""
     parts = [f"{name}: {m[name]['tokens_per_forward']:.2f} tokens/forward, {m[name]['speedup_vs_ar']:.2f}x wall clock"
-             for name in ("target_jacobi", "cllm_jacobi_plain", "cllm_jacobi", "prompt_lookup") if name in m]
+             for name in ("target_jacobi", "cllm_jacobi_plain", "prompt_lookup", "target_lookahead", "cllm_jacobi")
+             if name in m]
+    lines = [" · ".join(parts) + busy]
+    for name in ("target_lookahead", "cllm_jacobi"):
+        if m.get(name, {}).get("token_sources"):
+            lines.append(f"{name}'s {sources_summary(m[name]['token_sources'])}")
     exact = all(e["ok"] for e in data["exactness"].values())
-    verdict = ("[bold green]every exact method reproduced greedy decoding token for token[/]" if exact
-               else "[bold red]an exactness promise broke (see the report)[/]")
-    return " · ".join(parts) + "\n" + verdict
+    lines.append("[bold green]every exact method reproduced greedy decoding token for token[/]" if exact
+                 else "[bold red]an exactness promise broke (see the report)[/]")
+    return "\n".join(lines)
 
 
 def demo(config: DemoConfig) -> int:
     from rich.console import Console
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one progress display: ours
     console = Console()
-    torch.set_num_threads(config.threads)
+    progress = Progress(console)
+    threads = config.threads
+    if not threads:  # a shared CPU: one thread (two that wait on each other made the demo take an hour)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        threads = threads_for_load(load, os.cpu_count())
+        if threads < 2:
+            console.print(f"[yellow]note:[/] load average {load:.1f} on {os.cpu_count()} cores: the demo uses "
+                          "1 torch thread (--threads 2 to insist)", highlight=False)
+    torch.set_num_threads(threads)
     cllm, target = config.cllm, config.target
     if _shipped_missing(config.target):
         console.print(f"[yellow]No trained target at {SHIPPED[config.target]} yet (`cllm pretrain` builds it): "
@@ -150,21 +182,22 @@ def demo(config: DemoConfig) -> int:
     bench_config = BenchConfig(target=target, cllm=cllm, prompts=config.prompts, max_prompts=config.max_prompts,
                                max_new_tokens=config.max_new_tokens, block_size=config.block_size,
                                sweep_block_sizes=config.sweep_block_sizes, repeats=config.repeats,
-                               threads=config.threads, val_prompts=config.val_prompts, out=config.out)
+                               threads=threads, val_prompts=config.val_prompts, out=config.out,
+                               resume=config.resume)
     if models is None:
         models = load_models(bench_config)
         if models.cllm is None:
             console.print("[yellow]No CLLM yet (`cllm distill` makes one): the target-only story. Plain Jacobi "
                           "on an AR-trained model gets ~1 token per forward (REFERENCE.md).[/]")
-    console.rule(f"[bold]cllm demo[/] · short bench: {config.max_prompts} × {config.prompts} · "
-                 f"{config.max_new_tokens} tokens · n = {config.block_size}")
+    console.rule("[bold]cllm demo[/]")  # a rule's title would be cut at the terminal's width: the details below it
+    console.print(f"short bench: {config.max_prompts} × {config.prompts} · {config.max_new_tokens} tokens · "
+                  f"n = {config.block_size}", highlight=False)
     start = time.perf_counter()
-    with console.status("decoding every prompt with every method (interleaved, timed) ..."):
-        result = run_bench(bench_config, models)
+    result = run_bench(bench_config, models, progress=progress, log=True)
     out = write_report(result, config.out, models.tokenizer)
     write_config(bench_config, out / "config.json")
     write_config(config, out / "demo_config.json")
-    console.print(methods_table(result.data))
+    print_results(console, result.data)
     console.print(_headline(result.data))
     losses = ", ".join(f"{role} {m['val_loss']:.3f}" for role, m in result.data["models"].items() if m["val_loss"] is not None)
     if losses:
@@ -172,26 +205,34 @@ def demo(config: DemoConfig) -> int:
     console.print(f"report folder: [bold]{out}[/] (bench.json, report.md, PNGs, trajectory.html) · "
                   f"{time.perf_counter() - start:.0f} s")
 
-    # 2. one prompt, live
-    model, role = (models.cllm, "CLLM") if models.cllm is not None else (models.target, "target")
+    # 2. one prompt, live, on the engine the headline measures (cllm_jacobi; target_lookahead without a CLLM)
+    from cllm.bench import engine_settings
+    from cllm.report import sources_legend, sources_summary, trajectory_legend
+
+    role = "cllm" if models.cllm is not None else "target"
+    model, method = getattr(models, role), {"cllm": "cllm_jacobi", "target": "target_lookahead"}[role]
+    table = models.tables.get(role)
     if config.prompt is not None:
         prompt_ids = list(models.tokenizer(config.prompt)["input_ids"]) or [models.tokenizer.eos_token_id or 0]
         text = config.prompt
     else:
         first = next(p for p in result.prompts if p.id == result.data["trajectory_prompt"])
         prompt_ids, text = first.ids, first.text
-    console.rule(f"[bold]live[/]: the {role} decoding by Jacobi iteration (n = {config.block_size})")
+    setting = (f"n = {config.block_size}, {bench_config.recycle} recycled drafts"
+               + (", its draft table" if table is not None else ", no draft table"))
+    console.rule("[bold]live[/]")
+    console.print(f"{method}, the {role.upper() if role == 'cllm' else role} on the engine ({setting})", highlight=False)
     console.print(text.rstrip(), style="dim", markup=False, highlight=False)
-    decoded, recorder = live_decode(console, model, models.tokenizer, prompt_ids, block_size=config.block_size,
-                                    max_new_tokens=config.max_new_tokens, delay=config.live_delay)
-    console.print(f"{decoded.stats.new_tokens} tokens in {decoded.forward_passes} forward passes "
-                  f"({decoded.stats.tokens_per_forward:.2f} tokens/forward) · accepted per forward "
-                  f"{decoded.stats.accepted_histogram()}")
+    decoded, recorder = live_decode(console, model, models.tokenizer, prompt_ids, max_new_tokens=config.max_new_tokens,
+                                    delay=config.live_delay, draft_table=table, **engine_settings(bench_config))
+    console.print(f"colours: {sources_legend()}")
+    console.print(f"{decoded.forward_passes} forward passes ({decoded.stats.tokens_per_forward:.2f} tokens/forward) "
+                  f"for {sources_summary(decoded.stats.sources)} · accepted per forward "
+                  f"{decoded.stats.accepted_histogram()}", highlight=False)
     for block in recorder.blocks[0][: config.show_blocks]:
         ff = sum(m.fast_forwarded for row in token_marks(block)[1:] for m in row)
-        console.print(f"\n[bold]block {block.block_index}[/] ({len(block.states) - 1} updates, {ff} tokens fast-forwarded): "
-                      "[green]final[/] · [yellow]correct, not yet final[/] · [red]wrong[/] · "
-                      "[underline]fast-forwarded[/] · [overline]stationary[/]")
+        console.print(f"\n[bold]block {block.block_index}[/] ({len(block.states) - 1} updates, {ff} tokens "
+                      f"fast-forwarded; {sources_summary(block.sources)}): {trajectory_legend()}", highlight=False)
         for line in render_block_terminal(block, lambda t: models.tokenizer.decode([t])):
             console.print(line)
     raise_on_violations(result)

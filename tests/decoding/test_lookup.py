@@ -172,3 +172,14 @@ def test_recycling_follows_a_loop_even_with_junk_guesses():
                              generator=torch.Generator().manual_seed(0), recycle=1)
     assert recycled.new_tokens == plain.new_tokens == [list(LOOP.continuation[:24])]
     assert recycled.forward_passes <= 7 < plain.forward_passes
+
+
+def test_recycled_drafts_are_counted_as_the_pools():
+    """The loop with junk guesses: what recycling verified is "pool", the rest "ar"."""
+    model = ScriptedLM(scripted_rule(LOOP))
+    out = jacobi_decode(model, torch.tensor([LOOP.prompt]), block_size=8, max_new_tokens=24, guess="random",
+                        generator=torch.Generator().manual_seed(0), recycle=1)
+    sources = out.stats.sources
+    assert sum(sources.values()) == 24 and sources["ar"] <= out.forward_passes
+    assert sources["pool"] > 24 / 2  # most tokens: junk guesses give Jacobi little to verify
+    assert set(sources) <= {"ar", "pool", "guess", "jacobi"}

@@ -121,3 +121,18 @@ def test_a_table_of_the_continuation_makes_blocks_converge_in_one_forward():
     assert runs["plain"] >= 16 and runs["recycle"] >= 16
     # prefill, then each 8-token block's tail accepted whole (and the next first token with it)
     assert runs["table"] <= 5 and runs["table+recycle"] <= 5
+
+
+def test_table_drafts_are_counted_as_the_tables():
+    """The table knows the scripted continuation: every token a block starts with comes from
+    it, the rest are the one token each forward makes final; per-block sources add up."""
+    table = NgramTable.build([list(PLAIN.prompt + PLAIN.continuation)], min_count=1, min_share=0.0)
+    events = []
+    out = jacobi_decode(ScriptedLM(scripted_rule(PLAIN)), torch.tensor([PLAIN.prompt]), block_size=8,
+                        max_new_tokens=32, guess="random", generator=torch.Generator().manual_seed(0),
+                        draft_table=table, on_iteration=events.append)
+    sources = out.stats.sources
+    assert set(sources) == {"ar", "table"} and sum(sources.values()) == 32
+    assert out.forward_passes - 1 <= sources["ar"] <= out.forward_passes  # one per forward (the last may be cut)
+    per_block = [s for e in events if e.converged for s in e.sources]  # each block's final tokens
+    assert len(per_block) == 32 and {s: per_block.count(s) for s in sources} == sources

@@ -25,8 +25,9 @@ Token ids only: the engine knows nothing of tokenizers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -37,6 +38,13 @@ from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 GUESSES = ("prompt", "repeat", "random", "lookup")
+# The setting `cllm generate / chat / serve / bench` decode with by default: the fastest measured
+# on the 2-core CPU here (benchmarks/). `jacobi_decode`'s own defaults are the paper's plain
+# Jacobi (n = 16, no drafts); `jacobi_decode(model, ids, **RECOMMENDED, draft_table=table)` is the
+# CLI's (`cllm.models.load_for_decoding` brings the table too). On a GPU, where a wide step costs
+# about a narrow one, a larger block and no budget may pay (block_size=16, recycle_budget=None).
+RECOMMENDED: Mapping[str, int | None] = MappingProxyType(dict(
+    block_size=4, recycle=8, recycle_width=16, recycle_min_ngram=2, recycle_budget=24, blocks_in_flight=1))
 LOOKUP_NGRAM = 3  # the "lookup" guess matches the last 3, else 2, else 1 tokens
 RECENT_STATES = 8  # recycling: the n-gram pool remembers this many recent Jacobi states
 
@@ -51,6 +59,15 @@ class IterationEvent:
     state: tuple[int, ...]  # the whole block state; length = this block's size (<= block_size)
     committed: int  # how many leading tokens of `state` are final
     converged: bool  # True on the block's last event: state[:committed] is the fixed point
+    # where each final token (state[:committed]) came from, one of SOURCES
+    sources: tuple[str, ...] = ()
+
+
+# Where a final token came from. Every forward makes one token final as greedy decoding would
+# ("ar": the prediction after the last verified token); the others were drafts it verified:
+# an earlier update's output ("jacobi"), a recycled n-gram ("pool"), the model's draft table
+# ("table"), or the block's initial guess ("guess").
+SOURCES = ("ar", "jacobi", "pool", "table", "guess")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +166,7 @@ class _Block:
     start: int  # index of its first token among the row's new tokens
     state: list[int]
     committed: int  # leading tokens of `state` that are final
+    origin: list[str] = field(default_factory=list)  # per state position: where its token came from
     trajectory: list[tuple[int, ...]] = field(default_factory=list)
     # sampling only: per state position, the law its draft was drawn from (None: a guess)
     laws: list[torch.Tensor | None] = field(default_factory=list)
@@ -163,6 +181,7 @@ class _Row:
     recent: list[list[int]] = field(default_factory=list)  # recycling: recent Jacobi states
     ahead: list[int] = field(default_factory=list)  # multi-block: drafts of the blocks after this one
     known: list[int] = field(default_factory=list)  # final new tokens; the cache lacks the last
+    sources: list[str] = field(default_factory=list)  # per final new token: where it came from
     block: _Block | None = None
     next_block_start: int = 0
     blocks_opened: int = 0
@@ -195,22 +214,27 @@ def _tail(row: _Row) -> list[int]:
     return row.block.state[row.block.committed - 1 :] + row.ahead
 
 
-def _set_drafts(row: _Row, drafts: Sequence[int]) -> None:
+def _set_drafts(row: _Row, drafts: Sequence[int], source: str = "pool") -> None:
     """Overwrite the first len(drafts) draft positions of the tail (block, then ahead)."""
     block = row.block
     c, room = block.committed, len(block.state) - block.committed
     merged = list(drafts) + (block.state[c:] + row.ahead)[len(drafts) :]
+    for i, token in enumerate(merged[: min(room, len(drafts))]):  # a token the draft changed is the draft's
+        if token != block.state[c + i]:
+            block.origin[c + i] = source
     block.state = block.state[:c] + merged[:room]
     row.ahead = merged[room:]
 
 
-def _make_final(row: _Row, tokens: Sequence[int], cfg: _Settings) -> int:
-    """Append newly final tokens, cut at EOS and at the budget; returns how many were kept."""
+def _make_final(row: _Row, tokens: Sequence[int], cfg: _Settings, sources: Sequence[str] = ("ar",)) -> int:
+    """Append newly final tokens, cut at EOS and at the budget; returns how many were kept.
+    `sources[i]`: where tokens[i] came from (`SOURCES`)."""
     kept = 0
-    for token in tokens:
+    for token, source in zip(tokens, sources, strict=True):
         if row.done:
             break
         row.known.append(token)
+        row.sources.append(source)
         kept += 1
         row.done = token in cfg.eos or len(row.known) >= cfg.max_new_tokens
     return kept
@@ -229,6 +253,7 @@ def _record(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
             state=tuple(block.state),
             committed=block.committed,
             converged=converged,
+            sources=tuple(row.sources[block.start : block.start + block.committed]),
         )
         cfg.on_iteration(event)
     if converged:
@@ -248,6 +273,7 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
         drafted = row.ahead[len(final) : size] if row.ahead else []
         row.ahead = row.ahead[size:]
         need = size - len(final) - len(drafted)
+        from_ahead = len(drafted)
         if cfg.draft_table is not None and need:  # the table's continuation first, then `guess`
             drafted += cfg.draft_table.continuation(row.prompt_list + row.known[: start + len(final)] + drafted, need)
         guess = make_guess(
@@ -259,8 +285,10 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
             generator=row.generator,
             history=row.prompt_list + row.known[: start + len(final)] if cfg.guess == "lookup" else (),
         )
+        origin = (["ar"] * len(final) + ["jacobi"] * from_ahead + ["table"] * (len(drafted) - from_ahead)
+                  + ["guess"] * len(guess))  # the final ones' sources are in row.sources already
         row.block = _Block(index=row.blocks_opened, start=start, state=[*final, *drafted, *guess],
-                           committed=len(final), laws=[None] * size)
+                           committed=len(final), origin=origin, laws=[None] * size)
         row.blocks_opened += 1
         row.next_block_start = start + size
         if cfg.blocks_in_flight > 1:  # keep (blocks_in_flight - 1) blocks of drafts behind it
@@ -302,23 +330,29 @@ def _sampled_outputs(row: _Row, probs: torch.Tensor) -> tuple[list[int], list[to
 
 
 def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
-             fresh_laws: list[torch.Tensor] | None = None, accepted: int | None = None) -> int:
+             fresh_laws: list[torch.Tensor] | None = None, accepted: int | None = None,
+             draft_source: str | None = None) -> int:
     """Apply one forward's outputs (argmax, or sampling's `verify_drafts`) for this row's tail;
     returns the fed tokens to keep. `accepted`, when given, caps what is final (a recycled
-    draft's outputs are valid only along its own branch)."""
+    draft's outputs are valid only along its own branch); `draft_source`: where that draft came
+    from, when it was verified between blocks (no block holds its tokens)."""
     tail = _tail(row)
+    block = row.block
     # 1. fast-forward: the leading fed tokens that equal their predictions are final, and so is
-    #    the output after the last of them
+    #    the output after the last of them (the one token a forward always makes final)
     if accepted is None:
         accepted = accepted_length(tail, outputs)
-    stats.count(row.index, _make_final(row, outputs[:accepted], cfg))
+    c = block.committed if block is not None else 0
+    sources = [draft_source if block is None else block.origin[c + j] if c + j < len(block.state) else "jacobi"
+               for j in range(accepted - 1)] + ["ar"]  # tail[j + 1] is state[c + j], then blocks in flight
+    stats.count(row.index, _make_final(row, outputs[:accepted], cfg, sources))
     # 2. Jacobi update of the block, then log it (a carry step between blocks has no block)
-    block = row.block
     if block is not None:
         old_committed = block.committed
         room = len(block.state) - old_committed  # outputs[room + j] is predicted for ahead[j]
         row.ahead = list(outputs[room : room + len(row.ahead)])
         block.state = jacobi_update(block.state, block.committed, outputs)
+        block.origin = block.origin[:old_committed] + ["jacobi"] * room
         block.committed = min(len(row.known) - block.start, len(block.state))
         if cfg.blocks_in_flight == 1 and block.committed < len(block.state):
             row.ahead = []  # a recycled draft's surplus waits only for the next block, not fed again
@@ -452,10 +486,10 @@ def _step_recycling(
     drafts as branches of one token trie (shared prefixes fed once); the longest path whose
     tokens all equal their predictions is final, its KV entries are kept, and the branch it
     lies on becomes the block's new tail."""
-    tries, plain = [], True
+    tries, branch_kinds, plain = [], [], True
     for row in rows:
         tail = _tail(row)
-        drafts = []
+        drafts, kinds = [], ["jacobi"]  # per branch: where its tokens came from
         # a draft may reach past the tail (its surplus rides as drafts of the next block); between
         # blocks (the tail is the last final token alone) drafts start the next block, unless
         # blocks in flight already hold its drafts
@@ -465,11 +499,14 @@ def _step_recycling(
             drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
                       if d != tail[1 : 1 + len(d)]][: cfg.recycle]
+            kinds += ["pool"] * len(drafts)
             if cfg.draft_table is not None:  # one more branch: the table's chain, a block long
                 d = cfg.draft_table.continuation(history, min(width, cfg.block_size))
                 if d and d != tail[1 : 1 + len(d)] and d not in drafts:
                     drafts.append(d)
+                    kinds.append("table")
         tries.append(_Trie.build(tail, drafts, cfg.recycle_budget))
+        branch_kinds.append(kinds)
         plain = plain and len(tries[-1].tokens) == len(tail)
     if plain:  # no draft added a token: a plain Jacobi step (causal, no tree mask to build)
         _step(model, rc, rows, cfg, stats)
@@ -489,13 +526,14 @@ def _step_recycling(
         # the first branch (the tail's, else a draft's) the accepted path lies on: its tokens
         # become the tail, its outputs the next state
         tail_path = trie.path(trie.leaves[0])
-        branch = next(p for p in (tail_path, *map(trie.path, trie.leaves[1:])) if accepted[-1] in p)
+        b, branch = next((b, p) for b, p in enumerate((tail_path, *map(trie.path, trie.leaves[1:])))
+                         if accepted[-1] in p)
         outputs = [out[r][i] for i in branch] + [out[r][i] for i in tail_path[len(branch) :]]
         if row.block is None:  # between blocks: the branch's outputs draft the next block
             row.ahead = outputs
-        elif branch[-1] != tail_path[-1]:
-            _set_drafts(row, [trie.tokens[i] for i in branch[1:]])
-        _advance(row, outputs, cfg, stats, accepted=len(accepted))
+        elif b > 0:
+            _set_drafts(row, [trie.tokens[i] for i in branch[1:]], branch_kinds[r][b])
+        _advance(row, outputs, cfg, stats, accepted=len(accepted), draft_source=branch_kinds[r][b])
         kept.append(accepted)
     kv.commit_kept(rc, kept, fed=L)
 
@@ -567,9 +605,14 @@ def jacobi_decode(
             its chained continuation (then `guess`), and with recycling its continuation (up
             to a block long) is verified as one more draft. Speed only: the output is unchanged.
 
+    The defaults are the paper's plain Jacobi decoding. The CLI's faster setting (n = 4, 8
+    recycled drafts, the model's draft table) is `jacobi_decode(model, ids, **RECOMMENDED,
+    draft_table=table)`, or in one call from a model's name, `fast = load_for_decoding(name)`
+    then `jacobi_decode(fast.model, ids, **fast.settings)` (`cllm.models`).
+
     Returns:
         DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
-        fast-forwarded and stationary tokens).
+        fast-forwarded and stationary tokens, where the tokens came from).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -645,4 +688,5 @@ def jacobi_decode(
 
     new_tokens = [row.known for row in rows]
     stats.new_tokens = sum(len(t) for t in new_tokens)
+    stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
     return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)

@@ -77,6 +77,9 @@ class DecodeStats:
     # per forward after the prefill: tokens fed per row (the batch's width, padding included);
     # a step's cost grows with it (t(k) in REFERENCE.md's bound)
     fed: list[int] = field(default_factory=list)
+    # Jacobi only: new tokens by where they came from (`jacobi.SOURCES`: "ar", "jacobi", "pool",
+    # "table", "guess"); what makes a method fast
+    sources: dict[str, int] = field(default_factory=dict)
 
     @property
     def row_forwards(self) -> int:
