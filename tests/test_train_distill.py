@@ -266,3 +266,16 @@ def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world,
     # with references, auto means the labels
     train(config(world, tmp_path / "out2", max_steps=2, eval_count=0))
     assert json.loads((tmp_path / "out2" / "train_config.json").read_text())["ar_target"] == "labels"
+
+
+def test_copy_positions_are_targets_a_wrong_state_token_before_them_already_shows():
+    from cllm.train import copy_positions
+
+    fixed = torch.tensor([[1, 2, 3, 4, 5]])
+    shifted = torch.tensor([[1, 3, 4, 5, 9]])  # the fixed point shifted left by one after a wrong token
+    assert copy_positions(shifted, fixed).tolist() == [[False, False, True, True, True]]
+    # a correct token before a target is no shortcut, even when the fixed point repeats it
+    assert not copy_positions(torch.tensor([[7, 7, 0, 0]]), torch.tensor([[7, 7, 7, 7]]))[0, :2].any()
+    assert copy_positions(torch.tensor([[1, 9, 9, 9, 9]]), fixed, reach=2).sum() == 0
+    two_back = torch.tensor([[1, 4, 8, 8, 8]])  # y*_3 = 4 sits wrong two positions back
+    assert copy_positions(two_back, fixed).tolist() == [[False, False, False, True, False]]

@@ -93,6 +93,7 @@ class DistillConfig:
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
     drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
+    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no target that a wrong state token just before it already shows (train --skip-copies)"})
     cut_loops: bool = field(default=False, metadata={"help": "rounds 2+ keep every block but count no consistency target that continues a loop (train --cut-loops); use with --drop-loops false"})
     accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k (earlier data kept, never replaced); false: round k's alone"})
     # evaluation
@@ -147,7 +148,7 @@ class DistillConfig:
             kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
             rollout_temperature=self.rollout_temperature, rollout_policy=self.rollout_policy, cut_loops=self.cut_loops and round_ > 1,
-            state_schedule=self.state_schedule, select=self.select,
+            state_schedule=self.state_schedule, select=self.select, skip_copies=self.skip_copies,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
             ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,

@@ -123,6 +123,7 @@ class TrainConfig:
     augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one (default: all, the reference)"})
     state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a record train: uniformly drawn (the reference), or Jacobi Forcing's progressive schedule: block j of a prompt aims at noise linspace(0, 1, 16)[j mod 16] (noise = the fraction of the block's tokens not yet at the fixed point) and takes the states nearest to it"})
+    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no position whose target equals one of the two state tokens before it while that token is wrong: copying a wrong input token forward is the shortcut that teaches repetition"})
     cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own repetitions are cut out of its targets, the rest of the prompt kept"})
     states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
@@ -283,6 +284,21 @@ def pick_states(draws: torch.Tensor, num_states: torch.Tensor, k: int) -> tuple[
     return picks, exists
 
 
+def copy_positions(state: torch.Tensor, fixed_point: torch.Tensor, reach: int = 2) -> torch.Tensor:
+    """(R, N) bool: positions i whose target y*_i equals a *wrong* state token at i - 1 .. i - reach.
+
+    A Jacobi state often holds the fixed point's tokens shifted by a position or two; learning
+    y*_i there can be done by copying the wrong token before it, a shortcut that also fires on
+    clean text and makes the model repeat itself.
+    """
+    out = torch.zeros_like(state, dtype=torch.bool)
+    for d in range(1, reach + 1):
+        before = state[:, :-d]  # the state token d positions back
+        wrong = before != fixed_point[:, :-d]
+        out[:, d:] |= wrong & (before == fixed_point[:, d:])
+    return out
+
+
 def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
     """(B, width) bool: block positions whose token ends a loop of the generated text so far."""
     from cllm.quality import ends_in_loop
@@ -339,6 +355,8 @@ def make_micro_batch(
     fixed = b.fixed_point[owner]
     if config.cut_loops:  # positions that continue a loop are no consistency target
         valid = valid & ~loop_positions(records, b.fixed_point.shape[1])[owner]
+    if config.skip_copies:
+        valid = valid & ~copy_positions(state, fixed)
     return MicroBatch(
         fixed_point=Rows(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
         state=state, next_state=next_state, owner=owner,
