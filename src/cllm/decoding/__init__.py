@@ -5,8 +5,8 @@ Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
-from cllm.decoding.jacobi import RECOMMENDED, IterationEvent, jacobi_decode
+from cllm.decoding.jacobi import RECOMMENDED, BatchDecoder, IterationEvent, jacobi_decode
 from cllm.decoding.sampling import sample_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["RECOMMENDED", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
+__all__ = ["RECOMMENDED", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]

@@ -212,6 +212,37 @@ def select_rows(rc: RowCache, rows: list[int]) -> None:
     maybe_compact(rc)
 
 
+def append_rows(rc: RowCache, other: RowCache) -> None:
+    """Append `other`'s rows after `rc`'s (new rows joining a running batch), in place. The
+    shorter of the two is left-padded with hidden entries: positions are logical, so every row
+    reads exactly as before."""
+    S = max(rc.physical_length, other.physical_length)
+    device = _cache_device(rc)
+    masks = []
+    for part in (rc, other):  # (B, S) validity of each, left-padded with hidden entries
+        valid = part.valid
+        if valid is None:
+            valid = torch.ones(len(part.lengths), part.physical_length, dtype=torch.bool, device=device)
+        pad = torch.zeros(valid.shape[0], S - valid.shape[1], dtype=torch.bool, device=device)
+        masks.append(torch.cat([pad, valid.to(device)], dim=1))
+    for mine, theirs in zip(rc.kv.layers, other.kv.layers, strict=True):
+        if getattr(mine, "keys", None) is None or mine.keys.numel() == 0:
+            continue  # a layer that holds nothing (e.g. one that shares another's KV)
+        mine.keys = torch.cat([_left_pad_time(mine.keys, S), _left_pad_time(theirs.keys, S)])
+        mine.values = torch.cat([_left_pad_time(mine.values, S), _left_pad_time(theirs.values, S)])
+    valid = torch.cat(masks)  # (B + B', S)
+    rc.valid = None if bool(valid.all()) else valid
+    rc.lengths = rc.lengths + other.lengths
+
+
+def _left_pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x (B, H, S, D) -> (B, H, length, D), zeros before the entries."""
+    B, H, S, D = x.shape
+    if S == length:
+        return x
+    return torch.cat([x.new_zeros(B, H, length - S, D), x], dim=2)
+
+
 def fork_rows(rc: RowCache, index: torch.Tensor, *, detach: bool = False) -> RowCache:
     """A new cache whose row i is a copy of `rc`'s row ``index[i]`` (rows may repeat); `rc` is
     left as it was. Differentiable unless `detach`: training runs one forward over shared

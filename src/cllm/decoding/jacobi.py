@@ -26,13 +26,13 @@ Token ids only: the engine knows nothing of tokenizers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
 
 from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt
 from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
@@ -177,6 +177,7 @@ class _Row:
     index: int  # batch row
     prompt_tokens: torch.Tensor  # (T_r,) on the CPU, for the "prompt" guess
     generator: torch.Generator | None
+    max_new_tokens: int  # this row's budget (rows of a batch may differ)
     prompt_list: list[int] = field(default_factory=list)  # the same as a list, for "lookup"
     recent: list[list[int]] = field(default_factory=list)  # recycling: recent Jacobi states
     ahead: list[int] = field(default_factory=list)  # multi-block: drafts of the blocks after this one
@@ -185,13 +186,13 @@ class _Row:
     block: _Block | None = None
     next_block_start: int = 0
     blocks_opened: int = 0
+    forwards: int = 0  # forward passes this row took part in, its prefill included
     done: bool = False
 
 
 @dataclass(frozen=True)
 class _Settings:
     block_size: int
-    max_new_tokens: int
     eos: frozenset[int]
     guess: str
     vocab_size: int
@@ -236,7 +237,7 @@ def _make_final(row: _Row, tokens: Sequence[int], cfg: _Settings, sources: Seque
         row.known.append(token)
         row.sources.append(source)
         kept += 1
-        row.done = token in cfg.eos or len(row.known) >= cfg.max_new_tokens
+        row.done = token in cfg.eos or len(row.known) >= row.max_new_tokens
     return kept
 
 
@@ -267,7 +268,7 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
     then guesses; log iteration 0."""
     while row.block is None and len(row.known) > row.next_block_start:
         start = row.next_block_start
-        size = min(cfg.block_size, cfg.max_new_tokens - start)
+        size = min(cfg.block_size, row.max_new_tokens - start)
         final = row.known[start : start + size]
         # `ahead` drafted the new tokens from `start` on; the final ones replace their drafts
         drafted = row.ahead[len(final) : size] if row.ahead else []
@@ -292,7 +293,7 @@ def _open_blocks(row: _Row, cfg: _Settings, stats: DecodeStats) -> None:
         row.blocks_opened += 1
         row.next_block_start = start + size
         if cfg.blocks_in_flight > 1:  # keep (blocks_in_flight - 1) blocks of drafts behind it
-            want = min((cfg.blocks_in_flight - 1) * cfg.block_size, cfg.max_new_tokens - start - size)
+            want = min((cfg.blocks_in_flight - 1) * cfg.block_size, row.max_new_tokens - start - size)
             row.ahead = row.ahead[:want]
             row.ahead += make_guess(cfg.guess, want - len(row.ahead), last_token=row.block.state[-1],
                                     prompt_tokens=row.prompt_tokens, vocab_size=cfg.vocab_size,
@@ -494,7 +495,7 @@ def _step_recycling(
         # blocks (the tail is the last final token alone) drafts start the next block, unless
         # blocks in flight already hold its drafts
         if row.block is not None or cfg.blocks_in_flight == 1:
-            width = min(cfg.recycle_width, cfg.max_new_tokens - len(row.known))
+            width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
             history = row.prompt_list + row.known
             drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1,
                                                  min_ngram=cfg.recycle_min_ngram, halve_shorter=True)
@@ -614,79 +615,214 @@ def jacobi_decode(
         DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
         fast-forwarded and stationary tokens, where the tokens came from).
     """
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if guess not in GUESSES:
-        raise ValueError(f"unknown guess {guess!r}; expected one of {', '.join(GUESSES)}")
-    sampling = make_sampling(temperature, top_k, top_p)
-    if not isinstance(recycle, int) or recycle < 0:
-        raise ValueError(f"recycle must be an int >= 0, got {recycle!r}")
-    if not isinstance(recycle_width, int) or recycle_width < 1:
-        raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
-    if not isinstance(recycle_min_ngram, int) or not 1 <= recycle_min_ngram <= LOOKUP_NGRAM:
-        raise ValueError(f"recycle_min_ngram must be an int from 1 to {LOOKUP_NGRAM}, got {recycle_min_ngram!r}")
-    if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
-        raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
-    if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
-        raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
-    if blocks_in_flight > 1 and sampling is not None:
-        raise ValueError("blocks_in_flight is for greedy decoding")
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
-    B = prompt.batch_size
-    generators = _generators(generator, B)
-    stats = DecodeStats()
-    if max_new_tokens == 0:
-        return DecodeOutput(new_tokens=[[] for _ in range(B)], forward_passes=0, stats=stats)
-
-    # 1. prefill: the prompt's last logits give every row its first block's first token
-    rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
-    stats.forward_passes = 1
-    cfg = _Settings(
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        eos=eos_set(eos_token_id),
-        guess=guess,
-        vocab_size=logits.shape[-1],
-        device=prompt.input_ids.device,
-        on_iteration=on_iteration,
-        sampling=sampling,
-        recycle=recycle,
-        recycle_width=recycle_width,
-        recycle_min_ngram=recycle_min_ngram,
-        recycle_budget=recycle_budget,
-        blocks_in_flight=blocks_in_flight,
-        draft_table=draft_table,
+    decoder = BatchDecoder(
+        model, block_size=block_size, eos_token_id=eos_token_id, guess=guess,
+        on_iteration=on_iteration, temperature=temperature, top_k=top_k, top_p=top_p,
+        recycle=recycle, recycle_width=recycle_width, recycle_min_ngram=recycle_min_ngram,
+        recycle_budget=recycle_budget, blocks_in_flight=blocks_in_flight, draft_table=draft_table,
     )
-    rows = [
-        _Row(index=r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
-             prompt_list=prompt.row_tokens(r).tolist() if guess == "lookup" or recycle or draft_table is not None else [])
-        for r in range(B)
-    ]
-    if sampling is None:
-        firsts = logits.argmax(dim=-1).tolist()
-    else:
-        firsts = [draw(p, row.generator) for p, row in zip(sampling.probs(logits), rows, strict=True)]
-    for row, token in zip(rows, firsts, strict=True):
-        stats.count(row.index, _make_final(row, [token], cfg))
-        _open_blocks(row, cfg, stats)
-
+    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    if max_new_tokens == 0:  # nothing to decode: no prefill
+        _generators(generator, prompt.batch_size)
+        return DecodeOutput(new_tokens=[[] for _ in range(prompt.batch_size)], forward_passes=0,
+                            stats=DecodeStats())
+    # 1. prefill: the prompt's last logits give every row its first block's first token
+    rows = decoder.add(input_ids, attention_mask, max_new_tokens=max_new_tokens, generator=generator)
     # 2. iterate: one batched forward per step; finished rows leave the batch (and the cache)
-    active = rows
-    while True:
-        still = [i for i, row in enumerate(active) if not row.done]
-        if not still:
-            break
-        if len(still) < len(active):
-            kv.select_rows(rc, still)
-            active = [active[i] for i in still]
-        else:
-            kv.maybe_compact(rc)
-        if cfg.recycle and cfg.sampling is None:
-            _step_recycling(model, rc, active, cfg, stats)
-        else:
-            _step(model, rc, active, cfg, stats)
+    while decoder.step():
+        pass
+    return decoder.finish(rows)
 
-    new_tokens = [row.known for row in rows]
-    stats.new_tokens = sum(len(t) for t in new_tokens)
-    stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
-    return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)
+
+class BatchDecoder:
+    """Jacobi decoding of a batch that rows join and leave between steps (continuous batching).
+
+    `add` prefills new prompts (one forward for all of them) and appends them to the running
+    batch; `step` is one batched forward in which every unfinished row advances by its own
+    acceptance; `remove` takes a row out (finished or not), `finish` collects rows' outputs.
+    A row never sees its batch mates: its own cache entries, positions, budget and generator,
+    so its tokens are the ones it gets decoded alone (greedy: `greedy_decode`'s; sampling: the
+    same draws from the same seed). `jacobi_decode` is this object with every row added at once.
+
+    The settings are `jacobi_decode`'s (see its Args) and hold for every row: a server groups
+    requests that differ in them (greedy vs sampled, block size) into separate decoders.
+
+        decoder = BatchDecoder(model, block_size=4, eos_token_id=eos)
+        a, = decoder.add(prompt_a, max_new_tokens=64)
+        decoder.step()
+        b, = decoder.add(prompt_b, max_new_tokens=16)  # joins at the next step
+        while decoder.step(): ...
+        decoder.tokens(a), decoder.tokens(b)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        block_size: int = 16,
+        eos_token_id: int | Iterable[int] | None = None,
+        guess: str = "prompt",
+        on_iteration: Callable[[IterationEvent], None] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        recycle: int = 0,
+        recycle_width: int = 16,
+        recycle_min_ngram: int = 2,
+        recycle_budget: int | None = 24,
+        blocks_in_flight: int = 1,
+        draft_table: NgramTable | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if guess not in GUESSES:
+            raise ValueError(f"unknown guess {guess!r}; expected one of {', '.join(GUESSES)}")
+        sampling = make_sampling(temperature, top_k, top_p)
+        if not isinstance(recycle, int) or recycle < 0:
+            raise ValueError(f"recycle must be an int >= 0, got {recycle!r}")
+        if not isinstance(recycle_width, int) or recycle_width < 1:
+            raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
+        if not isinstance(recycle_min_ngram, int) or not 1 <= recycle_min_ngram <= LOOKUP_NGRAM:
+            raise ValueError(f"recycle_min_ngram must be an int from 1 to {LOOKUP_NGRAM}, got {recycle_min_ngram!r}")
+        if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
+            raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
+        if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
+            raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
+        if blocks_in_flight > 1 and sampling is not None:
+            raise ValueError("blocks_in_flight is for greedy decoding")
+        self.model = model
+        self.cfg = _Settings(
+            block_size=block_size,
+            eos=eos_set(eos_token_id),
+            guess=guess,
+            vocab_size=0,  # known from the first prefill's logits
+            device=model_device(model),
+            on_iteration=on_iteration,
+            sampling=sampling,
+            recycle=recycle,
+            recycle_width=recycle_width,
+            recycle_min_ngram=recycle_min_ngram,
+            recycle_budget=recycle_budget,
+            blocks_in_flight=blocks_in_flight,
+            draft_table=draft_table,
+        )
+        self.stats = DecodeStats()  # the counters since the last `take_stats`
+        self._rc: kv.RowCache | None = None  # the running batch's cache, rows as in `_active`
+        self._active: list[_Row] = []
+        self._rows: dict[int, _Row] = {}  # every row added and not yet finished / removed
+        self._next_id = 0
+
+    # -- rows in and out
+
+    @torch.inference_mode()
+    def add(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int | Sequence[int] = 128,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    ) -> list[int]:
+        """Prefill these prompts (B, T) (left-padded when they differ in length) in one forward
+        and append them to the batch; returns their row ids. Each row may have its own budget
+        (>= 1) and generator; they run from the next `step`."""
+        budgets = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != input_ids.shape[0] or not all(isinstance(m, int) and m >= 1 for m in budgets):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or one per row, got {max_new_tokens!r}")
+        prompt = prepare_prompt(self.model, input_ids, attention_mask, 0)
+        limit = position_limit(self.model)
+        for n, m in zip(prompt.lengths, budgets, strict=True):
+            if limit is not None and n + m > limit:
+                raise ValueError(f"prompt length {n} + max_new_tokens {m} exceeds the model's position limit {limit}")
+        B = prompt.batch_size
+        generators = _generators(generator, B)
+        cfg = self.cfg
+        rc, logits = kv.prefill(self.model, prompt.input_ids, prompt.attention_mask)
+        self.stats.forward_passes += 1
+        if not cfg.vocab_size:
+            cfg = self.cfg = replace(cfg, vocab_size=logits.shape[-1])
+        keep_list = cfg.guess == "lookup" or cfg.recycle or cfg.draft_table is not None
+        rows = [
+            _Row(index=self._next_id + r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
+                 max_new_tokens=budgets[r], prompt_list=prompt.row_tokens(r).tolist() if keep_list else [])
+            for r in range(B)
+        ]
+        self._next_id += B
+        if cfg.sampling is None:
+            firsts = logits.argmax(dim=-1).tolist()
+        else:
+            firsts = [draw(p, row.generator) for p, row in zip(cfg.sampling.probs(logits), rows, strict=True)]
+        for row, token in zip(rows, firsts, strict=True):
+            self.stats.count(row.index, _make_final(row, [token], cfg))
+            row.forwards = 1
+            _open_blocks(row, cfg, self.stats)
+            self._rows[row.index] = row
+        if self._rc is None:
+            self._rc, self._active = rc, rows
+        else:  # the newcomers' cache goes under the running rows' (left-padded to one length)
+            kv.append_rows(self._rc, rc)
+            self._active += rows
+        return [row.index for row in rows]
+
+    def remove(self, row_id: int) -> None:
+        """Take a row out now (e.g. its client went away): it stops decoding, its cache entries
+        go at the next step, and its tokens are forgotten."""
+        row = self._rows.pop(row_id)
+        row.done = True
+
+    def finish(self, row_ids: Sequence[int]) -> DecodeOutput:
+        """The finished rows' outputs (their new tokens, in order) with the counters since the
+        last `take_stats`; the rows are forgotten."""
+        rows = [self._rows.pop(r) for r in row_ids]
+        stats = self.take_stats()
+        stats.new_tokens = sum(len(row.known) for row in rows)
+        stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
+        return DecodeOutput(new_tokens=[row.known for row in rows], forward_passes=stats.forward_passes, stats=stats)
+
+    # -- what a caller reads between steps
+
+    def tokens(self, row_id: int) -> list[int]:
+        """The row's final new tokens so far (EOS included when produced); they never change."""
+        return self._rows[row_id].known
+
+    def done(self, row_id: int) -> bool:
+        """The row has its last token (EOS or its budget)."""
+        return self._rows[row_id].done
+
+    def forward_passes(self, row_id: int) -> int:
+        """Forwards the row took part in, its prefill included (its cost, were it alone)."""
+        return self._rows[row_id].forwards
+
+    @property
+    def running(self) -> int:
+        """Rows still decoding."""
+        return sum(not row.done for row in self._active)
+
+    def take_stats(self) -> DecodeStats:
+        """The counters since the last call, and start new ones (a long-running decoder would
+        otherwise keep growing them)."""
+        stats, self.stats = self.stats, DecodeStats()
+        return stats
+
+    # -- the batched loop
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One batched forward for every unfinished row; False (and no forward) when none is
+        left. Finished and removed rows leave the batch and the cache first."""
+        still = [i for i, row in enumerate(self._active) if not row.done]
+        if not still:
+            self._rc, self._active = None, []  # nothing running: the cache goes
+            return False
+        if len(still) < len(self._active):
+            kv.select_rows(self._rc, still)
+            self._active = [self._active[i] for i in still]
+        else:
+            kv.maybe_compact(self._rc)
+        if self.cfg.recycle and self.cfg.sampling is None:
+            _step_recycling(self.model, self._rc, self._active, self.cfg, self.stats)
+        else:
+            _step(self.model, self._rc, self._active, self.cfg, self.stats)
+        for row in self._active:
+            row.forwards += 1
+        return True
