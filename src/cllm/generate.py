@@ -216,19 +216,26 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
             raise _Halt
 
     device = next(model.parameters()).device
-    sampling = params.temperature > 0
     jacobi_decode(
-        model, input_ids.to(device),
-        block_size=params.block_size if params.method == "jacobi" else 1,
-        max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+        model, input_ids.to(device), max_new_tokens=params.max_new_tokens, eos_token_id=eos,
         generator=torch.Generator(device=device).manual_seed(params.seed or 0), on_iteration=hook,
+        **engine_settings(params, draft_table),
+    )
+
+
+def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:
+    """The engine's keyword settings for `params` (`jacobi_decode` / `BatchDecoder`), all but
+    the budget and the generator: "ar" is the engine with n = 1 and no drafts."""
+    jacobi, sampling = params.method == "jacobi", params.temperature > 0
+    return dict(
+        block_size=params.block_size if jacobi else 1,
         temperature=params.temperature,
         top_p=params.top_p if sampling and params.top_p < 1 else None,
         top_k=params.top_k if sampling else None,
-        recycle=params.recycle if params.method == "jacobi" else 0,
+        recycle=params.recycle if jacobi else 0,
         recycle_budget=params.recycle_budget or None,
-        blocks_in_flight=params.blocks_in_flight if params.method == "jacobi" and not sampling else 1,
-        draft_table=draft_table if params.method == "jacobi" else None,
+        blocks_in_flight=params.blocks_in_flight if jacobi and not sampling else 1,
+        draft_table=draft_table if jacobi else None,
     )
 
 

@@ -1,13 +1,24 @@
 """`cllm serve`: an OpenAI-compatible HTTP server over one model (FastAPI + uvicorn).
 
-Thin on purpose: requests are checked and turned into token ids and `DecodeParams` here, and
-decoded by `cllm.generate.complete`, the same code as `cllm generate`, so CLI and HTTP agree.
+Thin on purpose: requests are checked and turned into token ids and `DecodeParams` by
+`cllm.api`, and decoded by `cllm.batching.Scheduler`: one decode thread that batches
+concurrent requests continuously (they join the running batch between steps and leave when
+done), on the same engine and text streaming as `cllm generate`, so CLI and HTTP agree and a
+request's output does not depend on what else is being served. The event loop only parses,
+tokenizes (in a thread), queues and streams.
 
-Concurrency: one decode worker thread takes jobs from a bounded FIFO queue and decodes them one
-at a time, each with its own fresh KV cache (nothing is shared between requests, and greedy
-output does not depend on what else is being served). The event loop only parses, tokenizes,
-queues and streams; the worker hands text back to it with `call_soon_threadsafe`. A full queue
-answers 503; a client that goes away cancels its job at the next decoding step.
+Limits: request bodies over `--max-body-bytes` get 413 (Starlette's body-limit middleware,
+checked against Content-Length before the body is read, and while reading); a body that takes
+longer than `--read-timeout` to arrive gets 408; a prompt is bounded in characters before it is
+tokenized and in tokens after; a request that waits and decodes longer than
+`--request-timeout` is stopped (504); a full queue answers 503; a client that goes away
+(streamed or not) takes its row out of the batch before the next step; on SIGTERM / Ctrl-C,
+running requests get `--shutdown-grace` seconds to finish.
+
+Security: loopback by default; `--api-key` (or CLLM_API_KEY) is enforced as a bearer token on
+every /v1 route; bodies are accepted only as `Content-Type: application/json` (so a web page
+cannot send one as a "simple" cross-origin request); `--allowed-hosts` checks the Host header
+(Starlette's TrustedHostMiddleware); a 500 says nothing of the failure (it is logged).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE chunks ending with
 `data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics.
@@ -16,9 +27,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE chun
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
-import queue
+import os
+import socket
 import sys
 import threading
 import time
@@ -27,26 +41,40 @@ from collections import defaultdict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from cllm.api import (
+    ApiError,
+    PromptLimits,
+    chat_messages,
+    check_body,
+    check_prompt_ids,
+    completion_prompt,
+    parse_params,
+)
+from cllm.batching import Job, Overloaded, Scheduler
+from cllm.config import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.inputs import position_limit
-from cllm.generate import METHODS, Completion, DecodeParams, TextCodec, complete
+from cllm.generate import METHODS, Completion, TextCodec
 
 log = logging.getLogger(__name__)
-ROLES = ("system", "developer", "user", "assistant")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "CLLM_API_KEY"
 
 
 @dataclass
 class ServeConfig:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default; beyond it, set --api-key)"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
     served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the model dir's name)"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
@@ -58,7 +86,16 @@ class ServeConfig:
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
     max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
+    max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous batching); more wait in the queue"})
+    max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at most (bounds the KV cache); a request alone always runs"})
     queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the body is read"})
+    read_timeout: float = field(default=30.0, metadata={"help": "seconds a request body may take to arrive (408)"})
+    request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may wait and decode in all (504); 0: no limit"})
+    shutdown_grace: float = field(default=10.0, metadata={"help": "seconds running requests get to finish on SIGTERM / Ctrl-C"})
+    max_connections: int = field(default=1024, metadata={"help": "open connections at most (uvicorn's limit_concurrency: 503 beyond)"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": f"bearer token every /v1 request must send (default: the {API_KEY_ENV} environment variable, which keeps it out of the process list; unset: no check)"})
+    allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. localhost,127.0.0.1 (default: any)"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -71,201 +108,38 @@ class ServeConfig:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1:
             raise ValueError("--recycle and --recycle-budget must be >= 0, --blocks-in-flight >= 1")
-        for name in ("block_size", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size"):
+        for name in ("block_size", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size",
+                     "max_batch_size", "max_tokens_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("read_timeout", "request_timeout", "shutdown_grace"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.read_timeout == 0:
+            raise ValueError("--read-timeout must be > 0")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
 
     @property
     def model_id(self) -> str:
         return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
 
 
-class ApiError(Exception):
-    """A request the server refuses, with an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# ----------------------------------------------------------------------------------------------
-# Checking a request (pure: body -> token ids + DecodeParams, or ApiError)
-
-
-def _number(body: dict, name: str, default, *, lo: float, hi: float, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", param=name)
-    if not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
-    return value
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
-    return tuple(stop)
-
-
-def _unsupported(body: dict) -> None:
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        raise ApiError(400, "only n = 1 (one choice per request) is supported", param="n")
-    if body.get("echo") or body.get("logprobs") or body.get("suffix"):
-        raise ApiError(400, "echo, logprobs and suffix are not supported", param="logprobs")
-
-
-def parse_params(body: dict, cfg: ServeConfig, prompt_ids: list[int], position_limit: int | None,
-                 max_tokens_key: str = "max_tokens") -> DecodeParams:
-    _unsupported(body)
-    if len(prompt_ids) > cfg.max_prompt_tokens:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
-                       f"{cfg.max_prompt_tokens}", param="prompt", code="context_length_exceeded")
-    key = max_tokens_key if body.get(max_tokens_key) is not None else "max_tokens"
-    default = min(cfg.default_max_tokens, cfg.max_tokens_limit)
-    if position_limit is not None:  # an unset max_tokens shrinks to what the context leaves
-        default = max(1, min(default, position_limit - len(prompt_ids)))
-    max_tokens = _number(body, key, default, lo=1, hi=cfg.max_tokens_limit, integer=True)
-    if position_limit is not None and len(prompt_ids) + max_tokens > position_limit:
-        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                       f"the model's context of {position_limit} tokens", param=key,
-                       code="context_length_exceeded")
-    method = body.get("method", cfg.method)
-    if method not in METHODS:
-        raise ApiError(400, f"'method' must be one of {', '.join(METHODS)}", param="method")
-    seed = _number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True)
-    return DecodeParams(
-        method=method, block_size=cfg.block_size, max_new_tokens=max_tokens, stop=_stop(body),
-        recycle=cfg.recycle, recycle_budget=cfg.recycle_budget, blocks_in_flight=cfg.blocks_in_flight,
-        temperature=float(_number(body, "temperature", 0.0, lo=0.0, hi=2.0)),
-        top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)),
-        top_k=_number(body, "top_k", None, lo=1, hi=2**31 - 1, integer=True), seed=seed,
-    )
-
-
-def completion_prompt(body: dict, codec: TextCodec, vocab_size: int) -> list[int]:
-    """`prompt`: a string, token ids, or a list holding one of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = codec.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        ids = list(prompt)
-    elif prompt is None:
-        raise ApiError(400, "missing 'prompt'", param="prompt")
-    else:
-        raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
-    if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    return ids
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """`messages` as [{"role", "content": str}]; content parts of type text are joined."""
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "missing 'messages'", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] needs a 'role' among {', '.join(ROLES)}", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-            content = "".join(parts) if all(isinstance(p, str) for p in parts) else None
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be text", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# The decode worker
-
-
-@dataclass
-class Job:
-    prompt_ids: list[int]
-    params: DecodeParams
-    stream: bool
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("text"|"done"|"error", value)
-    cancelled: bool = False
-    queued_at: float = field(default_factory=time.perf_counter)
-    started_at: float = 0.0
-
-    def push(self, kind: str, value: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is gone (shutdown)
-            self.cancelled = True
-
-
-class DecodeWorker:
-    """One thread, one job at a time, in arrival order."""
-
-    def __init__(self, model, codec: TextCodec, queue_size: int, draft_table=None) -> None:
-        self.model, self.codec, self.draft_table = model, codec, draft_table
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self.thread = threading.Thread(target=self._run, name="cllm-decode", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise ApiError(503, "the server is busy (request queue full); retry later",
-                           type="server_error", code="overloaded") from None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        while True:  # fail what is still waiting, then let the thread finish its current job
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.push("error", ApiError(503, "the server is shutting down", type="server_error"))
-        self.jobs.put(None)
-        self.thread.join(timeout)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled:
-                continue
-            job.started_at = time.perf_counter()
-            try:
-                result = complete(self.model, self.codec, job.prompt_ids, job.params,
-                                  on_text=(lambda text, job=job: job.push("text", text)) if job.stream else None,
-                                  cancelled=lambda job=job: job.cancelled, draft_table=self.draft_table)
-            except Exception as exc:  # noqa: BLE001 - reported to the client, the worker lives on
-                log.exception("decode failed")
-                job.push("error", ApiError(500, f"decoding failed: {exc}", type="server_error"))
-            else:
-                job.push("done", result)
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Metrics:
-    """Counters since start; per decoder ("jacobi", "ar", "ar_sample")."""
+    """Counters since start; per decoder ("jacobi", "ar", "jacobi_sample", "ar_sample")."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -291,7 +165,7 @@ class Metrics:
             m["forward_passes"] += result.forward_passes
             m["decode_seconds"] += result.seconds
 
-    def snapshot(self, queued: int) -> dict:
+    def snapshot(self) -> dict:
         with self.lock:
             methods = {}
             for name, m in self.methods.items():
@@ -307,7 +181,7 @@ class Metrics:
                 "uptime_seconds": round(time.time() - self.started, 3),
                 "requests": sum(self.requests.values()), "requests_by_endpoint": dict(self.requests),
                 "errors": sum(self.errors.values()), "errors_by_status": {str(k): v for k, v in self.errors.items()},
-                "queued": queued, "methods": methods,
+                "methods": methods,
             }
 
 
@@ -322,14 +196,23 @@ def _usage(result: Completion) -> dict:
 
 
 def _cllm(result: Completion, job: Job) -> dict:
-    return {"method": result.method, "block_size": job.params.block_size if result.method == "jacobi" else 1,
+    return {"method": result.method, "block_size": job.params.block_size if result.method.startswith("jacobi") else 1,
             "forward_passes": result.forward_passes, "tokens_per_forward": result.tokens_per_forward,
             "decode_seconds": round(result.seconds, 6),
-            "queue_seconds": round(job.started_at - job.queued_at, 6)}
+            "queue_seconds": round(max(0.0, job.started_at - job.queued_at), 6)}
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _worker_error(reason: str, cfg: ServeConfig) -> ApiError:
+    if reason == "timeout":  # a retry would time out again: tell the openai client not to
+        return ApiError(504, f"the request did not finish within --request-timeout ({cfg.request_timeout:g} s)",
+                        type="server_error", code="timeout", headers={"x-should-retry": "false"})
+    if reason == "shutdown":
+        return ApiError(503, "the server is shutting down", type="server_error")
+    return ApiError(500, "internal error while decoding (logged by the server)", type="server_error")
 
 
 class Service:
@@ -337,52 +220,86 @@ class Service:
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, draft_table=None) -> None:
         self.cfg, self.codec = cfg, TextCodec(tokenizer)
-        self.context, self.vocab = position_limit(model), model.config.vocab_size
-        self.worker, self.metrics = DecodeWorker(model, self.codec, cfg.queue_size, draft_table), Metrics()
+        self.limits = PromptLimits.for_tokenizer(
+            tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
+            default_max_tokens=cfg.default_max_tokens, context=position_limit(model),
+            vocab_size=model.config.vocab_size)
+        # the decode thread detokenizes with its own copy: encoding a prompt never waits for it
+        self.scheduler = Scheduler(model, TextCodec(_copy(tokenizer)), draft_table=draft_table,
+                                   queue_size=cfg.queue_size, max_batch_size=cfg.max_batch_size,
+                                   max_tokens_in_flight=cfg.max_tokens_in_flight)
+        self.metrics = Metrics()
         self.names = {cfg.model_id, cfg.model}
 
-    def check_body(self, raw: bytes) -> dict:
+    async def read_body(self, request: Request) -> dict:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(415, "the body must be JSON sent with 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+        try:
+            raw = await asyncio.wait_for(request.body(), self.cfg.read_timeout)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.cfg.read_timeout:g} s") from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        model_name = body.get("model")
-        if model_name is not None and model_name not in self.names:
-            raise ApiError(404, f"the model '{model_name}' does not exist; this server serves "
-                           f"'{self.cfg.model_id}'", param="model", code="model_not_found")
-        if not isinstance(body.get("stream", False), bool):
-            raise ApiError(400, "'stream' must be true or false", param="stream")
-        return body
+        return check_body(body, self.names, self.cfg.model_id)
 
-    async def respond(self, body: dict, prompt_ids: list[int], chat: bool):
-        key = "max_completion_tokens" if chat else "max_tokens"
-        params = parse_params(body, self.cfg, prompt_ids, self.context, max_tokens_key=key)
-        job = Job(prompt_ids, params, bool(body.get("stream")), asyncio.get_running_loop())
-        self.worker.submit(job)
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        return check_prompt_ids(await asyncio.to_thread(self.codec.encode, prompt))
+
+    async def respond(self, request: Request, body: dict, prompt_ids: list[int], chat: bool):
+        cfg = self.cfg
+        params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, block_size=cfg.block_size,
+                              recycle=cfg.recycle, recycle_budget=cfg.recycle_budget,
+                              blocks_in_flight=cfg.blocks_in_flight,
+                              max_tokens_key="max_completion_tokens" if chat else "max_tokens")
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(kind: str, value) -> None:  # from the decode thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop is gone (shutdown)
+                job.cancelled = True
+
+        stream = bool(body.get("stream"))
+        deadline = time.monotonic() + cfg.request_timeout if cfg.request_timeout else None
+        job = Job(prompt_ids, params, on_event, stream_text=stream, deadline=deadline)
+        try:
+            self.scheduler.submit(job)
+        except Overloaded:
+            raise ApiError(503, "the server is busy (request queue full); retry later",
+                           type="server_error", code="overloaded") from None
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.cfg.model_id}
-        if job.stream:
+                "created": int(time.time()), "model": cfg.model_id}
+        if stream:
             options = body.get("stream_options")
             usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return StreamingResponse(self.stream(job, head, chat, usage), media_type="text/event-stream",
+            return StreamingResponse(self.stream(job, events, head, chat, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # a client that leaves stops the decode (Starlette does not cancel a plain handler)
+        watcher = asyncio.create_task(_on_disconnect(request, lambda: events.put_nowait(("gone", None))))
         try:
-            while (event := await job.events.get())[0] == "text":
+            while (event := await events.get())[0] == "text":
                 pass
         finally:
-            job.cancelled = True  # a no-op when done; stops the decode if the client left
+            watcher.cancel()
+            self.scheduler.cancel(job)  # a no-op when it is done
         kind, result = event
+        if kind == "gone":
+            return Response(status_code=499)  # nobody reads it; the access log shows it
         if kind == "error":
-            raise result
+            raise _worker_error(result, cfg)
         self.metrics.completed(result)
         choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text})
         return {**head, "choices": [choice], "usage": _usage(result), "cllm": _cllm(result, job)}
 
-    async def stream(self, job: Job, head: dict, chat: bool, include_usage: bool):
+    async def stream(self, job: Job, events: asyncio.Queue, head: dict, chat: bool, include_usage: bool):
         """SSE: OpenAI's chunks (a role chunk first for chat), the finish chunk, `[DONE]`."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -398,7 +315,7 @@ class Service:
             if chat:
                 yield _sse(chunk(None, role=True))
             while True:
-                kind, value = await job.events.get()
+                kind, value = await events.get()
                 if kind == "text":
                     yield _sse(chunk(value))
                     continue
@@ -408,33 +325,56 @@ class Service:
                     if include_usage:
                         yield _sse({**head, "choices": [], "usage": _usage(value)})
                 else:  # the status line has gone out already: the error travels as an event
-                    self.metrics.error(value.status)
-                    yield _sse(value.body())
+                    err = _worker_error(value, self.cfg)
+                    self.metrics.error(err.status)
+                    yield _sse(err.body())
                 break
             yield _sse("[DONE]")
         finally:
-            job.cancelled = True
+            self.scheduler.cancel(job)  # a client that left (Starlette cancels the stream)
+
+
+async def _on_disconnect(request: Request, callback) -> None:
+    """Call `callback` when the client disconnects (the body has been read: the next ASGI
+    message is the disconnect, or arrives when the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    callback()
+
+
+def _copy(tokenizer):
+    import copy
+
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared (behind its lock)
+        return tokenizer
 
 
 def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_table=None) -> FastAPI:
     """The FastAPI app serving `model` (Jacobi with `draft_table`, when given: `cllm drafts`);
-    its decode worker starts now and stops with the app."""
+    its decode thread starts now and stops with the app. The API key is `settings.api_key`,
+    else the CLLM_API_KEY environment variable."""
     cfg = settings or ServeConfig()
     service = Service(model, tokenizer, cfg, draft_table)
-    metrics, worker = service.metrics, service.worker
+    metrics, scheduler = service.metrics, service.scheduler
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="cllm", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=cfg.max_body_bytes)
+    if cfg.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts)
 
     def error_response(err: ApiError) -> JSONResponse:
         metrics.error(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, err: ApiError):
@@ -450,37 +390,70 @@ def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_tabl
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, err: Exception):
-        log.exception("request failed")
-        return error_response(ApiError(500, f"internal error: {err}", type="server_error"))
+        log.exception("request failed")  # the details stay in the server's log
+        return error_response(ApiError(500, "internal server error", type="server_error"))
 
-    @app.post("/v1/completions")
+    bearer = HTTPBearer(auto_error=False)
+
+    async def check_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
+        if api_key is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.post("/completions")
     async def completions(request: Request):
         metrics.request("/v1/completions")
-        body = service.check_body(await request.body())
-        return await service.respond(body, completion_prompt(body, service.codec, service.vocab), chat=False)
+        body = await service.read_body(request)
+        ids = await service.encode(completion_prompt(body, service.limits))
+        return await service.respond(request, body, ids, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         metrics.request("/v1/chat/completions")
-        body = service.check_body(await request.body())
-        ids = await asyncio.to_thread(service.codec.chat_ids, chat_messages(body))
-        return await service.respond(body, ids, chat=True)
+        body = await service.read_body(request)
+        messages = chat_messages(body, service.limits)
+        ids = check_prompt_ids(await asyncio.to_thread(service.codec.chat_ids, messages))
+        return await service.respond(request, body, ids, chat=True)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         metrics.request("/v1/models")
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model",
                                             "created": created, "owned_by": "cllm"}]}
 
+    app.include_router(v1)
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": cfg.model_id, "queued": worker.jobs.qsize()}
+        return {"status": "ok", "model": cfg.model_id, "queued": scheduler.waiting, "running": scheduler.running}
 
     @app.get("/metrics")
     async def get_metrics():
-        return metrics.snapshot(worker.jobs.qsize())
+        return {**metrics.snapshot(), "queued": scheduler.waiting, "running": scheduler.running,
+                "batching": scheduler.stats.snapshot()}
 
     return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), before anything slow: a taken port fails at once
+    (one line), and clients that connect while the model loads wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(config: ServeConfig) -> int:
@@ -491,15 +464,30 @@ def serve(config: ServeConfig) -> int:
 
     from cllm.models import load_draft_table, load_model, load_tokenizer
 
-    hf_logging.disable_progress_bar()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    tokenizer = load_tokenizer(config.model)
-    table = load_draft_table(config.model, config.draft_table)
-    model = load_model(config.model, dtype=config.dtype, device=config.device)
-    app = create_app(model, tokenizer, config, table)
+    sock = bind(config.host, config.port)
+    try:
+        hf_logging.disable_progress_bar()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        tokenizer = load_tokenizer(config.model)
+        table = load_draft_table(config.model, config.draft_table)
+        model = load_model(config.model, dtype=config.dtype, device=config.device)
+        app = create_app(model, tokenizer, config, table)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    keyed = bool(config.api_key or os.environ.get(API_KEY_ENV))
+    if not is_loopback(config.host) and not keyed:
+        print(f"cllm serve: warning: listening on {config.host}, beyond this machine, without an API key: "
+              f"anyone who can reach port {port} can use the model (set {API_KEY_ENV} or --api-key)",
+              file=sys.stderr, flush=True)
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
-    print(f"cllm serve: '{config.model_id}' on http://{config.host}:{config.port}/v1 "
-          f"(greedy: {config.method}, n = {config.block_size}{drafts})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    print(f"cllm serve: '{config.model_id}' on http://{config.host}:{port}/v1 "
+          f"(greedy: {config.method}, n = {config.block_size}{drafts}; batches up to {config.max_batch_size} "
+          f"requests{'; API key required' if keyed else ''})", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=config.log_level, access_log=False, limit_concurrency=config.max_connections,
+        timeout_graceful_shutdown=config.shutdown_grace))  # type: ignore[arg-type] - seconds, 0 = none
+    server.run(sockets=[sock])
     return 0

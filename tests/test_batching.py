@@ -1,0 +1,191 @@
+"""The continuous-batching scheduler (`cllm.batching`) on a tiny random model: concurrent jobs
+decode in one batch and each gets its single-request output (greedy: `greedy_decode`'s text;
+seeded sampling: what `complete` samples alone); the batch respects its size and token bounds;
+cancelled and timed-out jobs leave it; stopping fails what is left. A forward pre-hook (`Gate`)
+holds the decode thread at a chosen forward so that what happens between steps is exact."""
+
+import threading
+import time
+
+import pytest
+
+from cllm.batching import Job, Overloaded, Scheduler
+from cllm.generate import DecodeParams, TextCodec, complete
+from cllm.models import load_model
+from tests.test_generate import PROMPTS, Oracle, save_tiny_model
+
+ENGINE = dict(block_size=4, recycle=8, recycle_budget=24, seed=0)
+WAIT = 60  # seconds: a bound against hangs, never a speed requirement
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("batching") / "model")
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    return Oracle(model_dir)
+
+
+@pytest.fixture
+def model(model_dir):
+    return load_model(model_dir)  # its own copy: the tests hook its forward
+
+
+class Collector:
+    """A job's `on_event`: the text chunks, then the result or the error."""
+
+    def __init__(self) -> None:
+        self.chunks: list[str] = []
+        self.result = self.error = None
+        self.finished = threading.Event()
+
+    def __call__(self, kind, value) -> None:
+        if kind == "text":
+            self.chunks.append(value)
+            return
+        self.result, self.error = (value, None) if kind == "done" else (None, value)
+        self.finished.set()
+
+    def wait(self):
+        assert self.finished.wait(WAIT), "the job never finished"
+        return self
+
+
+class Gate:
+    """Counts the model's forwards; from forward `hold_at` on, each waits until `opened`."""
+
+    def __init__(self, model, hold_at: int) -> None:
+        self.count, self.hold_at = 0, hold_at
+        self.opened, self.reached = threading.Event(), threading.Event()
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        self.count += 1
+        if self.count >= self.hold_at and not self.opened.is_set():
+            self.reached.set()
+            self.opened.wait(WAIT)
+
+
+def job(prompt_ids, max_new_tokens=24, *, stream=False, **params) -> tuple[Job, Collector]:
+    events = Collector()
+    params = DecodeParams(max_new_tokens=max_new_tokens, **{**ENGINE, **params})
+    return Job(list(prompt_ids), params, events, stream_text=stream), events
+
+
+def submit_together(scheduler: Scheduler, jobs) -> None:
+    """Queue every job before the worker can admit any: they start in one batch."""
+    with scheduler._cond:
+        for j, _ in jobs:
+            scheduler.submit(j)
+
+
+def test_concurrent_jobs_share_the_batch_and_each_gets_its_greedy_text(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    prompts = [PROMPTS[i % 4] + " " * (i // 4) for i in range(12)]
+    jobs = [job(oracle.ids(p), 24 - i, method="ar" if i % 3 == 0 else "jacobi", stream=i % 2 == 0)
+            for i, p in enumerate(prompts)]
+    submit_together(scheduler, jobs)
+    for i, (j, events) in enumerate(jobs):
+        result = events.wait().result
+        assert result.text == oracle.text(prompts[i], max_new_tokens=24 - i), i
+        assert result.tokens == oracle.tokens(oracle.ids(prompts[i]), 24 - i)
+        if j.stream_text:
+            assert "".join(events.chunks) == result.text
+        assert 1 <= result.forward_passes <= len(result.tokens)
+    assert scheduler.stats.max_batch == 12 and scheduler.stats.prefills == 2  # one per group
+    assert scheduler.stats.steps < sum(len(e.result.tokens) for _, e in jobs)
+    scheduler.stop()
+
+
+def test_seeded_sampled_jobs_draw_what_they_draw_alone_whatever_runs_beside_them(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    sampled = dict(temperature=0.9, top_p=0.95)
+    jobs = [job(oracle.ids(p), **sampled, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    jobs += [job(oracle.ids(p)) for p in PROMPTS]  # greedy neighbours (another group)
+    submit_together(scheduler, jobs)
+    codec = TextCodec(oracle.tokenizer)
+    for i, p in enumerate(PROMPTS):
+        alone = complete(oracle.model, codec, oracle.ids(p), DecodeParams(max_new_tokens=24, **{**ENGINE, **sampled,
+                                                                                              "seed": 100 + i}))
+        assert jobs[i][1].wait().result.text == alone.text
+        assert jobs[4 + i][1].wait().result.text == oracle.text(p)
+    scheduler.stop()
+
+
+@pytest.mark.parametrize("bound", [dict(max_batch_size=3), dict(max_tokens_in_flight=70)])
+def test_the_batch_respects_its_size_and_token_bounds_and_serves_in_order(model, oracle, bound):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), **bound)
+    jobs = [job(oracle.ids(PROMPTS[i % 4]), 20) for i in range(8)]  # 3-5 prompt tokens + 20 each
+    submit_together(scheduler, jobs)
+    for i, (_, events) in enumerate(jobs):
+        assert events.wait().result.text == oracle.text(PROMPTS[i % 4], max_new_tokens=20)
+    assert 2 <= scheduler.stats.max_batch <= 3
+    started = [j.started_at for j, _ in jobs]
+    assert started == sorted(started)  # first come, first admitted
+    scheduler.stop()
+
+
+def test_a_cancelled_job_leaves_the_batch_before_the_next_forward(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    gate = Gate(model, hold_at=4)  # the prefill, two steps, then the decode thread waits
+    gone, stays = job(oracle.ids("def f(x):"), 60), job(oracle.ids("class A:"), 60)
+    submit_together(scheduler, [gone, stays])
+    assert gate.reached.wait(WAIT)
+    scheduler.cancel(gone[0])
+    gate.opened.set()
+    assert stays[1].wait().result.text == oracle.text("class A:", max_new_tokens=60)
+    assert not gone[1].finished.is_set() and scheduler.stats.cancelled == 1
+    assert len(stays[1].result.tokens) == 60 and stays[1].result.forward_passes < 60
+    scheduler.stop()
+
+
+def test_an_abandoned_job_alone_stops_decoding_at_once(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    gate = Gate(model, hold_at=3)
+    gone = job(oracle.ids("def f(x):"), 100, method="ar")
+    scheduler.submit(gone[0])
+    assert gate.reached.wait(WAIT)
+    scheduler.cancel(gone[0])
+    gate.opened.set()
+    deadline = time.monotonic() + WAIT
+    while scheduler.stats.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats.cancelled == 1 and gate.count == 3  # the forward it was in, no more
+    assert scheduler.running == 0 and not scheduler._groups  # its cache is gone too
+    scheduler.stop()
+
+
+def test_a_job_past_its_deadline_gets_a_timeout_waiting_or_running(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    gate = Gate(model, hold_at=2)
+    running, waiting = job(oracle.ids("def f(x):"), 60), job(oracle.ids("class A:"), 10)
+    scheduler.submit(running[0])
+    assert gate.reached.wait(WAIT)
+    waiting[0].deadline = time.monotonic() - 1
+    scheduler.submit(waiting[0])
+    running[0].deadline = time.monotonic() - 1
+    gate.opened.set()
+    assert running[1].wait().error == "timeout" and waiting[1].wait().error == "timeout"
+    assert scheduler.stats.timed_out == 2
+    scheduler.stop()
+
+
+def test_a_full_queue_refuses_and_stopping_fails_what_is_left(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), queue_size=2, max_batch_size=1)
+    gate = Gate(model, hold_at=2)
+    first = job(oracle.ids("def f(x):"), 60)
+    scheduler.submit(first[0])
+    assert gate.reached.wait(WAIT)
+    queued = [job(oracle.ids("class A:"), 5) for _ in range(2)]
+    for j, _ in queued:
+        scheduler.submit(j)
+    with pytest.raises(Overloaded):
+        scheduler.submit(job(oracle.ids("import re"), 5)[0])
+    threading.Timer(0.2, gate.opened.set).start()
+    scheduler.stop()
+    assert [e.wait().error for _, e in [first, *queued]] == ["shutdown"] * 3
+    late = job(oracle.ids("import re"), 5)
+    scheduler.submit(late[0])
+    assert late[1].wait().error == "shutdown"
