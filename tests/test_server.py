@@ -1,7 +1,10 @@
 """`cllm serve` as a real process on a loopback port, driven by the official `openai` client and
 by raw HTTP: greedy completions (Jacobi and AR, streamed or not) equal `greedy_decode`, 32
-concurrent requests all come back right, bad requests get a 4xx with an OpenAI-style message
-and the server keeps serving.
+concurrent requests are batched and all come back right, bad requests get a 4xx with an
+OpenAI-style message and the server keeps serving; an oversized body is a 413 and a slow one a
+408 while /health keeps answering. In-process (`create_app`, under TestClient or uvicorn in a
+thread): the API key, the Host check, 500s that say nothing, and an abandoned non-streamed
+request that stops decoding.
 """
 
 import json
@@ -9,21 +12,27 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
+import uvicorn
+from fastapi.testclient import TestClient
 
 from cllm.cli import main
 from cllm.generate import DecodeParams, TextCodec, complete
-from cllm.models import load_draft_table
-from cllm.server import ServeConfig, create_app
+from cllm.models import load_draft_table, load_model
+from cllm.server import ServeConfig, create_app, exposure_warning
+from tests.test_batching import Gate
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
 
 NEW, BLOCK, NAME = 24, 8, "tiny"
-LIMITS = {"max_tokens_limit": 64, "max_prompt_tokens": 48}
+LIMITS = {"max_tokens_limit": 64, "max_prompt_tokens": 48, "max_body_bytes": 65536, "read_timeout": 2}
+WAIT = 60  # seconds: a bound against hangs, never a speed requirement
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -60,7 +69,8 @@ def server(model_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "cllm.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", NAME, "--block-size", str(BLOCK), "--threads", "1",
            "--log-level", "warning", "--max-tokens-limit", str(LIMITS["max_tokens_limit"]),
-           "--max-prompt-tokens", str(LIMITS["max_prompt_tokens"])]
+           "--max-prompt-tokens", str(LIMITS["max_prompt_tokens"]),
+           "--max-body-bytes", str(LIMITS["max_body_bytes"]), "--read-timeout", str(LIMITS["read_timeout"])]
     proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -90,10 +100,10 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def post(server, path, body, **kwargs):
+def post(server, path, body, content_type="application/json", **kwargs):
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{server}{path}", content=content, timeout=60,
-                      headers={"Content-Type": "application/json"}, **kwargs)
+                      headers={"Content-Type": content_type}, **kwargs)
 
 
 def sse_events(server, path, body) -> list:
@@ -201,6 +211,8 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
     assert results == [expected[p] for p in prompts]
+    batching = httpx.get(f"{server}/metrics").json()["batching"]
+    assert batching["max_batch"] > 1 and batching["mean_batch"] > 1  # they were decoded together
 
 
 @pytest.mark.parametrize(
@@ -222,13 +234,74 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
         ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n = 1"),
         ("/v1/nowhere", {"prompt": "x"}, 404, "Not Found"),
+        ("/v1/completions", {"model": [NAME], "prompt": "x"}, 400, "'model' must be a string"),
+        ("/v1/chat/completions", {"model": {"id": NAME}, "messages": []}, 400, "'model' must be a string"),
+        ("/v1/completions", '{"prompt": "def f(x):\\ud800"}', 400, "lone surrogate"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "stream": true}', 400,
+         "lone surrogate"),
+        ("/v1/completions", {"prompt": "x" * 100_000}, 413, "Content Too Large"),
+        ("/v1/completions", {"prompt": [5] * 49}, 400, "at most 48"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "'stream'"),
     ],
 )
 def test_bad_request_gets_a_4xx_with_a_message_and_the_server_keeps_serving(server, oracle, path, body, status, words):
     r = post(server, path, body)
     assert r.status_code == status
-    error = r.json()["error"]
-    assert words in error["message"] and error["type"]
+    if status == 413 and not r.headers["content-type"].startswith("application/json"):
+        assert words in r.text  # Starlette's own answer to a declared length over the limit
+    else:
+        error = r.json()["error"]
+        assert words in error["message"] and error["type"]
+    assert_ok_afterwards(server, oracle)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_body_not_sent_as_application_json_is_a_415(server, oracle, content_type):
+    """A web page can make a browser send text/plain cross-origin without asking first."""
+    r = post(server, "/v1/completions", {"prompt": "import re", "max_tokens": 4}, content_type=content_type)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "import re", "max_tokens": 4},
+                content_type="application/json; charset=utf-8").status_code == 200
+
+
+def test_stream_null_and_empty_chat_content_are_served(server, oracle):
+    r = post(server, "/v1/completions", {"prompt": "import re", "max_tokens": NEW, "stream": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle.text("import re")
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
+    events = sse_events(server, "/v1/chat/completions", {"messages": messages, "max_tokens": NEW, "stream": True})
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == \
+        oracle.text(oracle.chat_ids(messages))
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def _raw(server) -> socket.socket:
+    host, port = server.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=WAIT)
+
+
+def _head(length: int | None) -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{size}\r\n\r\n").encode()
+
+
+def test_an_oversized_body_is_a_413_before_it_is_read_while_health_answers(server, oracle):
+    with _raw(server) as declared, _raw(server) as chunked:
+        declared.sendall(_head(100_000_000) + b'{"prompt": "' + b"x" * 4096)  # 100 MB announced, 4 KB sent
+        chunk = b"y" * 20_000
+        chunked.sendall(_head(None) + b"".join(b"%x\r\n%b\r\n" % (len(chunk), chunk) for _ in range(4)))
+        assert httpx.get(f"{server}/health", timeout=WAIT).json()["status"] == "ok"
+        assert declared.recv(4096).startswith(b"HTTP/1.1 413")
+        assert chunked.recv(4096).startswith(b"HTTP/1.1 413")
+    assert_ok_afterwards(server, oracle)
+
+
+def test_a_body_that_stops_arriving_is_a_408_after_the_read_timeout(server, oracle):
+    with _raw(server) as slow:
+        slow.sendall(_head(100) + b'{"prompt": ')  # 11 of 100 bytes, then nothing
+        assert httpx.get(f"{server}/health", timeout=WAIT).json()["status"] == "ok"
+        response = slow.recv(4096)
+    assert response.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in response
     assert_ok_afterwards(server, oracle)
 
 
@@ -296,3 +369,124 @@ def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_d
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = http.post("/v1/completions", json={"prompt": long_prompt})  # no max_tokens: what fits
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 28
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process: create_app under TestClient, or under uvicorn in a thread
+
+
+def _settings(model_dir, **kwargs) -> ServeConfig:
+    return ServeConfig(model=str(model_dir), served_model_name=NAME, **kwargs)
+
+
+@contextmanager
+def live(app):
+    """`app` served by uvicorn on a free loopback port, in a thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT)
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_the_api_key_is_enforced_on_every_v1_route_and_only_there(model_dir, oracle, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("CLLM_API_KEY", "s3cret")
+    settings = _settings(model_dir, api_key="s3cret" if how == "flag" else None)
+    body = {"prompt": "import re", "max_tokens": 8}
+    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            r = http.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert http.get("/v1/models").status_code == 401
+        assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 401
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        r = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle.text("import re", max_new_tokens=8)
+
+
+def test_the_openai_client_sends_its_api_key(model_dir, oracle):
+    with live(create_app(oracle.model, oracle.tokenizer, _settings(model_dir, api_key="k-1"))) as url:
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="k-1", max_retries=0, timeout=WAIT)
+        assert good.completions.create(model=NAME, prompt="class A:", max_tokens=NEW).choices[0].text == \
+            oracle.text("class A:")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="k-2", max_retries=0).models.list()
+
+
+def test_only_binding_beyond_loopback_without_a_key_warns():
+    assert exposure_warning("0.0.0.0", 8000, keyed=False) and "API key" in exposure_warning("0.0.0.0", 1, False)
+    assert exposure_warning("192.168.1.5", 8000, keyed=False)
+    assert exposure_warning("0.0.0.0", 8000, keyed=True) is None
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert exposure_warning(host, 8000, keyed=False) is None
+
+
+def test_allowed_hosts_refuse_another_host_header(model_dir, oracle):
+    settings = _settings(model_dir, allowed_hosts=["127.0.0.1", "localhost"])
+    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:
+        assert http.get("/health").status_code == 400  # TestClient's Host is "testserver"
+        assert http.get("/health", headers={"Host": "localhost:8000"}).status_code == 200
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Host": "evil.example"})
+        assert r.status_code == 400
+
+
+def test_a_500_says_nothing_of_the_failure_and_the_server_goes_on(model_dir, oracle, monkeypatch, caplog):
+    app = create_app(oracle.model, oracle.tokenizer, _settings(model_dir))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        def broken(messages):
+            raise RuntimeError("secret detail at /home/me/.cache/model")
+
+        monkeypatch.setattr(app.state.service.codec, "chat_ids", broken)
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal server error"
+        assert "secret" not in r.text and "secret detail" in caplog.text  # logged, not sent
+        r = http.post("/v1/completions", json={"prompt": "import re", "max_tokens": NEW})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle.text("import re")
+
+
+def test_chat_whose_messages_encode_to_nothing_is_a_400(tmp_path):
+    plain = save_tiny_model(tmp_path / "plain")  # no chat template: the messages' text concatenated
+    oracle = Oracle(plain)
+    with TestClient(create_app(oracle.model, oracle.tokenizer, _settings(plain))) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "stream": True})
+        assert r.status_code == 400 and "no tokens" in r.json()["error"]["message"]
+
+
+def test_an_abandoned_non_streamed_request_stops_decoding(model_dir, oracle):
+    model = load_model(model_dir)  # its own copy: the gate hooks its forward
+    gate = Gate(model, hold_at=4)  # the prefill and two steps pass, then the decode thread waits
+    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar"))
+    scheduler = app.state.service.scheduler
+    with live(app) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 100},
+                       timeout=httpx.Timeout(WAIT, read=1.0))
+        deadline = time.monotonic() + WAIT
+        while not any(j.cancelled for g in list(scheduler._groups.values()) for j in list(g.jobs.values())):
+            assert time.monotonic() < deadline, "the server never noticed the client leave"
+            time.sleep(0.02)
+        gate.opened.set()
+        while scheduler.stats.cancelled == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert gate.count == 4 and scheduler.running == 0  # not one forward more (100 without it)
+        assert httpx.get(f"{url}/health", timeout=WAIT).json()["running"] == 0
+
+
+def test_serve_on_a_taken_port_fails_at_once_in_one_line(model_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--model", str(model_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1

@@ -138,6 +138,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, port: int, keyed: bool) -> str | None:
+    """What to say when the server can be reached from other machines without a key."""
+    if keyed or is_loopback(host):
+        return None
+    return (f"listening on {host}, beyond this machine, without an API key: anyone who can reach "
+            f"port {port} can use the model (set {API_KEY_ENV} or --api-key)")
+
+
 class Metrics:
     """Counters since start; per decoder ("jacobi", "ar", "jacobi_sample", "ar_sample")."""
 
@@ -478,10 +486,9 @@ def serve(config: ServeConfig) -> int:
         raise
     port = sock.getsockname()[1]
     keyed = bool(config.api_key or os.environ.get(API_KEY_ENV))
-    if not is_loopback(config.host) and not keyed:
-        print(f"cllm serve: warning: listening on {config.host}, beyond this machine, without an API key: "
-              f"anyone who can reach port {port} can use the model (set {API_KEY_ENV} or --api-key)",
-              file=sys.stderr, flush=True)
+    warning = exposure_warning(config.host, port, keyed)
+    if warning:
+        print(f"cllm serve: warning: {warning}", file=sys.stderr, flush=True)
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{port}/v1 "
           f"(greedy: {config.method}, n = {config.block_size}{drafts}; batches up to {config.max_batch_size} "
