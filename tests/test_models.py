@@ -157,3 +157,45 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
         assert one.new_tokens == three.new_tokens and one.new_tokens[0] == generated.tokens
         assert one.forward_passes == three.forward_passes == generated.forward_passes
     assert load_for_decoding(model_dir, draft_table="none").settings["draft_table"] is None
+
+
+def _damage(path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"\x00garbage" * 64, "truncated": data[: len(data) // 2],
+                      "not json": b"{not json", "wrong json": b'{"a": 1}'}[how])
+
+
+@pytest.mark.parametrize("file, how, loader", [
+    ("model.safetensors", "garbage", "model"),
+    ("model.safetensors", "truncated", "model"),
+    ("config.json", "not json", "model"),
+    ("tokenizer.json", "not json", "tokenizer"),
+    ("tokenizer.json", "wrong json", "tokenizer"),
+    ("drafts/ngram.safetensors", "garbage", "table"),
+])
+def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path, file, how, loader):
+    from cllm.models import load_draft_table
+    from tests.test_generate import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "m")
+    (directory / "drafts").mkdir()
+    (directory / "drafts" / "ngram.safetensors").write_bytes(b"placeholder")
+    _damage(directory / file, how)
+    load = {"model": load_model, "tokenizer": load_tokenizer, "table": load_draft_table}[loader]
+    with pytest.raises(UserError) as info:
+        load(directory)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and file.split("/")[-1] in message, message
+
+
+def test_generate_and_serve_on_damaged_weights_exit_with_one_line_naming_the_file(tmp_path, capsys):
+    from cllm.cli import main
+    from tests.test_generate import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "m")
+    _damage(directory / "model.safetensors", "garbage")
+    capsys.readouterr()  # the save's progress bar
+    for command in (["generate", "--prompt", "x"], ["serve", "--port", "0"]):
+        assert main([*command, "--model", str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "model.safetensors is damaged" in err, err

@@ -152,7 +152,9 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:
-        raise UserError(f"cannot load tokenizer {path!r}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot load tokenizer {path!r}: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file (JSON, protobuf...): say which
+        raise UserError(f"cannot load tokenizer {path!r}: {_damage(path, exc, 'tokenizer.json')}") from None
 
 
 def load_model(
@@ -172,8 +174,48 @@ def load_model(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
     except OSError as exc:
-        raise UserError(f"cannot load model {path!r}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot load model {path!r}: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file (safetensors, JSON...): say which
+        raise UserError(f"cannot load model {path!r}: {_damage(path, exc)}") from None
     return model.to(device).eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _damage(path: str, exc: Exception, suspect: str | None = None) -> str:
+    """Name the checkpoint file that cannot be read (weights, config or tokenizer files), else
+    the `suspect` file when there is one, else say what failed. The files are only opened: a
+    safetensors header, a JSON document."""
+    folder = Path(path)
+    failure = f"{type(exc).__name__}: {_first_line(exc)}"
+    if folder.is_dir():
+        for file in sorted(folder.iterdir()):
+            problem = _unreadable(file)
+            if problem:
+                return f"{file} is damaged or not what its name says ({problem})"
+        if suspect and (folder / suspect).is_file():
+            return f"{folder / suspect} could not be read ({failure})"
+    return failure
+
+
+def _unreadable(file: Path) -> str | None:
+    """Why `file` cannot be read as what its suffix says, or None."""
+    import json
+
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        elif file.suffix == ".json":
+            json.loads(file.read_text(encoding="utf-8"))
+    except Exception as exc:  # noqa: BLE001 - any failure to parse is the answer
+        return _first_line(exc)
+    return None
 
 
 def fingerprint(path_or_model) -> str:
@@ -243,8 +285,8 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
             raise UserError(f"draft table not found: {file}")
     try:
         table = NgramTable.load(file)
-    except (ValueError, KeyError, OSError) as exc:
-        raise UserError(f"cannot read draft table {file}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one line naming it
+        raise UserError(f"cannot read draft table {file}: {_first_line(exc)}") from None
     built_for = table.meta.get("tokenizer")
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
