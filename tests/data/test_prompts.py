@@ -126,6 +126,31 @@ def test_missing_text_field_is_a_one_line_user_error(tmp_path):
     assert "'prompt'" in _one_line_user_error(path)
 
 
+def test_record_errors_name_the_files_line_counting_blank_lines_and_parquet_rows(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": "x"}\n{"text": "c"}\n')
+    assert f"{path}:4: no field 'prompt'" in _one_line_user_error(path)
+    path.write_text('{"prompt": "a", "id": 1}\n{"prompt": 2}\n')
+    assert f"{path}:2: a non-string 'prompt'" in _one_line_user_error(path)
+    path.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b", "id": 1}\n')
+    assert f"{path}:3: duplicate prompt id '1'" in _one_line_user_error(path)
+    table = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["a", None]}), table)
+    assert f"{table}, row 2:" in _one_line_user_error(table)
+
+
+def test_invalid_utf8_is_a_one_line_user_error_with_its_line_and_column(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 16)" in _one_line_user_error(path)
+
+
+def test_default_ids_are_unchanged_by_blank_lines_in_the_count(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert [p.id for p in load_prompts(path)] == ["p:0", "p:1"]
+
+
 def test_unsupported_suffix_and_duplicate_ids_are_user_errors(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nx\n")
     _one_line_user_error(tmp_path / "p.csv")

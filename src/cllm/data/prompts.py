@@ -168,33 +168,40 @@ def _humaneval_prompts() -> list[Prompt]:
 # ------------------------------------------------------------------------ user files
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    """(where, record) per non-blank line; `where` is "FILE:LINE" (1-based, as editors count)."""
     records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                f"{exc.start + 1})") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+                raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
             if not isinstance(record, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
+            records.append((f"{path}:{lineno}", record))
     return records
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # noqa: BLE001 - any reader error means a bad file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot read Parquet file {path}: {first}") from None
+    return [(f"{path}, row {i + 1}", row) for i, row in enumerate(rows)]
 
 
-def _read_records(path: Path) -> list[dict]:
+def _read_records(path: Path) -> list[tuple[str, dict]]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
         return _read_jsonl(path)
@@ -220,19 +227,19 @@ def _user_prompts(path: Path, text_field: str, split: str | None, id_field: str,
     filter_field = split is not None and path.is_file()
     prompts, seen = [], set()
     for file in files:
-        for i, record in enumerate(_read_records(file)):
+        for i, (where, record) in enumerate(_read_records(file)):
             if filter_field:
                 if "split" not in record:
-                    raise UserError(f"{file}: record {i} has no 'split' field to select {split!r} by")
+                    raise UserError(f"{where}: no 'split' field to select {split!r} by")
                 if record["split"] != split:
                     continue
             text = record.get(text_field)
             if not isinstance(text, str):
-                problem = "has no field" if text_field not in record else "has a non-string"
-                raise UserError(f"{file}: record {i} {problem} {text_field!r} (fields: {', '.join(map(str, record))})")
+                problem = "no field" if text_field not in record else "a non-string"
+                raise UserError(f"{where}: {problem} {text_field!r} (fields: {', '.join(map(str, record))})")
             pid = str(record[id_field]) if record.get(id_field) is not None else f"{file.stem}:{i}"
             if pid in seen:
-                raise UserError(f"{file}: duplicate prompt id {pid!r}")
+                raise UserError(f"{where}: duplicate prompt id {pid!r}")
             seen.add(pid)
             reference = record.get(reference_field)
             prompts.append(Prompt(pid, text, reference if isinstance(reference, str) else None))
