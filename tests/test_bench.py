@@ -264,6 +264,24 @@ def test_a_cllm_method_without_cllm_ar_is_refused_before_anything_loads(methods,
     assert "needs cllm_ar too" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("where", ["the target", "the cllm", "a foreign directory"])
+def test_an_out_that_is_a_model_or_holds_foreign_files_is_refused_before_anything_loads(
+        where, tiny, tmp_path, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("models were loaded")
+
+    monkeypatch.setattr(bench_module, "load_models", never)
+    out = {"the target": tiny["target"], "the cllm": tiny["cllm"]}.get(where, tmp_path / "mine")
+    out.mkdir(exist_ok=True)
+    (out / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(small_args(tiny, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("model's directory" if where != "a foreign directory" else "did not write") in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (out / "notes.txt").unlink()
+
+
 def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
     """Each method alone beside the references it needs (target_ar; cllm_ar for cllm_*)."""
     for method in ("target_jacobi", "hf_generate", "prompt_lookup", "target_lookahead", "cllm_jacobi",

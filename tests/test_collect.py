@@ -282,6 +282,41 @@ def test_shards_without_meta_or_damaged_shards_stop_collection(setup, reference,
         collect(config(setup, out))
 
 
+@pytest.mark.parametrize("where", ["the model", "a foreign directory"])
+def test_an_out_that_is_the_model_or_holds_foreign_files_is_refused_untouched(setup, tmp_path, where, capsys):
+    if where == "the model":
+        out = setup[1]
+    else:
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "config.json").write_text('{"mine": true}')
+        (out / ".draft.partial").write_text("not collect's")
+    before = snapshot(out)
+    cfg = config(setup, out)
+    with pytest.raises(UserError, match="is the --model directory" if where == "the model" else "did not write"):
+        collect(cfg)
+    capsys.readouterr()
+    assert cli_main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cllm collect: error:") and "\n" not in err
+    assert snapshot(out) == before
+
+
+def test_nothing_is_written_before_the_model_has_loaded(setup, reference, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(setup[1], broken)
+    (broken / "model.safetensors").write_bytes(b"\x00not weights" * 32)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="model.safetensors is damaged"):
+        collect(config(setup, out, model=str(broken)))
+    assert not out.exists()  # no meta.json to block the rerun
+    shutil.copy(setup[1] / "model.safetensors", broken / "model.safetensors")
+    collect(config(setup, out, model=str(broken)))
+    assert read_records(out) == reference[2]
+
+
 # ------------------------------------------------------------------------------------------
 # Several processes
 

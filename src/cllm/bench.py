@@ -927,6 +927,7 @@ def bench(config: BenchConfig) -> int:
     from cllm.config import write_config
 
     hf_logging.disable_progress_bar()  # one progress display: ours
+    check_out_dir(config)
     console = Console(highlight=False)
     progress = Progress(console)
     progress.line(f"loading {config.target}" + (f" and {config.cllm}" if config.cllm else ""))
@@ -943,6 +944,23 @@ def bench(config: BenchConfig) -> int:
     console.print(f"report: [bold]{out}[/] (bench.json, report.md, *.png, trajectory.html)")
     raise_on_violations(result)
     return 0
+
+
+def check_out_dir(config: BenchConfig) -> None:
+    """Refuse, before anything loads or is written, an --out that is a model's directory or
+    holds files bench did not write (it rewrites config.json, report.md... there)."""
+    from cllm.models import SHIPPED
+
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    for name, flag in ((config.target, "--target"), (config.cllm, "--cllm"), (config.draft_model, "--draft-model")):
+        path = SHIPPED.get(name, Path(name).expanduser()) if name and name.lower() not in OFF else None
+        if path is not None and path.is_dir() and out.is_dir() and out.resolve() == path.resolve():
+            raise UserError(f"--out {out} is the {flag} model's directory; choose another")
+    if out.is_dir() and any(out.iterdir()) and not any((out / f).exists() for f in (PROGRESS, "bench.json")):
+        raise UserError(f"--out {out} holds files cllm bench did not write (no {PROGRESS} or bench.json); "
+                        "use a new directory")
 
 
 def print_results(console, data: dict[str, Any]) -> None:

@@ -22,7 +22,10 @@ depend on batch size, on the number of processes, or on how often the run was re
 
 Resume: a prompt's records all live in one shard, written atomically, whose footer lists the
 prompts it completes. Rerunning with the same `--out` skips those prompts. A directory whose
-meta.json names other settings (model, tokenizer, block size, ...) is refused untouched.
+meta.json names other settings (model, tokenizer, block size, ...) is refused untouched, and so
+are the model's own directory and any non-empty directory without a meta.json (collect writes
+only meta.json, config.json and its shards, and nothing before the prompts, tokenizer and model
+have loaded).
 
 Processes: launched as K processes, the prompts not yet done are dealt round-robin to them;
 each writes its own shards (`shard-r<process>-<n>`); only the main process writes meta.json and
@@ -250,10 +253,13 @@ def decode_batch(
     return records, counts
 
 
-def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta) -> None:
-    """Refuse (touching nothing) a directory that holds other data or other settings."""
+def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta, model_dir: Path | None) -> None:
+    """Refuse (touching nothing) the model's own directory, a directory holding anything
+    `collect` did not write (no meta.json), or one collected with other settings."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
+    if model_dir is not None and model_dir.is_dir() and out.exists() and out.resolve() == model_dir.resolve():
+        raise UserError(f"--out {out} is the --model directory; choose another")
     if (out / tj.META_FILE).exists():
         differences = tj.read_meta(out).mismatches(meta)
         if differences:
@@ -263,6 +269,9 @@ def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta) -> None:
             )
     elif tj.list_shards(out):
         raise UserError(f"{out} holds trajectory shards but no {tj.META_FILE}; use another --out")
+    elif out.is_dir() and any(out.iterdir()):
+        raise UserError(f"--out {out} holds files cllm collect did not write (no {tj.META_FILE}); "
+                        "use a new directory")
 
 
 def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[_Prompt], int]:
@@ -309,6 +318,7 @@ def collect(config: CollectConfig) -> CollectSummary:
         load_tokenizer,
         pad_token_id,
         resolve_dtype,
+        resolve_model_path,
         tokenizer_fingerprint,
     )
 
@@ -341,15 +351,9 @@ def collect(config: CollectConfig) -> CollectSummary:
 
     # 2. Check the output directory before touching it; learn what is done before any
     #    process writes, so that every process deals the same remaining prompts.
-    _prepare_out_dir(out, meta)
+    model_dir = Path(resolve_model_path(config.model))
+    _prepare_out_dir(out, meta, model_dir)
     done = tj.completed_prompt_ids(out)
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / tj.META_FILE).exists():
-            tj.write_meta(out, meta)
-        write_config(config, out / "config.json")
-        tj.remove_partial_files(out)
-    state.wait_for_everyone()
     remaining = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
     mine = remaining[state.process_index :: state.num_processes]
 
@@ -364,7 +368,17 @@ def collect(config: CollectConfig) -> CollectSummary:
         if cut:
             log.warning("%d prompts were cut from the left to fit the model's context", cut)
 
-    # 4. Decode shard by shard; a prompt's records all go to one atomically written shard.
+    # 4. Only now that every input has loaded: the directory, its meta.json and config.json
+    #    (a failed load leaves nothing behind that would block the rerun).
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / tj.META_FILE).exists():
+            tj.write_meta(out, meta)
+        write_config(config, out / "config.json")
+        tj.remove_partial_files(out)
+    state.wait_for_everyone()
+
+    # 5. Decode shard by shard; a prompt's records all go to one atomically written shard.
     totals = _Counts()
     seq = tj.next_shard_seq(out, state.process_index)
     bar = tqdm(total=len(encoded), unit="prompt", desc="collect", disable=not state.is_main_process)
@@ -394,7 +408,7 @@ def collect(config: CollectConfig) -> CollectSummary:
     seconds = time.perf_counter() - start
     bar.close()
 
-    # 5. Sum over processes; the main process prints.
+    # 6. Sum over processes; the main process prints.
     summed = _sum_over_processes(state, [len(encoded), *astuple(totals)])
     n_prompts, *rest = (int(v) for v in summed)
     t = _Counts(*rest)
