@@ -81,8 +81,9 @@ def submit_together(scheduler: Scheduler, jobs) -> None:
             scheduler.submit(j)
 
 
-def test_concurrent_jobs_share_the_batch_and_each_gets_its_greedy_text(model, oracle):
-    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+@pytest.mark.parametrize("forward_width", [None, 12])  # 12: one token of drafts per row or none
+def test_concurrent_jobs_share_the_batch_and_each_gets_its_greedy_text(model, oracle, forward_width):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), forward_width=forward_width)
     prompts = [PROMPTS[i % 4] + " " * (i // 4) for i in range(12)]
     jobs = [job(oracle.ids(p), 24 - i, method="ar" if i % 3 == 0 else "jacobi", stream=i % 2 == 0)
             for i, p in enumerate(prompts)]

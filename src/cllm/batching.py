@@ -4,7 +4,9 @@ Requests (`Job`s: prompt ids + `DecodeParams`) wait in a bounded FIFO queue. Bet
 the worker admits waiting jobs while the batch has room (`max_batch_size` rows, and at most
 `max_tokens_in_flight` prompt + budget tokens in all, which bounds the KV cache), prefills them
 in one forward per group, and appends them to the running batch (`cllm.decoding.BatchDecoder`).
-Each step is one batched forward per group in which every row advances by its own acceptance;
+Each step is one batched forward per group in which every row advances by its own acceptance
+(with recycling, a row's drafts shrink to its share of `forward_width` fed tokens as the batch
+grows: speed only);
 a row's new final tokens go through its `TextStream` (detokenized, cut at a stop string) to its
 `on_event` callback; a row leaves the batch when it is done, stopped, cancelled or past its
 deadline.
@@ -69,6 +71,7 @@ class Job:
 @dataclass
 class _Group:
     decoder: BatchDecoder
+    recycle_budget: int | None  # the requests' own (per row, with recycling; None: no limit)
     jobs: dict[int, Job] = field(default_factory=dict)  # by row id
 
 
@@ -94,10 +97,12 @@ class Scheduler:
     """The decode thread: admits waiting jobs between steps, steps every group, delivers text."""
 
     def __init__(self, model, codec: TextCodec, *, draft_table=None, queue_size: int = 256,
-                 max_batch_size: int = 32, max_tokens_in_flight: int = 65536) -> None:
+                 max_batch_size: int = 32, max_tokens_in_flight: int = 65536,
+                 forward_width: int | None = None) -> None:
         self.model, self.codec, self.draft_table = model, codec, draft_table
         self.queue_size, self.max_batch_size = queue_size, max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
+        self.forward_width = forward_width
         self.device = next(model.parameters()).device
         self.stats = SchedulerStats()
         self.running = 0  # rows decoding (written by the worker only)
@@ -189,7 +194,8 @@ class Scheduler:
             group = self._groups.get(key)
             if group is None:
                 settings = engine_settings(group_jobs[0].params, self.draft_table)
-                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **settings))
+                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **settings),
+                               settings["recycle_budget"])
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             generators = [torch.Generator(device=self.device).manual_seed(j.params.seed) for j in group_jobs]
             try:
@@ -215,6 +221,8 @@ class Scheduler:
         for group in list(self._groups.values()):
             self._drop_gone(group)
             rows = group.decoder.running
+            if self.forward_width and group.decoder.cfg.recycle and rows:
+                group.decoder.set_recycle_budget(_share(group.recycle_budget, self.forward_width, rows))
             if group.decoder.step():
                 self.stats.steps += 1
                 self.stats.rows_stepped += rows
@@ -268,6 +276,15 @@ class Scheduler:
             for job in group.jobs.values():
                 if not job.cancelled:
                     job.on_event("error", reason)
+
+
+def _share(own: int | None, width: int, rows: int) -> int:
+    """A row's recycling budget in a batch of `rows`: its share of the forward's `width`, at
+    most its own. Speed only: a narrower budget verifies fewer drafts, the tokens are the same.
+    On a CPU a forward costs about its fed tokens once the batch is wide, and drafts are
+    accepted less often than the tail: with many rows, drafts are the first to go."""
+    share = max(1, width // rows)
+    return share if own is None else min(own, share)
 
 
 def _group_key(params: DecodeParams) -> tuple:

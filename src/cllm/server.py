@@ -88,6 +88,7 @@ class ServeConfig:
     max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
     max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous batching); more wait in the queue"})
     max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at most (bounds the KV cache); a request alone always runs"})
+    forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: each keeps --recycle-budget)"})
     queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the body is read"})
     read_timeout: float = field(default=30.0, metadata={"help": "seconds a request body may take to arrive (408)"})
@@ -117,8 +118,8 @@ class ServeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.read_timeout == 0:
             raise ValueError("--read-timeout must be > 0")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        if self.threads < 0 or self.forward_width < 0:
+            raise ValueError("--threads and --forward-width must be >= 0")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
@@ -235,7 +236,8 @@ class Service:
         # the decode thread detokenizes with its own copy: encoding a prompt never waits for it
         self.scheduler = Scheduler(model, TextCodec(_copy(tokenizer)), draft_table=draft_table,
                                    queue_size=cfg.queue_size, max_batch_size=cfg.max_batch_size,
-                                   max_tokens_in_flight=cfg.max_tokens_in_flight)
+                                   max_tokens_in_flight=cfg.max_tokens_in_flight,
+                                   forward_width=cfg.forward_width or None)
         self.metrics = Metrics()
         self.names = {cfg.model_id, cfg.model}
 

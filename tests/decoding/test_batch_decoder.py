@@ -67,6 +67,27 @@ def test_rows_with_eos_and_a_draft_table_join_and_leave_and_stay_greedy(arch):
     assert got[0][0] == full[: stop + 1]
 
 
+def test_changing_the_recycling_budget_between_steps_keeps_every_row_greedy(arch):
+    model = tiny_model(arch)
+    decoder = BatchDecoder(model, block_size=4, recycle=8, recycle_budget=24)
+    budgets = iter([1, 2, 40, None, 3] * 20)
+    ids: dict[int, int] = {}
+    step = 0
+    while len(ids) < len(ARRIVALS) or decoder.running:
+        for k, (seed, length, budget, at) in enumerate(ARRIVALS):
+            if at == step:
+                (ids[k],) = decoder.add(random_prompt(seed, length), max_new_tokens=budget)
+        decoder.set_recycle_budget(next(budgets))
+        decoder.step()
+        step += 1
+    for k, (seed, length, budget, _) in enumerate(ARRIVALS):
+        prompt = random_prompt(seed, length)
+        expected = greedy_decode(model, prompt, max_new_tokens=budget).new_tokens[0]
+        assert_same_tokens(model, prompt[0].tolist(), expected, decoder.tokens(ids[k]), f"{arch} row {k}")
+    with pytest.raises(ValueError, match="recycle_budget"):
+        decoder.set_recycle_budget(0)
+
+
 def test_a_removed_row_stops_and_leaves_the_others_unchanged():
     model = tiny_model("llama")
     decoder = BatchDecoder(model, block_size=4, recycle=4)

@@ -779,6 +779,15 @@ class BatchDecoder:
         stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
         return DecodeOutput(new_tokens=[row.known for row in rows], forward_passes=stats.forward_passes, stats=stats)
 
+    def set_recycle_budget(self, recycle_budget: int | None) -> None:
+        """Change how many tokens a row feeds per forward at most with recycling (the tail
+        whole, then drafts until spent; None: no limit), from the next step on. Speed only: the
+        output is unchanged. A server shrinks it as its batch grows, so that a forward stays
+        about as wide (on a CPU its cost grows with every token fed)."""
+        if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
+            raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
+        self.cfg = replace(self.cfg, recycle_budget=recycle_budget)
+
     # -- what a caller reads between steps
 
     def tokens(self, row_id: int) -> list[int]:
