@@ -380,16 +380,18 @@ def _settings(model_dir, **kwargs) -> ServeConfig:
 
 
 @contextmanager
-def live(app):
-    """`app` served by uvicorn on a free loopback port, in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+def live(app, **uvicorn_settings):
+    """`app` served by uvicorn on a free loopback port, in a thread; yields (base URL, server,
+    thread)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                           **uvicorn_settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + WAIT
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{server.config.port}"
+        yield f"http://127.0.0.1:{server.config.port}", server, thread
     finally:
         server.should_exit = True
         thread.join(WAIT)
@@ -414,7 +416,7 @@ def test_the_api_key_is_enforced_on_every_v1_route_and_only_there(model_dir, ora
 
 
 def test_the_openai_client_sends_its_api_key(model_dir, oracle):
-    with live(create_app(oracle.model, oracle.tokenizer, _settings(model_dir, api_key="k-1"))) as url:
+    with live(create_app(oracle.model, oracle.tokenizer, _settings(model_dir, api_key="k-1"))) as (url, _, _):
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="k-1", max_retries=0, timeout=WAIT)
         assert good.completions.create(model=NAME, prompt="class A:", max_tokens=NEW).choices[0].text == \
             oracle.text("class A:")
@@ -466,7 +468,7 @@ def test_an_abandoned_non_streamed_request_stops_decoding(model_dir, oracle):
     gate = Gate(model, hold_at=4)  # the prefill and two steps pass, then the decode thread waits
     app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar"))
     scheduler = app.state.service.scheduler
-    with live(app) as url:
+    with live(app) as (url, _, _):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             httpx.post(f"{url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 100},
                        timeout=httpx.Timeout(WAIT, read=1.0))
@@ -480,6 +482,33 @@ def test_an_abandoned_non_streamed_request_stops_decoding(model_dir, oracle):
             time.sleep(0.02)
         assert gate.count == 4 and scheduler.running == 0  # not one forward more (100 without it)
         assert httpx.get(f"{url}/health", timeout=WAIT).json()["running"] == 0
+
+
+def test_shutdown_waits_for_running_requests_only_the_grace_period(model_dir, oracle):
+    """The decode is held (the gate stays closed throughout): the server still stops, its
+    request failed or cut, instead of waiting for the decode to end."""
+    model = load_model(model_dir)
+    gate = Gate(model, hold_at=3)
+    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar"))
+    outcome = {}
+
+    def request(url):
+        try:
+            outcome["status"] = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 50},
+                                           timeout=WAIT).status_code
+        except httpx.HTTPError as exc:
+            outcome["error"] = type(exc).__name__
+
+    with live(app, timeout_graceful_shutdown=1) as (url, server, thread):
+        client = threading.Thread(target=request, args=(url,))
+        client.start()
+        assert gate.reached.wait(WAIT)
+        server.should_exit = True
+        thread.join(WAIT)
+        assert not thread.is_alive() and not gate.opened.is_set()
+        client.join(WAIT)
+    gate.opened.set()
+    assert outcome.get("status", 0) >= 500 or "error" in outcome, outcome
 
 
 def test_serve_on_a_taken_port_fails_at_once_in_one_line(model_dir, capsys):

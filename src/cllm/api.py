@@ -152,6 +152,9 @@ def completion_prompt(body: dict, limits: PromptLimits) -> str | list[int]:
             raise ApiError(400, "the prompt is empty", param="prompt")
         _check_length(len(prompt), limits)
         return check_text(prompt, "prompt")
+    if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:  # before looking at each
+        raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server accepts at most "
+                       f"{limits.max_prompt_tokens}", param="prompt", code="context_length_exceeded")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < limits.vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {limits.vocab_size})", param="prompt")

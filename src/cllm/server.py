@@ -374,7 +374,9 @@ def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_tabl
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.to_thread(scheduler.stop)
+        # after uvicorn's grace period: what waits or runs is failed; a step in progress gets
+        # a few seconds to end (the thread is a daemon: it never holds the process)
+        await asyncio.to_thread(scheduler.stop, 5.0)
 
     app = FastAPI(title="cllm", lifespan=lifespan)
     app.state.service = service
