@@ -3,6 +3,7 @@
 Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast without torch):
 
     from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
+    from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RECOMMENDED",
+    "BatchDecoder",
     "DecodeOutput",
     "DecodeStats",
     "IterationEvent",
@@ -30,6 +32,7 @@ _EXPORTS = {name: "cllm.decoding" for name in __all__ if name != "__version__"}
 if TYPE_CHECKING:
     from cllm.decoding import (
         RECOMMENDED,
+        BatchDecoder,
         DecodeOutput,
         DecodeStats,
         IterationEvent,
