@@ -221,8 +221,10 @@ class Scheduler:
         for group in list(self._groups.values()):
             self._drop_gone(group)
             rows = group.decoder.running
-            if self.forward_width and group.decoder.cfg.recycle and rows:
-                group.decoder.set_recycle_budget(_share(group.recycle_budget, self.forward_width, rows))
+            cfg = group.decoder.cfg
+            if self.forward_width and cfg.recycle and rows:
+                share = _share(group.recycle_budget, self.forward_width, rows, floor=cfg.block_size)
+                group.decoder.set_recycle_budget(share)
             if group.decoder.step():
                 self.stats.steps += 1
                 self.stats.rows_stepped += rows
@@ -278,12 +280,13 @@ class Scheduler:
                     job.on_event("error", reason)
 
 
-def _share(own: int | None, width: int, rows: int) -> int:
+def _share(own: int | None, width: int, rows: int, floor: int) -> int:
     """A row's recycling budget in a batch of `rows`: its share of the forward's `width`, at
-    most its own. Speed only: a narrower budget verifies fewer drafts, the tokens are the same.
-    On a CPU a forward costs about its fed tokens once the batch is wide, and drafts are
-    accepted less often than the tail: with many rows, drafts are the first to go."""
-    share = max(1, width // rows)
+    least `floor` (a block: between blocks, the next block's drafts still ride along with the
+    one token fed), at most its own. Speed only: a narrower budget verifies fewer drafts, the
+    tokens are the same. A forward costs a fixed part plus a part per fed token; the fixed part
+    is shared by the rows, so the more rows, the less a draft token pays for itself."""
+    share = max(floor, width // rows)
     return share if own is None else min(own, share)
 
 

@@ -493,8 +493,10 @@ def _step_recycling(
         drafts, kinds = [], ["jacobi"]  # per branch: where its tokens came from
         # a draft may reach past the tail (its surplus rides as drafts of the next block); between
         # blocks (the tail is the last final token alone) drafts start the next block, unless
-        # blocks in flight already hold its drafts
-        if row.block is not None or cfg.blocks_in_flight == 1:
+        # blocks in flight already hold its drafts; none are looked for when the budget has no
+        # room left after the tail (the trie would add none of their tokens)
+        room = cfg.recycle_budget is None or len(tail) < cfg.recycle_budget
+        if room and (row.block is not None or cfg.blocks_in_flight == 1):
             width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
             history = row.prompt_list + row.known
             drafts = [d for d in pool_candidates(history, row.recent, width, cfg.recycle + 1,
