@@ -99,7 +99,7 @@ class ServeConfig:
     allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. localhost,127.0.0.1 (default: any)"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
 
     def __post_init__(self):
@@ -468,6 +468,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _free_cores() -> int:
+    """Torch threads for a shared CPU: the cores the 1-minute load average leaves free, at
+    least one (the same rule as `cllm bench` and `cllm demo`)."""
+    from cllm.bench import threads_for_load
+
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return threads_for_load(load, cores, wanted=cores)
+
+
 def serve(config: ServeConfig) -> int:
     """Load the model and serve it until interrupted."""
     import torch
@@ -479,8 +489,7 @@ def serve(config: ServeConfig) -> int:
     sock = bind(config.host, config.port)
     try:
         hf_logging.disable_progress_bar()
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        torch.set_num_threads(config.threads or _free_cores())
         tokenizer = load_tokenizer(config.model)
         table = load_draft_table(config.model, config.draft_table)
         model = load_model(config.model, dtype=config.dtype, device=config.device)
@@ -496,7 +505,8 @@ def serve(config: ServeConfig) -> int:
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{port}/v1 "
           f"(greedy: {config.method}, n = {config.block_size}{drafts}; batches up to {config.max_batch_size} "
-          f"requests{'; API key required' if keyed else ''})", file=sys.stderr, flush=True)
+          f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
+          file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=config.log_level, access_log=False, limit_concurrency=config.max_connections,
         timeout_graceful_shutdown=config.shutdown_grace))  # type: ignore[arg-type] - seconds, 0 = none
