@@ -27,8 +27,8 @@ from cllm.cli import main
 from cllm.generate import DecodeParams, TextCodec, complete
 from cllm.models import load_draft_table, load_model
 from cllm.server import ServeConfig, create_app, exposure_warning
-from tests.test_batching import Gate
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
+from tests.test_scheduler import Gate
 
 NEW, BLOCK, NAME = 24, 8, "tiny"
 LIMITS = {"max_tokens_limit": 64, "max_prompt_tokens": 48, "max_body_bytes": 65536, "read_timeout": 2}

@@ -1,7 +1,7 @@
 """`cllm serve`: an OpenAI-compatible HTTP server over one model (FastAPI + uvicorn).
 
 Thin on purpose: requests are checked and turned into token ids and `DecodeParams` by
-`cllm.api`, and decoded by `cllm.batching.Scheduler`: one decode thread that batches
+`cllm.api`, and decoded by `cllm.scheduler.Scheduler`: one decode thread that batches
 concurrent requests continuously (they join the running batch between steps and leave when
 done), on the same engine and text streaming as `cllm generate`, so CLI and HTTP agree and a
 request's output does not depend on what else is being served. The event loop only parses,
@@ -60,11 +60,11 @@ from cllm.api import (
     completion_prompt,
     parse_params,
 )
-from cllm.batching import Job, Overloaded, Scheduler
 from cllm.config import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.inputs import position_limit
 from cllm.generate import METHODS, Completion, TextCodec
+from cllm.scheduler import Job, Overloaded, Scheduler
 
 log = logging.getLogger(__name__)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
