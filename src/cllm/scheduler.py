@@ -151,7 +151,9 @@ class Scheduler:
                     break
                 newcomers = self._admit()
             try:
-                self._prefill(newcomers)
+                if newcomers:  # their first token (from the prefill) goes out before the step
+                    self._prefill(newcomers)
+                    self._deliver()
                 self._step()
                 self._deliver()
             except Exception:  # noqa: BLE001 - a bug must not kill the worker: fail what runs
