@@ -537,3 +537,15 @@ def test_serve_on_a_taken_port_fails_at_once_in_one_line(model_dir, capsys):
         code = main(["serve", "--model", str(model_dir), "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_listening_socket_is_tcp_so_streamed_chunks_go_out_at_once():
+    """asyncio turns Nagle off (TCP_NODELAY) on accepted connections only for IPPROTO_TCP
+    sockets; with proto 0, each streamed chunk waited ~40 ms for the client's delayed ACK."""
+    from cllm.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

@@ -456,7 +456,9 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port), before anything slow: a taken port fails at once
     (one line), and clients that connect while the model loads wait in the backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, as asyncio's own sockets: it sets TCP_NODELAY on accepted connections
+    # only then (with proto 0, Nagle held each streamed chunk back ~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
