@@ -252,7 +252,7 @@ def evaluation_table(ev: dict) -> str:
         lines.append(f"| first token that differs from the target's greedy text (mean index) | | "
                      f"{_fmt(c['first_divergence'], 1)} |")
     for g in ev.get("gates", []):
-        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'])} ({'pass' if g['passed'] else 'FAIL'}) |")
+        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'], 4)} ({'pass' if g['passed'] else 'FAIL'}) |")
     return "\n".join(lines)
 
 
