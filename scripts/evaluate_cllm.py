@@ -66,7 +66,7 @@ def main() -> None:
              gates_table(result, list(models)), ""]
     for name, rows in result["gates"].items():
         lines += [f"Gates for `{name}` (pooled over the prompt sets):", "", "| gate | value | bar | |", "|---|---|---|---|"]
-        lines += [f"| {g['name']} | {g['value']:.3f} | {g['bar']} | {'pass' if g['passed'] else 'FAIL'} |"
+        lines += [f"| {g['name']} | {g['value']:.4f} | {g['bar']} | {'pass' if g['passed'] else 'FAIL'} |"
                   for g in rows]
         lines.append("")
     (out / "README.md").write_text("\n".join(lines))

@@ -15,9 +15,11 @@ import time
 
 import torch
 
+from cllm.batches import Counts, make_micro_batch
 from cllm.data.trajectories import TrajectoryReader
 from cllm.models import load_model
-from cllm.train import Counts, TrainConfig, make_micro_batch, micro_batch_loss
+from cllm.objective import micro_batch_loss
+from cllm.train import TrainConfig
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def config(setup, **overrides) -> DistillConfig:
     values = dict(model=str(target), prompts=str(train_prompts), out=str(root / "out"), max_prompts=None,
                   block_size=BLOCK, max_new_tokens=NEW, collect_batch_size=16, max_steps=100, lr=1e-3,
                   train_eval_count=4, eval_interval=100, eval_prompts=str(val_prompts), eval_count=12,
-                  eval_block_sizes=[BLOCK, 2 * BLOCK], eval_max_new_tokens=2 * NEW, ar_text="none")
+                  eval_block_sizes=[BLOCK, 2 * BLOCK], eval_max_new_tokens=2 * NEW, ar_text="none", rollout_tokens=NEW)
     values.update(overrides)
     return DistillConfig(**values)
 

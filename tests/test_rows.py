@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cllm.batches import pick_states
 from cllm.rows import BlockGroup, forward_blocks, forward_shared_prefix, rows_from_lists
-from cllm.train import pick_states
 from tests.chisquare import chi_square
 
 

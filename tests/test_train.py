@@ -30,19 +30,14 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from cllm.batches import Counts, make_micro_batch
 from cllm.cli import main as cli_main
 from cllm.collect import CollectConfig, collect
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.evaluate import decode_prompts, load_eval_prompts
-from cllm.train import (
-    CHECKPOINT,
-    Counts,
-    TrainConfig,
-    make_micro_batch,
-    micro_batch_loss,
-    train,
-)
+from cllm.objective import micro_batch_loss
+from cllm.train import CHECKPOINT, TrainConfig, train
 
 FILLER = [f"r{i}" for i in range(16)]
 CONTENT = [f"c{i}" for i in range(8)]

@@ -8,17 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from cllm.batches import Counts, make_micro_batch, make_rollouts, rollout_prompts
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryReader
-from cllm.train import (
-    Counts,
-    FrozenTeacher,
-    make_micro_batch,
-    make_rollouts,
-    micro_batch_loss,
-    rollout_prompts,
-    train,
-)
+from cllm.objective import FrozenTeacher, micro_batch_loss
+from cllm.train import train
 from tests.test_train import BLOCK, build_world, config, foreign_model, step_losses, tiny_llama
 
 
@@ -149,8 +143,8 @@ def test_bad_distillation_options_are_one_line_errors(world, tmp_path):
 
 
 def test_loop_positions_mark_the_tokens_that_continue_a_loop():
+    from cllm.batches import loop_positions
     from cllm.data.trajectories import TrajectoryRecord
-    from cllm.train import loop_positions
 
     prompt = [9, 8, 7]
     before = [1, 2, 3] * 7  # 21 generated tokens: the loop is 24 long after three more
@@ -180,7 +174,7 @@ def test_cut_loops_drops_loop_positions_from_the_consistency_masks(world, record
 
 
 def loop_positions_of(records):
-    from cllm.train import loop_positions
+    from cllm.batches import loop_positions
 
     return loop_positions(records, BLOCK)  # one state per record (the default): rows align
 
@@ -202,7 +196,7 @@ def test_several_trajectory_directories_train_together(world, tmp_path):
 
 
 def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level():
-    from cllm.train import pick_states, progressive_keys
+    from cllm.batches import pick_states, progressive_keys
 
     fixed = torch.tensor([[1, 2, 3, 4]] * 3)
     # states with noise 1, 3/4, 1/2, 1/4, then the fixed point
@@ -269,7 +263,7 @@ def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world,
 
 
 def test_copy_positions_are_targets_a_wrong_state_token_before_them_already_shows():
-    from cllm.train import copy_positions
+    from cllm.batches import copy_positions
 
     fixed = torch.tensor([[1, 2, 3, 4, 5]])
     shifted = torch.tensor([[1, 3, 4, 5, 9]])  # the fixed point shifted left by one after a wrong token

@@ -21,14 +21,17 @@ interrupted one. Launched as several processes (`accelerate launch --multi_gpu -
 2 -m cllm.cli distill ...`, with ``CUDA_VISIBLE_DEVICES=""`` on a CPU machine) collection and
 training use them all; the evaluation runs on the main process.
 
-The defaults reproduce the shipped `models/stdlib-coder-cllm` from the embedded `stdlib-coder`
-on 2 CPU cores in about 35 minutes (measured: collection 440 s for 2,144 prompts x 64 tokens
-with one thread, so ~8 min for all 2,400; 450 training steps in 1,406 s with two threads; the
-evaluation a few minutes): argmax
-GC with 8 states per record sharing one prefix forward, 10 x AR on the ground truth without
-label smoothing plus 8 windows of 256 tokens of real text per step (`--ar-text`; AR on the
-prompts' continuations alone let the whole-context validation loss drift +8%), lr 2e-4.
-`benchmarks/distill_ablations.md` has what each knob did. They are fields, to be tuned.
+The defaults are the recipe of `benchmarks/distill_ablations.md` that kept the target's text
+best (row r7): 2,560 `stdlib-train` prompts x 128 tokens of trajectories (n = 16), argmax GC with
+the frozen target as consistency teacher, 8 states per record sharing one prefix forward, no
+target that a wrong state token just before it already shows (`--skip-copies`), and instead of
+hard AR labels, distillation from the frozen target (KL x 10) on its fixed points, 4 windows of
+real text and 6 greedy 128-token rollouts of the CLLM per step (on-policy); 450 steps, lr 2e-4.
+Measured on 2 CPU cores with one thread per job and another job beside it: 12 minutes of
+collection, 56 of training.
+The reference's recipe (the model its own consistency teacher, 10 x hard AR on the ground
+truth) is `--consistency-teacher model --ar-weight 10 --ar-target labels --kd-weight 0
+--rollout-prompts 0 --skip-copies false`: faster by itself, and its text loops far more.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ class DistillConfig:
     prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or JSONL/Parquet file)"})
     out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, evaluation.json); rerun to resume"})
     # collection
-    max_prompts: int | None = field(default=2400, metadata={"help": "collect on the first N prompts (None: all)"})
+    max_prompts: int | None = field(default=2560, metadata={"help": "collect on the first N prompts (None: all)"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
-    max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in collection"})
+    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt in collection"})
     collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess of a block (collection)"})
     # training
@@ -65,16 +68,16 @@ class DistillConfig:
     states_per_record: int = field(default=8, metadata={"help": "trajectory states per record and step (they share the prefix's forward)"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
     state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
-    ar_weight: float = field(default=10.0, metadata={"help": "weight of the AR loss"})
-    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: labels (ground truth), fixed_points, both, or auto (labels when the prompts have references, else fixed points)"})
+    ar_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label AR loss (the reference: 10; 0: the distillation term alone keeps the model close to the target)"})
+    ar_target: ArTarget = field(default="fixed_points", metadata={"help": "AR rows: labels (ground truth), fixed_points, both, or auto (labels when the prompts have references, else fixed points)"})
     ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
-    ar_text_windows: int = field(default=8, metadata={"help": "text windows per step"})
+    ar_text_windows: int = field(default=4, metadata={"help": "text windows per step"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
-    kd_weight: float = field(default=0.0, metadata={"help": "weight of distillation from the frozen target (soft labels) on the AR rows and the rollouts; 0: none"})
+    kd_weight: float = field(default=10.0, metadata={"help": "weight of distillation from the frozen target (soft labels) on the AR rows and the rollouts; 0: none"})
     kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: fkl, rkl, jsd, or argmax (cross-entropy on the target's argmax)"})
-    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "the consistency targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
-    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
+    consistency_teacher: Literal["model", "target"] = field(default="target", metadata={"help": "the consistency targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
+    rollout_prompts: int = field(default=6, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
     rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled"})
     rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "rollouts by the model being trained (on-policy) or by the frozen target"})
@@ -93,7 +96,7 @@ class DistillConfig:
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
     rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
     drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
-    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no target that a wrong state token just before it already shows (train --skip-copies)"})
+    skip_copies: bool = field(default=True, metadata={"help": "consistency counts no target that a wrong state token just before it already shows (train --skip-copies)"})
     cut_loops: bool = field(default=False, metadata={"help": "rounds 2+ keep every block but count no consistency target that continues a loop (train --cut-loops); use with --drop-loops false"})
     accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k (earlier data kept, never replaced); false: round k's alone"})
     # evaluation
@@ -252,7 +255,7 @@ def evaluation_table(ev: dict) -> str:
         lines.append(f"| first token that differs from the target's greedy text (mean index) | | "
                      f"{_fmt(c['first_divergence'], 1)} |")
     for g in ev.get("gates", []):
-        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'])} ({'pass' if g['passed'] else 'FAIL'}) |")
+        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'], 4)} ({'pass' if g['passed'] else 'FAIL'}) |")
     return "\n".join(lines)
 
 

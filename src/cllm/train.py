@@ -4,18 +4,20 @@
 One optimizer step, for a global batch of `batch_size` records (all processes, all micro-batches):
 
 1. pick the records (a seeded permutation per epoch; the step number says where we are) and,
-   per record, one state y^(j) uniformly among its non-fixed states (a generator seeded from
-   (seed, step)): the batch depends neither on the process count nor on resumes;
-2. build every micro-batch of the *global* batch and count its counted positions (GC, LC, AR):
-   masks depend on tokens only, so every process knows the global counts without talking;
-3. for each of this process's micro-batches: one forward *with* gradients over the rows that
-   need them (prefix + y^(j); prefix + y* when the AR target is the fixed point; prompt + the
-   block's slice of the ground truth when it is the labels), one forward *without* over the rows
-   that are only targets (prefix + y* for GC unless already in the first; prefix + y^(j+1) for
-   LC), then ONE backward of ``consistency + ar_weight * ar``, each term a sum over counted
-   positions divided by its *global* count: accumulation and processes give exactly the
-   gradient of the whole batch;
-4. clip, AdamW step, cosine schedule step.
+   per record, k states among its non-fixed states (uniformly, or by the progressive noise
+   schedule; a generator seeded from (seed, step)), the step's text windows and rollout prompts:
+   the batch depends neither on the process count nor on resumes (`cllm.batches`);
+2. build every micro-batch of the *global* batch and count its counted positions (GC, LC, AR,
+   KD): masks depend on tokens only, so every process knows the global counts without talking;
+3. for each of this process's micro-batches: decode its rollouts (the model as it is now, or the
+   frozen teacher), then the forwards *with* gradients over the rows that need them (prefix +
+   states; the AR rows: fixed points, ground truth, text windows, rollouts), *without* over the
+   rows that are only targets (the model's own fixed point or next state, or the frozen
+   teacher's logits), then ONE backward of ``consistency + ar_weight * AR + kd_weight * KD``,
+   each term a sum over counted positions divided by its *global* count: accumulation and
+   processes give exactly the gradient of the whole batch (`cllm.objective`);
+4. clip, AdamW step, cosine schedule step; evaluate every `eval_interval` steps (with
+   ``--select gated``, keep the weights of the fastest evaluation that passes the text gates).
 
 Every row is ``prefix (left-padded) + block (right-padded)``, so rows of all kinds stack into one
 forward and `losses.block_logits` reads them all the same way. Positions count real tokens
@@ -55,18 +57,22 @@ from typing import Literal
 import torch
 
 from cllm import losses
-from cllm.config import UserError, config_to_dict, write_config
-from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord, collate
-from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
-from cllm.quality import passes_text_gates
-from cllm.rows import (
-    BlockGroup,
-    Rows,
-    derived_seed,
-    forward_blocks,
-    forward_shared_prefix,
-    rows_from_lists,
+from cllm.batches import (
+    Counts,
+    load_text_stream,
+    make_micro_batch,
+    make_rollouts,
+    rollout_prompts,
+    sample_text_windows,
+    step_records,
+    step_rollout_prompts,
 )
+from cllm.config import UserError, config_to_dict, write_config
+from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord
+from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
+from cllm.objective import load_teacher, micro_batch_loss
+from cllm.quality import passes_text_gates
+from cllm.rows import derived_seed
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 log = logging.getLogger(__name__)
@@ -209,327 +215,6 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Micro-batches and their counted positions
-
-
-@dataclass
-class MicroBatch:
-    """B records with k sampled states each; state row i belongs to record ``owner[i]``."""
-
-    fixed_point: Rows  # (B) prefix + y*
-    state: torch.Tensor  # (B*k, N) y^(j), the sampled non-fixed states
-    next_state: torch.Tensor  # (B*k, N) y^(j+1) (the fixed point after the last non-fixed state)
-    owner: torch.Tensor  # (B*k,) the record of each state row
-    labels: Rows | None  # prompt + ground truth before this block + its slice of the ground truth
-    gc_mask: torch.Tensor  # (B*k, N) bool
-    lc_mask: torch.Tensor  # (B*k, N) bool
-    text: torch.Tensor | None = None  # (W, L + 1) text windows for the AR term (--ar-text)
-    rollout: Rows | None = None  # prompt + the model's own continuation (--rollout-prompts)
-
-    def to(self, device) -> MicroBatch:
-        def move(x):
-            return None if x is None else x.to(device)
-
-        return MicroBatch(self.fixed_point.to(device), self.state.to(device), self.next_state.to(device),
-                          self.owner.to(device), move(self.labels), self.gc_mask.to(device),
-                          self.lc_mask.to(device), move(self.text), move(self.rollout))
-
-
-@dataclass
-class Counts:
-    """Counted positions of a global batch: the normalisers of the three loss terms."""
-
-    gc: int = 0
-    lc: int = 0
-    ar: int = 0  # positions of the AR rows (labels, fixed points, text windows)
-    rollout: int = 0  # the rollouts' token budget (their lengths are not known before decoding)
-
-    @property
-    def kd(self) -> int:
-        return self.ar + self.rollout
-
-    def add(self, mb: MicroBatch, config: TrainConfig, rollouts: int = 0) -> None:
-        """Count `mb`'s positions; `rollouts`: how many rollouts it will carry."""
-        self.gc += int(mb.gc_mask.sum()) if config.uses_gc else 0
-        self.lc += int(mb.lc_mask.sum()) if config.uses_lc else 0
-        self.ar += int(mb.fixed_point.block_mask.sum()) if config.ar_on_fixed_points else 0
-        self.ar += int(mb.labels.block_mask.sum()) if config.ar_on_labels else 0
-        if mb.text is not None and config.uses_ar_rows:
-            self.ar += mb.text.shape[0] * (mb.text.shape[1] - 1)
-        self.rollout += rollouts * config.rollout_tokens
-
-
-def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
-    """The AR rows on the ground truth: record k of a prompt counts labels[k*n : (k+1)*n], after
-    the prompt and the labels before them, so each label token (within the trajectories' token
-    budget) counts once per epoch however many blocks its prompt has."""
-    prefixes, blocks = [], []
-    for r in records:
-        labels, start = list(r.labels or []), r.block_index * block_size
-        prefixes.append(list(r.prefix_ids[: r.prompt_len]) + labels[:start])
-        blocks.append(labels[start : start + block_size])
-    return rows_from_lists(prefixes, blocks, pad_id)
-
-
-def pick_states(draws: torch.Tensor, num_states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k distinct non-fixed states per record, uniformly: the k lowest `draws` (B, S) among
-    indices ``< num_states - 1``. Returns indices (B, k) and whether each pick exists (B, k)
-    (a record with m < k non-fixed states has k - m picks that count nothing)."""
-    S = draws.shape[1]
-    eligible = torch.arange(S)[None, :] < (num_states - 1)[:, None]  # (B, S)
-    keys = torch.where(eligible, draws, torch.full_like(draws, 2.0))
-    order = keys.argsort(dim=1, stable=True)
-    picks = order[:, :k] if k <= S else torch.cat([order, order[:, :1].expand(-1, k - S)], 1)
-    exists = torch.arange(k)[None, :] < (num_states - 1).clamp(min=0)[:, None]
-    return picks, exists
-
-
-def copy_positions(state: torch.Tensor, fixed_point: torch.Tensor, reach: int = 2) -> torch.Tensor:
-    """(R, N) bool: positions i whose target y*_i equals a *wrong* state token at i - 1 .. i - reach.
-
-    A Jacobi state often holds the fixed point's tokens shifted by a position or two; learning
-    y*_i there can be done by copying the wrong token before it, a shortcut that also fires on
-    clean text and makes the model repeat itself.
-    """
-    out = torch.zeros_like(state, dtype=torch.bool)
-    for d in range(1, reach + 1):
-        before = state[:, :-d]  # the state token d positions back
-        wrong = before != fixed_point[:, :-d]
-        out[:, d:] |= wrong & (before == fixed_point[:, d:])
-    return out
-
-
-def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
-    """(B, width) bool: block positions whose token ends a loop of the generated text so far."""
-    from cllm.quality import ends_in_loop
-
-    out = torch.zeros(len(records), width, dtype=torch.bool)
-    for r, record in enumerate(records):
-        text = list(record.prefix_ids[record.prompt_len :])
-        for i, token in enumerate(record.fixed_point):
-            text.append(token)
-            out[r, i] = ends_in_loop(text)
-    return out
-
-
-NOISE_WINDOW = 16  # Jacobi Forcing's W: noise levels cycle over this many consecutive blocks
-
-
-def progressive_keys(states: torch.Tensor, fixed_point: torch.Tensor, valid: torch.Tensor,
-                     block_index: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Keys in [0, 1) for `pick_states` (lowest first) under the progressive schedule.
-
-    states (B, S, N), fixed_point (B, N), valid (B, N), block_index (B,), draws (B, S). A state's
-    noise is the fraction of its valid tokens that differ from the fixed point; block j aims at
-    t_j = linspace(0, 1, W)[j mod W]; the key is the distance to t_j (ties broken by `draws`),
-    so the states nearest to the block's noise level come first.
-    """
-    differs = (states != fixed_point[:, None, :]) & valid[:, None, :]  # (B, S, N)
-    noise = differs.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)  # (B, S)
-    levels = torch.linspace(0, 1, NOISE_WINDOW)[block_index % NOISE_WINDOW]  # (B,)
-    distance = (noise - levels[:, None]).abs()  # in [0, 1]
-    return (distance + draws * 1e-3) / 1.002  # stays below the key of ineligible states (2.0)
-
-
-def make_micro_batch(
-    records: Sequence[TrajectoryRecord], draws: torch.Tensor, *, pad_id: int, block_size: int,
-    config: TrainConfig,
-) -> MicroBatch:
-    """Tensors for `records`; `draws` (B, S) uniform in [0, 1) pick each record's states
-    (`pick_states`; S at least the records' state count)."""
-    b = collate(records, pad_id=pad_id, include_augmented=config.augmented)
-    k = config.states_per_record
-    B, S = len(records), b.states.shape[1]
-    if draws.shape[1] < S:
-        raise ValueError(f"draws cover {draws.shape[1]} states, the records hold up to {S}")
-    draws = draws[:, :S]
-    if config.state_schedule == "progressive":
-        draws = progressive_keys(b.states, b.fixed_point, b.block_mask.bool(), b.block_index, draws)
-    picks, exists = pick_states(draws, b.num_states, k)  # (B, k) each
-    owner = torch.arange(B).repeat_interleave(k)  # (B*k,)
-    j = picks.reshape(-1)
-    j_next = torch.minimum(j + 1, b.num_states[owner] - 1)
-    state, next_state = b.states[owner, j], b.states[owner, j_next]  # (B*k, N) each
-    # a record that starts at its fixed point, or a pick beyond its states, counts nothing
-    valid = b.block_mask.bool()[owner] & exists.reshape(-1)[:, None]
-    fixed = b.fixed_point[owner]
-    if config.cut_loops:  # positions that continue a loop are no consistency target
-        valid = valid & ~loop_positions(records, b.fixed_point.shape[1])[owner]
-    if config.skip_copies:
-        valid = valid & ~copy_positions(state, fixed)
-    return MicroBatch(
-        fixed_point=Rows(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
-        state=state, next_state=next_state, owner=owner,
-        labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
-        gc_mask=losses.gc_mask(state, fixed, valid, window=config.gc_window),
-        lc_mask=losses.lc_mask(state, next_state, valid),
-    )
-
-
-@dataclass
-class StepLosses:
-    gc: torch.Tensor
-    lc: torch.Tensor
-    ar: torch.Tensor
-    kd: torch.Tensor
-    total: torch.Tensor
-
-
-class FrozenTeacher:
-    """The frozen target whose logits the distillation term and `--consistency-teacher target`
-    learn: a second copy of the model (eval mode, no gradients), or, when LoRA trains the model
-    being distilled from itself, the same weights with the adapter disabled (no second copy)."""
-
-    def __init__(self, copy=None, peft_model=None):
-        if (copy is None) == (peft_model is None):
-            raise ValueError("a teacher is a copy or a LoRA model, not both")
-        self.copy, self.peft_model = copy, peft_model
-
-    @torch.no_grad()
-    def __call__(self, fn):
-        """fn(model) -> logits (or anything), run on the teacher without gradients."""
-        if self.copy is not None:
-            return fn(self.copy)
-        with self.peft_model.disable_adapter():
-            return fn(self.peft_model.get_base_model())
-
-
-def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig, pad_id: int,
-                     *, logits_to_keep: bool = True, teacher: FrozenTeacher | None = None) -> StepLosses:
-    """This micro-batch's share of ``consistency + ar_weight * ar + kd_weight * kd`` for the global
-    batch (each term a sum over its counted positions divided by its global count)."""
-    device = next(model.parameters()).device
-    mb = mb.to(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
-    fp = mb.fixed_point
-    B = len(fp)
-    records = torch.arange(B, device=mb.owner.device)
-    target_teacher = config.consistency_teacher == "target"
-    kd = config.kd_weight > 0
-    # 1. one forward over the records' prefixes (with gradients), then the blocks that continue
-    #    them: the states (with), the fixed point (with when AR learns it, a stop-gradient GC
-    #    target when the model is its own teacher), the next states (stop-gradient, LC)
-    groups = {"state": BlockGroup(mb.state, fp.block_mask[mb.owner], mb.owner, grad=True)}
-    if config.ar_on_fixed_points or (config.uses_gc and not target_teacher):
-        groups["fixed_point"] = BlockGroup(fp.block_ids, fp.block_mask, records, grad=config.ar_on_fixed_points)
-    if config.uses_lc and not target_teacher:
-        groups["next_state"] = BlockGroup(mb.next_state, fp.block_mask[mb.owner], mb.owner, grad=False)
-    student, frozen = {}, {}  # logits of the model being trained / of the frozen teacher
-    with autocast:
-        student = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
-                           strict=True))
-        # 2. the AR rows on the ground truth have prefixes of their own; text windows and
-        #    rollouts too
-        if config.ar_on_labels:
-            student["labels"] = forward_blocks(model, mb.labels, logits_to_keep=logits_to_keep)
-        if mb.text is not None and len(mb.text) and config.uses_ar_rows:
-            student["text"] = model(input_ids=mb.text[:, :-1], use_cache=False).logits
-        if mb.rollout is not None:
-            student["rollout"] = forward_blocks(model, mb.rollout, logits_to_keep=logits_to_keep)
-        # 3. the frozen teacher on the rows whose targets it gives
-        if teacher is not None:
-            def blocks(rows):
-                return teacher(lambda m: forward_blocks(m, rows, logits_to_keep=logits_to_keep))
-
-            if (config.uses_gc and target_teacher) or (kd and config.ar_on_fixed_points):
-                frozen["fixed_point"] = blocks(fp)
-            if config.uses_lc and target_teacher:
-                o = mb.owner
-                frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state, fp.block_mask[o]))
-            if kd:
-                for name in ("labels", "rollout"):
-                    if name in student:
-                        frozen[name] = blocks(mb.rollout if name == "rollout" else mb.labels)
-                if "text" in student:
-                    frozen["text"] = teacher(lambda m: m(input_ids=mb.text[:, :-1], use_cache=False).logits)
-    # 4. the terms, each normalised by its global count
-    zero = student["state"].new_zeros(())
-    gc = lc = ar = kd_term = zero
-    gc_teacher = frozen if target_teacher else student
-    if config.uses_gc:
-        gc = losses.gc_loss(student["state"], gc_teacher["fixed_point"][mb.owner], mb.gc_mask,
-                            distance=config.distance, normalizer=max(counts.gc, 1))
-    if config.uses_lc:
-        lc = losses.lc_loss(student["state"], gc_teacher["next_state"], mb.lc_mask,
-                            distance=config.distance, normalizer=max(counts.lc, 1))
-    # the AR rows: (logits name, targets, counted positions)
-    ar_rows = []
-    if config.ar_on_fixed_points:
-        ar_rows.append(("fixed_point", fp.block_ids, fp.block_mask.bool()))
-    if config.ar_on_labels:
-        ar_rows.append(("labels", mb.labels.block_ids, mb.labels.block_mask.bool()))
-    if "text" in student:
-        target = mb.text[:, 1:]
-        ar_rows.append(("text", target, torch.ones_like(target, dtype=torch.bool)))
-    for name, targets, mask in ar_rows:
-        if config.ar_weight > 0:
-            ar = ar + losses.ar_loss(student[name], targets, mask, label_smoothing=config.label_smoothing,
-                                     normalizer=max(counts.ar, 1))
-        if kd:
-            kd_term = kd_term + losses.distill_loss(frozen[name], student[name], mask, distance=config.kd_distance,
-                                                    normalizer=max(counts.kd, 1))
-    if "rollout" in student:
-        kd_term = kd_term + losses.distill_loss(frozen["rollout"], student["rollout"], mb.rollout.block_mask.bool(),
-                                                distance=config.kd_distance, normalizer=max(counts.kd, 1))
-    total = gc + lc + config.ar_weight * ar + config.kd_weight * kd_term
-    return StepLosses(gc, lc, ar, kd_term, total)
-
-
-def rollout_prompts(records: Sequence[TrajectoryRecord]) -> list[list[int]]:
-    """The distinct prompts of the records (their first block's prompt tokens), in record order."""
-    seen, out = set(), []
-    for r in records:
-        if r.prompt_id not in seen:
-            seen.add(r.prompt_id)
-            out.append(list(r.prefix_ids[: r.prompt_len]))
-    return out
-
-
-@torch.no_grad()
-def make_rollouts(model, prompts: Sequence[Sequence[int]], config: TrainConfig, seeds: Sequence[int], *,
-                  eos_token_id, pad_id: int) -> Rows:
-    """Rows ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
-    temperature, one generator per prompt seeded by `seeds`), decoded with the KV cache."""
-    from cllm.decoding import greedy_decode, sample_decode
-
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    rows = rows_from_lists(prompts, [[]] * len(prompts), pad_id)
-    ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
-    if config.rollout_temperature > 0:
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        out = sample_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id,
-                            temperature=config.rollout_temperature, generator=generators)
-    else:
-        out = greedy_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id)
-    model.train(was_training)
-    return rows_from_lists(prompts, out.new_tokens, pad_id)
-
-
-def step_rollout_prompts(prompts: Sequence[Sequence[int]], step: int, config: TrainConfig) -> list[int]:
-    """Indices of the step's rollout prompts: a seeded draw (the step number is the RNG state)."""
-    generator = torch.Generator().manual_seed(derived_seed(config.seed, "rollout-prompts", step))
-    return torch.randperm(len(prompts), generator=generator)[: config.rollout_prompts].tolist()
-
-
-def load_teacher(config: TrainConfig, model, device) -> FrozenTeacher | None:
-    """The frozen teacher, when a term needs one (see `FrozenTeacher`)."""
-    from cllm.models import load_model, tokenizer_fingerprint
-
-    if not config.needs_teacher:
-        return None
-    name = config.teacher or config.model
-    if config.lora and name == config.model:
-        return FrozenTeacher(peft_model=model)
-    if tokenizer_fingerprint(name) != tokenizer_fingerprint(config.model):
-        raise UserError(f"--teacher {name} has another tokenizer than --model {config.model}")
-    copy = load_model(name, dtype="float32").to(device).eval()
-    copy.requires_grad_(False)
-    return FrozenTeacher(copy=copy)
-
-
-# ---------------------------------------------------------------------------------------------
 # Inputs, checkpoints, export
 
 
@@ -663,38 +348,6 @@ class TrainSummary:
     eval_before: dict | None  # the untrained model (the target)
     eval_after: dict | None  # the exported weights' evaluation
     selected_step: int | None = None  # --select gated: the step whose weights were exported
-
-
-def load_text_stream(name: str, tokenizer) -> torch.Tensor:
-    """--ar-text as one token stream: the embedded corpus' train split, or a text file."""
-    if name in ("stdlib", "stdlib-train"):
-        from cllm.data.corpus import load_corpus
-        from cllm.pretrain import token_stream
-
-        return token_stream(load_corpus("train"), tokenizer)
-    path = Path(name)
-    if not path.is_file():
-        raise UserError(f"--ar-text {name!r} is neither 'stdlib-train' nor a text file")
-    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def sample_text_windows(stream: torch.Tensor, config: TrainConfig, step: int) -> torch.Tensor:
-    """(W, L + 1) windows of the text at random offsets; the step number seeds them."""
-    length = min(config.ar_text_length, len(stream) - 1)
-    if length < 1:
-        raise UserError("--ar-text holds fewer than 2 tokens")
-    generator = torch.Generator().manual_seed(derived_seed(config.seed, "text", step))
-    starts = torch.randint(0, len(stream) - length, (config.ar_text_windows,), generator=generator)
-    return stream[starts[:, None] + torch.arange(length + 1)]
-
-
-def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: int, seed: int) -> list[TrajectoryRecord]:
-    """The global batch of `step`: a fresh seeded permutation per epoch, its remainder dropped."""
-    per_epoch = len(records) // batch_size
-    epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(derived_seed(seed, "epoch", epoch)))
-    return [records[i] for i in order[index * batch_size : (index + 1) * batch_size].tolist()]
 
 
 def train(config: TrainConfig) -> TrainSummary:
