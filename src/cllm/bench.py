@@ -1,6 +1,6 @@
 """`cllm bench`: every decoding method on the same prompts, in one run: speed and quality.
 
-Methods (names are the DESIGN.md contract):
+Methods (the names are a contract: docs/method.md#bench-methods):
 
   target_ar, cllm_ar            our greedy decoder (the oracle) on the target / on the CLLM
   target_jacobi                 the paper's plain Jacobi decoding (our engine: KV cache,
@@ -18,10 +18,11 @@ Methods (names are the DESIGN.md contract):
   cllm_ar_sampling,             lossless sampling at --temperature: plain AR sampling against
   cllm_jacobi_sampling          Jacobi sampling (same law; speed and tokens per forward compared)
 
-Counting follows REFERENCE.md: a forward pass is every model call, prefill included. A forward
-pre-hook on each model counts its calls for every method, and the cache length each call starts
-from tells how many tokens each call made final; so transformers' prompt lookup and assisted
-generation get honest tokens per forward too (target forwards; the draft's are reported apart).
+Counting follows docs/method.md#counting: a forward pass is every model call, prefill included.
+A forward pre-hook on each model counts its calls for every method, and the cache length each
+call starts from tells how many tokens each call made final; so transformers' prompt lookup and
+assisted generation get honest tokens per forward too (target forwards; the draft's are reported
+apart). The JSON's keys: docs/method.md#bench-json.
 
 Timing (gpt-fast's habits): torch threads fixed and reported; every method first decodes the
 warm-up prompt(s), untimed; then, prompt after prompt, `repeats` rounds in which every method
@@ -759,7 +760,7 @@ def model_info(models: BenchModels, config: BenchConfig, prints: dict[str, str],
 
 @dataclass
 class BenchResult:
-    data: dict[str, Any]  # the JSON (DESIGN.md contract)
+    data: dict[str, Any]  # the JSON (docs/method.md#bench-json)
     prompts: list[BenchPrompt]
     outputs: dict[str, list[list[int]]]  # method -> per prompt new tokens
     trajectories: dict[str, Any]  # role -> TrajectoryRecorder of the drawn prompt
@@ -864,7 +865,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPromp
         "machine": machine,
         "methods": metrics,
         "models": model_info(models, config, prints, val),
-        "counting": "REFERENCE.md: forward passes = every model call (prefill included; target calls for "
+        "counting": "docs/method.md#counting: forward passes = every model call (prefill included; target calls for "
                     "assisted); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
         "val_set": {"name": config.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
         "sweep": sweep_result,

@@ -6,7 +6,7 @@
    blocks' trajectories coloured: final / correct / wrong, fast-forwarded and stationary marked.
 
 What it falls back to, so that `make demo` never fails on a fresh clone: without the shipped
-CLLM, the target-only story (vanilla Jacobi, which REFERENCE.md expects at ~1.0x); without the
+CLLM, the target-only story (vanilla Jacobi, ~1.0x: docs/method.md#jacobi-decoding); without the
 shipped target too, a tiny random Llama with a tokenizer trained on the spot, whose text is noise
 but whose exactness and counting are real.
 """
@@ -188,7 +188,7 @@ def demo(config: DemoConfig) -> int:
         models = load_models(bench_config)
         if models.cllm is None:
             console.print("[yellow]No CLLM yet (`cllm distill` makes one): the target-only story. Plain Jacobi "
-                          "on an AR-trained model gets ~1 token per forward (REFERENCE.md).[/]")
+                          "on an AR-trained model gets ~1 token per forward (docs/method.md).[/]")
     console.rule("[bold]cllm demo[/]")  # a rule's title would be cut at the terminal's width: the details below it
     console.print(f"short bench: {config.max_prompts} × {config.prompts} · {config.max_new_tokens} tokens · "
                   f"n = {config.block_size}", highlight=False)

@@ -101,7 +101,7 @@ def accepts_logits_to_keep(model) -> bool:
 
 def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,
              batch_size: int, eos_token_id, pad_id: int, bf16: bool = False, seed: int = 0) -> dict:
-    """Jacobi tokens per forward (greedy, REFERENCE.md counting), over all prompts and over those
+    """Jacobi tokens per forward (greedy, docs/method.md#counting), over all prompts and over those
     whose completion does not end in a loop; how often the greedy completions loop or
     degenerate (`cllm.quality`); Jacobi == greedy; and the AR validation loss."""
     from cllm.quality import ends_in_loop, is_degenerate, strip_eos

@@ -8,7 +8,7 @@ state is classed against the block's fixed point:
   fast-forwarded),
 - "wrong": not yet the fixed point's token;
 
-and marked (REFERENCE.md "Counting") as
+and marked (docs/method.md#counting) as
 
 - fast-forwarded: this update newly made it correct, in the contiguous correct run from the left;
 - stationary: already correct, unchanged in every later state, while a token before it is wrong.

@@ -610,7 +610,7 @@ heads); decode it with `cllm.jacobi_decode`, whose output equals greedy decoding
 
 Held-out prompts `{ev['prompts']}` (first {ev['count']}), greedy, Jacobi block size {ev['block_size']},
 {ev['max_new_tokens']} new tokens. Tokens per forward = new tokens / forward passes, prefill
-included (REFERENCE.md); AR loss = mean nats/token on the prompts' references.
+included (cllm's docs/method.md#counting); AR loss = mean nats/token on the prompts' references.
 
 | | base model | this CLLM |
 |---|---|---|

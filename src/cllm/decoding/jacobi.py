@@ -1,4 +1,4 @@
-"""Greedy Jacobi decoding with a KV cache and fast-forward commit (REFERENCE.md).
+"""Greedy Jacobi decoding with a KV cache and fast-forward commit (docs/method.md).
 
 The next `n` tokens of a row form a *block*, solved as a fixed point: one forward over the block
 state `y` gives `y'_{i+1} = argmax p(. | x, y_<=i)` at every position at once. The fixed point is

@@ -1,6 +1,6 @@
 """What a decode run counts, and the pure functions that count it.
 
-Definitions follow REFERENCE.md ("Counting") exactly:
+Definitions follow docs/method.md#counting exactly:
 
 - forward passes: every model call, prefill included;
 - tokens per forward: new tokens / forward passes (for a batch, per row: all rows' new tokens
@@ -70,12 +70,12 @@ class DecodeStats:
     accepted_rows: list[int] = field(default_factory=list)
     # Jacobi only, per block: updates it took (0 when its only token came for free)
     iterations_per_block: list[int] = field(default_factory=list)
-    # Jacobi only, per update: fast-forwarded tokens (REFERENCE.md)
+    # Jacobi only, per update: fast-forwarded tokens (docs/method.md#counting)
     fast_forwarded: list[int] = field(default_factory=list)
-    # Jacobi only, per block: stationary tokens (REFERENCE.md)
+    # Jacobi only, per block: stationary tokens (docs/method.md#counting)
     stationary: list[int] = field(default_factory=list)
     # per forward after the prefill: tokens fed per row (the batch's width, padding included);
-    # a step's cost grows with it (t(k) in REFERENCE.md's bound)
+    # a step's cost grows with it (t(k) in the bound of docs/method.md#counting)
     fed: list[int] = field(default_factory=list)
     # Jacobi only: new tokens by where they came from (`jacobi.SOURCES`: "ar", "jacobi", "pool",
     # "table", "guess"); what makes a method fast
