@@ -173,7 +173,7 @@ def markdown(p: StepProfile) -> str:
     """The table: one row per k."""
     m = p.model
     head = (f"{m['shape']} ({parameters(m['parameters'])} parameters), {m['dtype']}, {m['device']}, "
-            f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} threads, "
+            f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} thread{'s' if p.machine['threads'] != 1 else ''}, "
             f"load average {p.machine['load_average']}" + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
     cols = ["k", "t(k) ms (min)", "t(k) ms (median)", "t(k)/t(1)", "tree t(k) ms", "tree t(k)/t(1)",
             "host ms/step, Jacobi n=k", "host ms/step, engine budget k"]

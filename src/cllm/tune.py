@@ -92,7 +92,7 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     if prefix < 1:
         raise UserError(f"the model's position limit {limit} leaves no room for k = {config.k[-1]}: lower --k")
     print(f"cllm tune: timing {path.name} at k = {', '.join(map(str, config.k))} after {prefix} cached tokens "
-          f"({device}, {config.dtype}, {torch.get_num_threads()} threads, {config.repeats} rounds)", flush=True)
+          f"({device}, {config.dtype}, {torch.get_num_threads()} thread(s), {config.repeats} rounds)", flush=True)
     times = time_steps(model, config.k, prefix=prefix, rounds=config.repeats, tree=False)
     times_ms = [1e3 * min(times.causal[k]) for k in config.k]
     ratios = [t / times_ms[0] for t in times_ms]
