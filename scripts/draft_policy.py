@@ -7,8 +7,9 @@ of fed tokens per forward, 0 = none; absent = the engine's default]). Every sett
 the output is greedy's whatever the setting, so the settings differ only in how many forwards
 they take and how many tokens each forward feeds. Wall clock on a shared 2-core machine moves
 10-30% between identical runs, so this script ranks settings by a cost model instead: a forward
-feeding k tokens costs t(k) / t(1) AR steps, interpolated from `--cost` (default: the step-time
-ratios `python scripts/profile_step.py --threads 2` measured for k = 1, 2, 4, 8, 16, 32 on the
+feeding k tokens costs t(k) / t(1) AR steps, interpolated from `--cost`
+(`cllm.decoding.costs.step_cost`; default: the step-time ratios
+`python scripts/profile_step.py --threads 2` measured for k = 1, 2, 4, 8, 16, 32 on the
 development machine, `benchmarks/engine_step_profile.md`). The estimate ignores the per-step
 Python work, so it runs above the measured speedup; `cllm bench` gives the wall-clock number.
 """
@@ -21,20 +22,8 @@ import torch
 
 from cllm import jacobi_decode
 from cllm.data.prompts import load_prompts
+from cllm.decoding.costs import COST_2_THREADS, COST_K, step_cost
 from cllm.models import load_draft_table, load_model, load_tokenizer
-
-COST_K = (1, 2, 4, 8, 16, 32)
-COST_2_THREADS = (1.0, 1.09, 1.24, 1.38, 1.73, 2.13)
-
-
-def step_cost(k: int, ratios: tuple[float, ...]) -> float:
-    """t(k) / t(1), linear between the measured k, proportional to k past the last one."""
-    if k >= COST_K[-1]:
-        return ratios[-1] * k / COST_K[-1]
-    for (k0, r0), (k1, r1) in zip(zip(COST_K, ratios), zip(COST_K[1:], ratios[1:])):
-        if k <= k1:
-            return r0 + (r1 - r0) * (k - k0) / (k1 - k0)
-    raise AssertionError("unreachable")
 
 
 def main() -> None:

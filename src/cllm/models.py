@@ -39,6 +39,8 @@ SHIPPED = {
 # A model's draft table (`cllm drafts`), relative to its checkpoint directory: a subfolder, so
 # the checkpoint's own files (and `fingerprint`) do not change when a table is added.
 DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
+# Decode settings measured for a checkpoint on one type of device (`cllm tune`), beside it.
+DECODE_DEFAULTS = "decode_defaults.json"
 
 
 def version_problem(torch_version: str, transformers_version: str) -> str | None:
@@ -301,7 +303,7 @@ class DecodingModel:
     model: torch.nn.Module
     tokenizer: Any
     draft_table: Any  # its NgramTable (`cllm drafts`), or None when its folder has none
-    settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED + draft_table
+    settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
     name: str
 
 
@@ -330,4 +332,26 @@ def load_for_decoding(
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     table = load_draft_table(name_or_path, draft_table)
     model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    return DecodingModel(model, tokenizer, table, {**RECOMMENDED, "draft_table": table}, str(name_or_path))
+    settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
+    return DecodingModel(model, tokenizer, table, settings, str(name_or_path))
+
+
+def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The decode settings `cllm tune` wrote beside a local checkpoint for this type of device
+    (block size, fed-token budget), or {} when there are none for it. Settings measured on a GPU
+    are not used on a CPU, nor the other way round."""
+    import json
+
+    from cllm.decoding import RECOMMENDED
+
+    file = Path(resolve_model_path(name_or_path)) / DECODE_DEFAULTS
+    if not file.is_file():
+        return {}
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+        settings = record["settings"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read {file}: {_first_line(exc)} (rerun cllm tune --force)") from None
+    if record.get("device") != torch.device(device).type:
+        return {}
+    return {k: v for k, v in settings.items() if k in RECOMMENDED}
