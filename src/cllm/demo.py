@@ -46,7 +46,7 @@ class DemoConfig:
     max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
     block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
     val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: skip)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer than 2 cores free)"})
