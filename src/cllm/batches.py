@@ -19,7 +19,8 @@ import torch
 from cllm import losses
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryRecord, collate
-from cllm.rows import Rows, derived_seed, rows_from_lists
+from cllm.rows import Rows, rows_from_lists
+from cllm.seeds import derived_seed
 
 if TYPE_CHECKING:
     from cllm.train import TrainConfig

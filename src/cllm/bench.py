@@ -67,7 +67,7 @@ from cllm.decoding.ngram import NgramTable
 from cllm.humaneval_exec import QUALITIES
 from cllm.progress import Progress
 from cllm.quality import ends_in_loop, is_degenerate
-from cllm.rows import derived_seed
+from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 

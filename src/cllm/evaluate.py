@@ -11,7 +11,8 @@ import torch
 
 from cllm import losses
 from cllm.config import UserError
-from cllm.rows import derived_seed, forward_blocks, rows_from_lists
+from cllm.rows import forward_blocks, rows_from_lists
+from cllm.seeds import derived_seed
 
 
 @dataclass(frozen=True)
