@@ -194,8 +194,9 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     greedy, per prompt / per token), degenerate[model] / looping[model]; and ar_loss[model]:
     nats/token on the prompts' references.
     """
+    from cllm.decoding.cache import accepts_logits_to_keep
     from cllm.decoding.inputs import position_limit
-    from cllm.evaluate import accepts_logits_to_keep, ar_validation_loss, load_eval_prompts
+    from cllm.evaluate import ar_validation_loss, load_eval_prompts
     from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
     from cllm.quality import QualitySettings, compare_models, gates
 

@@ -11,6 +11,7 @@ import torch
 
 from cllm import losses
 from cllm.config import UserError
+from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.rows import forward_blocks, rows_from_lists
 from cllm.seeds import derived_seed
 
@@ -92,12 +93,6 @@ def ar_validation_loss(model, prompts: Sequence[EvalPrompt], *, batch_size: int 
         total += float(losses.ar_loss(logits, rows.block_ids.to(logits.device), mask, normalizer=1))
         count += int(mask.sum())
     return total / count if count else None
-
-
-def accepts_logits_to_keep(model) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,

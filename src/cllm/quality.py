@@ -112,7 +112,7 @@ def completion_nll(model, prompts: Sequence[Sequence[int]], completions: Sequenc
                    batch_size: int = 8, pad_id: int = 0) -> float | None:
     """Mean nats/token `model` assigns to each completion after its prompt (all tokens pooled)."""
     from cllm import losses
-    from cllm.evaluate import accepts_logits_to_keep
+    from cllm.decoding.cache import accepts_logits_to_keep
     from cllm.rows import forward_blocks, rows_from_lists
 
     pairs = [(p, c) for p, c in zip(prompts, completions, strict=True) if c]
