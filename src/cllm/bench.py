@@ -65,6 +65,7 @@ from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
 from cllm.humaneval_exec import QUALITIES
+from cllm.options import OFF, is_off
 from cllm.progress import Progress
 from cllm.quality import ends_in_loop, is_degenerate
 from cllm.seeds import derived_seed
@@ -79,7 +80,6 @@ ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacob
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
                  "cllm_jacobi_plain": "cllm_ar"}
-OFF = ("", "none", "null", "false")
 
 
 class ExactnessError(RuntimeError):
@@ -163,7 +163,7 @@ class BenchConfig:
             raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
         if not self.quality_timeout > 0:
             raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
-        if self.cllm is not None and self.cllm.strip().lower() in OFF:
+        if is_off(self.cllm):
             self.cllm = None
 
 

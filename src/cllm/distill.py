@@ -44,6 +44,7 @@ from typing import Literal
 
 from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
+from cllm.options import is_off
 from cllm.train import ArTarget, Consistency, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class DistillConfig:
             raise UserError("out must name a directory")
         if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
             raise UserError(f"drafts-prompts must be an integer >= 0, got {self.drafts_prompts!r}")
-        if self.ar_text is not None and self.ar_text.strip().lower() in ("", "none", "null", "false"):
+        if is_off(self.ar_text):
             self.ar_text = None
         self.train_config()  # validates the training options
 
