@@ -25,7 +25,6 @@ ALLOWED = {
     ("cllm.distill", "cllm.train"),
     ("cllm.distill", "cllm.collect"),
     ("cllm.distill", "cllm.drafts"),
-    ("cllm.drafts", "cllm.bench"),
     ("cllm.objective", "cllm.train"),
     ("cllm.quality", "cllm.pretrain"),
     ("cllm.scheduler", "cllm.generate"),

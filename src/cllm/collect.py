@@ -50,6 +50,7 @@ import torch
 
 from cllm.config import UserError, write_config
 from cllm.data import trajectories as tj
+from cllm.data.prompts import prompt_ids
 from cllm.quality import ends_in_loop, is_degenerate
 from cllm.seeds import derived_seed
 
@@ -274,7 +275,7 @@ def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[_Prompt], 
     model's context allows are cut from the left; returns how many were cut."""
     encoded, cut = [], 0
     for index, p in prompts:
-        ids = tokenizer(p.text)["input_ids"]
+        ids = prompt_ids(tokenizer, p.text)
         if len(ids) > max_prompt_len:
             ids, cut = ids[-max_prompt_len:], cut + 1
         labels = None
