@@ -29,7 +29,6 @@ ALLOWED = {
     ("cllm.quality", "cllm.pretrain"),
     ("cllm.scheduler", "cllm.generate"),
     ("cllm.server", "cllm.generate"),
-    ("cllm.server", "cllm.bench"),
 }
 
 
