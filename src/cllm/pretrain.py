@@ -363,14 +363,13 @@ def evaluate_target(
         n_samples: how many completions to keep as samples.
         threads: torch CPU threads (default: leave as is).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from cllm.data.prompts import cut_at_function_end, function_parses, load_prompts
+    from cllm.models import load_model, load_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, dtype=torch.float32)  # eval mode, CPU
+    tokenizer = load_tokenizer(model_dir)
     eot = tokenizer.convert_tokens_to_ids(EOT)
 
     # 1. validation loss over the whole split, in windows of the model's context
