@@ -60,10 +60,10 @@ from cllm.api import (
     completion_prompt,
     parse_params,
 )
+from cllm.completion import METHODS, Completion, TextCodec
 from cllm.config import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.inputs import position_limit
-from cllm.generate import METHODS, Completion, TextCodec
 from cllm.scheduler import Job, Overloaded, Scheduler
 
 log = logging.getLogger(__name__)
