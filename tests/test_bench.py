@@ -16,8 +16,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import cllm.bench as bench_module
 from cllm.bench import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
 from cllm.cli import main
+from cllm.data.prompts import EncodedPrompt
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
+from cllm.machine import load_warning, threads_for_load
 from cllm.models import SHIPPED
 from tests.tiny import CODE_TEXTS
 
@@ -202,7 +204,7 @@ def test_bench_fails_loudly_when_an_exactness_promise_breaks(tiny, tmp_path, mon
 
 def test_a_mismatch_is_excused_only_as_a_near_tie(tiny):
     model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
-    prompt = bench_module.BenchPrompt("p", "x", [5, 6, 7])
+    prompt = EncodedPrompt("p", "x", [5, 6, 7])
     expected = greedy_decode(model, torch.tensor([prompt.ids]), max_new_tokens=4).new_tokens[0]
     wrong = expected[:2] + [(expected[2] + 1) % 320] + expected[3:]
     strict = check_exact(model, [prompt], [wrong], [expected], tolerance=0.0)
@@ -349,7 +351,7 @@ def test_a_run_with_other_settings_keeps_the_old_record_and_measures_afresh(tiny
     (0.1, 2, 2, False), (2.3, 2, 2, True), (0.9, 2, 1, False), (1.6, 2, 1, True), (3.0, 16, 2, False),
     (None, 2, 2, False)])
 def test_a_busy_machine_is_warned_about(load, cores, threads, warns):
-    message = bench_module.load_warning(load, cores, threads)
+    message = load_warning(load, cores, threads)
     assert (message is not None) == warns
     if warns:
         assert "unreliable" in message and f"{load:.1f}" in message
@@ -388,4 +390,4 @@ def test_humaneval_exec_needs_the_humaneval_prompts(capsys):
 @pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (0.9, 2, 1), (3.8, 2, 1), (3.0, 16, 2),
                                                          (None, 2, 2), (1.4, 4, 2)])
 def test_the_demo_takes_one_thread_when_others_keep_the_cpu_busy(load, cores, threads):
-    assert bench_module.threads_for_load(load, cores) == threads
+    assert threads_for_load(load, cores) == threads

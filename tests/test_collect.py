@@ -27,7 +27,6 @@ from cllm.collect import (
     TrajectoryRecorder,
     augment_states,
     collect,
-    prompt_seed,
 )
 from cllm.config import UserError
 from cllm.data.tokenizer import EOT, train_tokenizer
@@ -41,6 +40,7 @@ from cllm.data.trajectories import (
 from cllm.decoding import IterationEvent, greedy_decode
 from cllm.quality import ends_in_loop as _ends_in_loop
 from cllm.quality import is_degenerate
+from cllm.seeds import derived_seed as prompt_seed
 from tests.tiny import CODE_TEXTS
 
 BLOCK, NEW = 12, 36

@@ -12,9 +12,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import main
+from cllm.completion import DecodeParams, TextCodec, TextStream, complete
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from cllm.decoding import greedy_decode
-from cllm.generate import DecodeParams, TextCodec, TextStream, complete
 from cllm.models import load_model, load_tokenizer
 from tests.tiny import CODE_TEXTS
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cllm.generate import DecodeParams, TextCodec, complete
+from cllm.completion import DecodeParams, TextCodec, complete
 from cllm.models import load_model
 from cllm.scheduler import Job, Overloaded, Scheduler
 from tests.test_generate import PROMPTS, Oracle, save_tiny_model

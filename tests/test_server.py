@@ -24,7 +24,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from cllm.cli import main
-from cllm.generate import DecodeParams, TextCodec, complete
+from cllm.completion import DecodeParams, TextCodec, complete
 from cllm.models import load_draft_table, load_model
 from cllm.server import ServeConfig, create_app, exposure_warning
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model

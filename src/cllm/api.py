@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from cllm.generate import METHODS, DecodeParams
+from cllm.completion import METHODS, DecodeParams
 
 ROLES = ("system", "developer", "user", "assistant")
 

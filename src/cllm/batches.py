@@ -19,7 +19,8 @@ import torch
 from cllm import losses
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryRecord, collate
-from cllm.rows import Rows, derived_seed, rows_from_lists
+from cllm.rows import Rows, rows_from_lists
+from cllm.seeds import derived_seed
 
 if TYPE_CHECKING:
     from cllm.train import TrainConfig
@@ -191,7 +192,7 @@ def load_text_stream(name: str, tokenizer) -> torch.Tensor:
     """--ar-text as one token stream: the embedded corpus' train split, or a text file."""
     if name in ("stdlib", "stdlib-train"):
         from cllm.data.corpus import load_corpus
-        from cllm.pretrain import token_stream
+        from cllm.data.tokenizer import token_stream
 
         return token_stream(load_corpus("train"), tokenizer)
     path = Path(name)

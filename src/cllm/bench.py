@@ -60,14 +60,17 @@ import torch
 
 from cllm.benchlog import PROGRESS, BenchLog, run_key, stats_from
 from cllm.config import UserError, config_to_dict
+from cllm.data.prompts import EncodedPrompt, encode_prompts
 from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
 from cllm.humaneval_exec import QUALITIES
+from cllm.machine import load_warning
+from cllm.options import OFF, is_off
 from cllm.progress import Progress
 from cllm.quality import ends_in_loop, is_degenerate
-from cllm.rows import derived_seed
+from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,6 @@ ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacob
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
                  "cllm_jacobi_plain": "cllm_ar"}
-OFF = ("", "none", "null", "false")
 
 
 class ExactnessError(RuntimeError):
@@ -163,7 +165,7 @@ class BenchConfig:
             raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
         if not self.quality_timeout > 0:
             raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
-        if self.cllm is not None and self.cllm.strip().lower() in OFF:
+        if is_off(self.cllm):
             self.cllm = None
 
 
@@ -184,13 +186,6 @@ class BenchModels:
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
 
 
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    text: str
-    ids: list[int]
-
-
 def load_models(config: BenchConfig) -> BenchModels:
     from cllm.models import SHIPPED, load_draft_table, load_model, load_tokenizer
 
@@ -209,21 +204,6 @@ def load_models(config: BenchConfig) -> BenchModels:
         if table is not None:
             models.tables[role] = table
     return models
-
-
-def encode_prompts(name: str, tokenizer, *, limit: int | None, keep: int | None) -> list[BenchPrompt]:
-    """The prompt set's first `limit` prompts, tokenized, cut from the left to `keep` tokens."""
-    from cllm.data.prompts import load_prompts
-
-    out = []
-    for p in load_prompts(name, limit=limit):
-        ids = list(tokenizer(p.text)["input_ids"])
-        ids = ids[-keep:] if keep else ids
-        if ids:
-            out.append(BenchPrompt(p.id, p.text, ids))
-    if not out:
-        raise UserError(f"no non-empty prompts in {name!r}")
-    return out
 
 
 class ForwardCounter:
@@ -279,22 +259,22 @@ class Decoded:
 class Method:
     name: str
     model: torch.nn.Module  # whose greedy output is this method's own AR
-    run: Callable[[BenchPrompt], Decoded]
+    run: Callable[[EncodedPrompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
 
 
-def _ids(prompt: BenchPrompt, model) -> torch.Tensor:
+def _ids(prompt: EncodedPrompt, model) -> torch.Tensor:
     return torch.tensor([prompt.ids], device=next(model.parameters()).device)  # (1, T)
 
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
          guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
-         **engine) -> Callable[[BenchPrompt], Decoded]:
+         **engine) -> Callable[[EncodedPrompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
     n = 1); guesses and draws seeded per prompt id (the same in every round). `engine`: the
     recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent)."""
 
-    def run(prompt: BenchPrompt, hook=on_iteration) -> Decoded:
+    def run(prompt: EncodedPrompt, hook=on_iteration) -> Decoded:
         if jacobi or temperature > 0:
             generator = torch.Generator().manual_seed(derived_seed(seed, "guess", prompt.id))
             out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
@@ -312,7 +292,7 @@ def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_n
 
 def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
                 draft=None, draft_counter: ForwardCounter | None = None,
-                prompt_lookup_tokens: int | None = None) -> Callable[[BenchPrompt], Decoded]:
+                prompt_lookup_tokens: int | None = None) -> Callable[[EncodedPrompt], Decoded]:
     """transformers' `generate`: greedy, our cap and EOS, nothing else from the model's defaults."""
     from transformers import GenerationConfig
 
@@ -320,7 +300,7 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                   eos_token_id=eos, pad_token_id=pad_id, **extra)
 
-    def run(prompt: BenchPrompt) -> Decoded:
+    def run(prompt: EncodedPrompt) -> Decoded:
         ids = _ids(prompt, model)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
                              assistant_model=draft)
@@ -383,7 +363,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(method: Method, prompt: BenchPrompt, device: torch.device) -> tuple[Decoded, float]:
+def timed(method: Method, prompt: EncodedPrompt, device: torch.device) -> tuple[Decoded, float]:
     """One decode, wall clock between two device syncs."""
     for counter in method.counters:
         counter.reset()
@@ -399,7 +379,7 @@ def _from_record(record: dict) -> Decoded:
                    record["draft_forward_passes"])
 
 
-def measure(methods: list[Method], prompts: list[BenchPrompt], *, repeats: int, warmup: int,
+def measure(methods: list[Method], prompts: list[EncodedPrompt], *, repeats: int, warmup: int,
             device: torch.device, progress: Progress | None = None,
             log: BenchLog | None = None) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
     """Warm-up, then per prompt `repeats` interleaved rounds of every method. Returns, per
@@ -538,7 +518,7 @@ def top2_margin(model, context: list[int]) -> float | None:
     return float(top[0] - top[1])
 
 
-def check_exact(model, prompts: list[BenchPrompt], got: list[list[int]], expected: list[list[int]],
+def check_exact(model, prompts: list[EncodedPrompt], got: list[list[int]], expected: list[list[int]],
                 tolerance: float) -> list[dict[str, Any]]:
     """Every prompt whose tokens differ: where, and whether it is a float near-tie."""
     mismatches = []
@@ -576,7 +556,7 @@ def machine_info(config: BenchConfig, device: torch.device) -> dict[str, Any]:
     }
 
 
-def sweep(models: BenchModels, config: BenchConfig, prompts: list[BenchPrompt],
+def sweep(models: BenchModels, config: BenchConfig, prompts: list[EncodedPrompt],
           own_ar: dict[str, list[list[int]]], counters: dict[str, ForwardCounter],
           progress: Progress | None = None, log: BenchLog | None = None) -> tuple[dict, list]:
     """Tokens per forward of plain Jacobi at every sweep block size, for each model whose greedy
@@ -668,7 +648,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     return results
 
 
-def check_promises(methods: list[Method], prompts: list[BenchPrompt], outputs: dict[str, list[list[int]]],
+def check_promises(methods: list[Method], prompts: list[EncodedPrompt], outputs: dict[str, list[list[int]]],
                    tolerance: float) -> tuple[dict, list[dict]]:
     """Every method that promises greedy's tokens, on every prompt: (JSON summary, violations)."""
     exactness, violations = {}, []
@@ -690,7 +670,7 @@ def engine_settings(config: BenchConfig) -> dict[str, Any]:
 
 
 def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict[str, ForwardCounter],
-                        prompt: BenchPrompt) -> dict[str, Any]:
+                        prompt: EncodedPrompt) -> dict[str, Any]:
     """One prompt's trajectories on the engine the headline measures (cllm_jacobi's setting for
     the CLLM, target_lookahead's for the target: block size, recycling, each model's own draft
     table), per model: role -> TrajectoryRecorder. Each block knows where its tokens came from."""
@@ -709,7 +689,7 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
     return recorders
 
 
-def humaneval_quality(methods: list[Method], prompts: list[BenchPrompt], outputs: dict[str, list[list[int]]],
+def humaneval_quality(methods: list[Method], prompts: list[EncodedPrompt], outputs: dict[str, list[list[int]]],
                       tokenizer, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
     """pass@1 per method: each completion (cut where its function ends) run against its HumanEval
     tests (`cllm.humaneval_exec`); identical completions are run once."""
@@ -761,33 +741,13 @@ def model_info(models: BenchModels, config: BenchConfig, prints: dict[str, str],
 @dataclass
 class BenchResult:
     data: dict[str, Any]  # the JSON (docs/method.md#bench-json)
-    prompts: list[BenchPrompt]
+    prompts: list[EncodedPrompt]
     outputs: dict[str, list[list[int]]]  # method -> per prompt new tokens
     trajectories: dict[str, Any]  # role -> TrajectoryRecorder of the drawn prompt
     violations: list[dict[str, Any]]
 
 
-def load_warning(load_1min: float | None, cores: int | None, threads: int) -> str | None:
-    """A warning when other processes already keep the CPU busy: the bench's `threads` then
-    compete with them, and wall-clock figures (tokens/s, speedups) mean little; counts (tokens
-    per forward, exactness) do not depend on it."""
-    if load_1min is None or not cores or load_1min + threads <= cores + 0.5:
-        return None
-    advice = " (and try --threads 1: torch's threads wait on each other when the CPU is shared)" if threads > 1 else ""
-    return (f"load average {load_1min:.1f} on {cores} cores before the bench's {threads} thread(s): other "
-            "processes are using the CPU, so tokens/s and speedups are unreliable (tokens per forward "
-            f"and exactness are not affected); rerun on a quiet machine for timings{advice}")
-
-
-def threads_for_load(load_1min: float | None, cores: int | None, wanted: int = 2) -> int:
-    """`wanted` torch threads, fewer when other processes leave fewer cores free: on a shared
-    CPU, threads that wait on each other make every step many times slower."""
-    if load_1min is None or not cores:
-        return wanted
-    return max(1, min(wanted, round(cores - load_1min)))
-
-
-def run_bench(config: BenchConfig, models: BenchModels, prompts: list[BenchPrompt] | None = None, *,
+def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPrompt] | None = None, *,
               progress: Progress | None = None, log: BenchLog | bool | None = None) -> BenchResult:
     """Measure every method on the same prompts (see the module docstring for how).
 

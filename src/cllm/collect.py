@@ -50,7 +50,9 @@ import torch
 
 from cllm.config import UserError, write_config
 from cllm.data import trajectories as tj
+from cllm.data.prompts import prompt_ids
 from cllm.quality import ends_in_loop, is_degenerate
+from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +121,6 @@ class CollectSummary:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / max(self.seconds, 1e-9)
-
-
-def prompt_seed(seed: int, prompt_id: str) -> int:
-    """The seed of one prompt's guess generator: a hash, so it is the same in any process."""
-    digest = hashlib.sha256(f"{seed}\0{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class TrajectoryRecorder:
@@ -213,7 +209,7 @@ def decode_batch(
     from cllm.decoding.inputs import left_pad
 
     input_ids, attention_mask = left_pad([p.ids for p in prompts], pad_id)  # (B, T)
-    generators = [torch.Generator().manual_seed(prompt_seed(config.seed, p.id)) for p in prompts]
+    generators = [torch.Generator().manual_seed(derived_seed(config.seed, p.id)) for p in prompts]
     recorder = TrajectoryRecorder()
     out = jacobi_decode(
         model, input_ids.to(device), attention_mask.to(device),
@@ -279,7 +275,7 @@ def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[_Prompt], 
     model's context allows are cut from the left; returns how many were cut."""
     encoded, cut = [], 0
     for index, p in prompts:
-        ids = tokenizer(p.text)["input_ids"]
+        ids = prompt_ids(tokenizer, p.text)
         if len(ids) > max_prompt_len:
             ids, cut = ids[-max_prompt_len:], cut + 1
         labels = None

@@ -26,11 +26,11 @@ from cllm.bench import (
     print_results,
     raise_on_violations,
     run_bench,
-    threads_for_load,
     write_report,
 )
 from cllm.config import write_config
 from cllm.decoding import jacobi_decode
+from cllm.machine import load_average_1min, threads_for_load
 from cllm.models import SHIPPED
 from cllm.progress import Progress
 from cllm.report import TrajectoryRecorder, render_block_terminal, token_marks
@@ -166,7 +166,7 @@ def demo(config: DemoConfig) -> int:
     progress = Progress(console)
     threads = config.threads
     if not threads:  # a shared CPU: one thread (two that wait on each other made the demo take an hour)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        load = load_average_1min()
         threads = threads_for_load(load, os.cpu_count())
         if threads < 2:
             console.print(f"[yellow]note:[/] load average {load:.1f} on {os.cpu_count()} cores: the demo uses "

@@ -44,6 +44,7 @@ from typing import Literal
 
 from cllm import losses
 from cllm.config import UserError, config_to_dict, write_config
+from cllm.options import is_off
 from cllm.train import ArTarget, Consistency, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class DistillConfig:
             raise UserError("out must name a directory")
         if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
             raise UserError(f"drafts-prompts must be an integer >= 0, got {self.drafts_prompts!r}")
-        if self.ar_text is not None and self.ar_text.strip().lower() in ("", "none", "null", "false"):
+        if is_off(self.ar_text):
             self.ar_text = None
         self.train_config()  # validates the training options
 
@@ -194,8 +195,9 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     greedy, per prompt / per token), degenerate[model] / looping[model]; and ar_loss[model]:
     nats/token on the prompts' references.
     """
+    from cllm.decoding.cache import accepts_logits_to_keep
     from cllm.decoding.inputs import position_limit
-    from cllm.evaluate import accepts_logits_to_keep, ar_validation_loss, load_eval_prompts
+    from cllm.evaluate import ar_validation_loss, load_eval_prompts
     from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
     from cllm.quality import QualitySettings, compare_models, gates
 

@@ -72,7 +72,7 @@ def drafts(config: DraftsConfig) -> int:
     from tqdm.auto import tqdm
 
     from cllm import __version__
-    from cllm.bench import encode_prompts
+    from cllm.data.prompts import encode_prompts
     from cllm.decoding.inputs import position_limit
     from cllm.decoding.ngram import ORDERS, NgramTable
     from cllm.models import (

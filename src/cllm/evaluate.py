@@ -11,7 +11,9 @@ import torch
 
 from cllm import losses
 from cllm.config import UserError
-from cllm.rows import derived_seed, forward_blocks, rows_from_lists
+from cllm.decoding.cache import accepts_logits_to_keep
+from cllm.rows import forward_blocks, rows_from_lists
+from cllm.seeds import derived_seed
 
 
 @dataclass(frozen=True)
@@ -23,15 +25,14 @@ class EvalPrompt:
 def load_eval_prompts(name: str, tokenizer, *, count: int, max_new_tokens: int, context: int | None,
                       text_field: str = "prompt") -> list[EvalPrompt]:
     """The first `count` prompts of a prompt set, tokenized; cut from the left to fit `context`."""
-    from cllm.data.prompts import load_prompts
+    from cllm.data.prompts import load_prompts, prompt_ids
 
     keep = (context - max_new_tokens) if context else None
     if keep is not None and keep < 1:
         raise UserError(f"eval-max-new-tokens {max_new_tokens} leaves no room for a prompt in {context} positions")
     out = []
     for p in load_prompts(name, text_field=text_field, limit=count):
-        ids = tokenizer(p.text)["input_ids"]
-        ids = ids[-keep:] if keep else ids
+        ids = prompt_ids(tokenizer, p.text, keep=keep)
         reference = tokenizer(p.reference, add_special_tokens=False)["input_ids"] if p.reference else []
         if ids:
             out.append(EvalPrompt(list(ids), list(reference[:max_new_tokens])))
@@ -91,12 +92,6 @@ def ar_validation_loss(model, prompts: Sequence[EvalPrompt], *, batch_size: int 
         total += float(losses.ar_loss(logits, rows.block_ids.to(logits.device), mask, normalizer=1))
         count += int(mask.sum())
     return total / count if count else None
-
-
-def accepts_logits_to_keep(model) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def evaluate(model, prompts: Sequence[EvalPrompt], *, block_size: int, max_new_tokens: int,

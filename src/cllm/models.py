@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cllm.config import UserError
+from cllm.options import is_off
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -274,7 +275,7 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     """
     from cllm.decoding.ngram import NgramTable
 
-    if spec is None or spec.strip().lower() in ("none", "off", ""):
+    if spec is None or is_off(spec, ("none", "off", "")):
         return None
     if spec == "auto":
         path = Path(resolve_model_path(model))

@@ -28,18 +28,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from cllm.config import UserError, config_to_dict, write_config
-from cllm.data.corpus import Corpus, load_corpus
+from cllm.data.corpus import load_corpus
 from cllm.data.tokenizer import (
     EOT,
     save_tokenizer,
+    token_stream,
     tokenizer_fingerprint,
     train_tokenizer,
 )
-from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate
+from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate, stream_loss, window_loss
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 
 logger = logging.getLogger(__name__)
@@ -103,17 +103,6 @@ class PretrainConfig:
 # ---------------------------------------------------------------------------------- data
 
 
-def token_stream(corpus: Corpus, tokenizer) -> torch.Tensor:
-    """All documents of a split as one (N,) int64 stream, each followed by <|endoftext|>."""
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    encoded = tokenizer([doc.text for doc in corpus.documents], add_special_tokens=False)
-    ids: list[int] = []
-    for doc_ids in encoded["input_ids"]:
-        ids.extend(doc_ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.long)
-
-
 def sample_windows(stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> torch.Tensor:
     """(B, context + 1) random windows; the generator's state is the whole sampler state."""
     starts = torch.randint(0, len(stream) - context, (batch_size,), generator=generator)
@@ -171,14 +160,6 @@ def build_optimizer(model, config: PretrainConfig):
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config) / config.lr)
     return optimizer, scheduler
-
-
-def window_loss(model, windows: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats/token) over (B, T + 1) windows."""
-    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 @torch.no_grad()
@@ -364,17 +345,6 @@ class TargetEvaluation:
     samples: list[dict]  # {"id", "prompt", "completion"}: completion cut at the function end
 
 
-@torch.no_grad()
-def stream_loss(model, stream: torch.Tensor, context: int, batch_tokens: int = 4096) -> float:
-    """Mean nats/token over consecutive, non-overlapping windows covering the whole stream."""
-    n, batch_size = (len(stream) - 1) // context, max(1, batch_tokens // context)
-    starts = torch.arange(n) * context
-    windows = stream[starts[:, None] + torch.arange(context + 1)]  # (n, context + 1)
-    model.eval()
-    total = sum(window_loss(model, chunk, False).item() * len(chunk) for chunk in windows.split(batch_size))
-    return total / n
-
-
 def evaluate_target(
     model_dir: str | Path,
     *,
@@ -393,14 +363,13 @@ def evaluate_target(
         n_samples: how many completions to keep as samples.
         threads: torch CPU threads (default: leave as is).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from cllm.data.prompts import cut_at_function_end, function_parses, load_prompts
+    from cllm.models import load_model, load_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, dtype=torch.float32)  # eval mode, CPU
+    tokenizer = load_tokenizer(model_dir)
     eot = tokenizer.convert_tokens_to_ids(EOT)
 
     # 1. validation loss over the whole split, in windows of the model's context

@@ -27,6 +27,7 @@ import torch
 from cllm.config import UserError, config_to_dict
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.costs import speedup_vs_ar, tokens_per_second
+from cllm.options import is_off
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class ProfileConfig:
             from cllm.models import resolve_dtype
 
             resolve_dtype(self.dtype)
-        if self.out is not None and self.out.strip().lower() in ("", "none"):
+        if is_off(self.out, ("", "none")):
             self.out = None
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
+import torch.nn.functional as F
 
 DEGENERATE_RUN = 10  # the reference drops outputs repeating one token this many times in a row
 LOOP_MIN_LENGTH, LOOP_MAX_PERIOD = 24, 8  # the tail that must repeat, and the longest pattern
@@ -112,7 +113,7 @@ def completion_nll(model, prompts: Sequence[Sequence[int]], completions: Sequenc
                    batch_size: int = 8, pad_id: int = 0) -> float | None:
     """Mean nats/token `model` assigns to each completion after its prompt (all tokens pooled)."""
     from cllm import losses
-    from cllm.evaluate import accepts_logits_to_keep
+    from cllm.decoding.cache import accepts_logits_to_keep
     from cllm.rows import forward_blocks, rows_from_lists
 
     pairs = [(p, c) for p, c in zip(prompts, completions, strict=True) if c]
@@ -200,11 +201,30 @@ class QualitySettings:
     spread: list[str] = field(default_factory=lambda: ["stdlib-val"])  # sets sampled evenly, not first N
 
 
+def window_loss(model, windows: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The language-model loss (`cllm pretrain` trains on it): mean next-token cross-entropy (nats/token) over (B, T + 1) windows."""
+    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def stream_loss(model, stream: torch.Tensor, context: int, batch_tokens: int = 4096) -> float:
+    """Mean nats/token over consecutive, non-overlapping windows covering the whole stream."""
+    n, batch_size = (len(stream) - 1) // context, max(1, batch_tokens // context)
+    starts = torch.arange(n) * context
+    windows = stream[starts[:, None] + torch.arange(context + 1)]  # (n, context + 1)
+    model.eval()
+    total = sum(window_loss(model, chunk, False).item() * len(chunk) for chunk in windows.split(batch_size))
+    return total / n
+
+
 def validation_loss(model, tokenizer) -> float:
     """Mean nats/token over the whole stdlib-val split, in windows of the model's context."""
     from cllm.data.corpus import load_corpus
+    from cllm.data.tokenizer import token_stream
     from cllm.decoding.inputs import position_limit
-    from cllm.pretrain import stream_loss, token_stream
 
     stream = token_stream(load_corpus("validation"), tokenizer)
     context = min(position_limit(model) or 1024, 1024) - 1

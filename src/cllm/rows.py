@@ -3,20 +3,12 @@ evaluation forward takes. Positions count real tokens only, as in the decoders."
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cllm import losses
-
-
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (the same in every process and every run)."""
-    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from cllm.completion import Completion, DecodeParams, TextCodec, TextStream, engine_settings
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
-from cllm.generate import Completion, DecodeParams, TextCodec, TextStream, engine_settings
 
 log = logging.getLogger(__name__)
 

@@ -60,10 +60,10 @@ from cllm.api import (
     completion_prompt,
     parse_params,
 )
+from cllm.completion import METHODS, Completion, TextCodec
 from cllm.config import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.inputs import position_limit
-from cllm.generate import METHODS, Completion, TextCodec
 from cllm.scheduler import Job, Overloaded, Scheduler
 
 log = logging.getLogger(__name__)
@@ -473,11 +473,10 @@ def bind(host: str, port: int) -> socket.socket:
 def _free_cores() -> int:
     """Torch threads for a shared CPU: the cores the 1-minute load average leaves free, at
     least one (the same rule as `cllm bench` and `cllm demo`)."""
-    from cllm.bench import threads_for_load
+    from cllm.machine import load_average_1min, threads_for_load
 
     cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return threads_for_load(load, cores, wanted=cores)
+    return threads_for_load(load_average_1min(), cores, wanted=cores)
 
 
 def serve(config: ServeConfig) -> int:

@@ -69,11 +69,12 @@ from cllm.batches import (
 )
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord
-from cllm.evaluate import accepts_logits_to_keep, evaluate, load_eval_prompts
+from cllm.decoding.cache import accepts_logits_to_keep
+from cllm.evaluate import evaluate, load_eval_prompts
 from cllm.objective import load_teacher, micro_batch_loss
 from cllm.quality import passes_text_gates
-from cllm.rows import derived_seed
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
+from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 

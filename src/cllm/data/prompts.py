@@ -73,6 +73,33 @@ def load_prompts(
     return prompts[:limit] if limit is not None else prompts
 
 
+@dataclass(frozen=True)
+class EncodedPrompt:
+    id: str
+    text: str
+    ids: list[int]  # the prompt's token ids, cut from the left to fit
+
+
+def prompt_ids(tokenizer, text: str, *, keep: int | None = None) -> list[int]:
+    """A prompt's token ids (special tokens as the tokenizer adds them), cut from the left to the
+    last `keep` (all of them when `keep` is None or 0): a completion continues the prompt's end."""
+    ids = list(tokenizer(text)["input_ids"])
+    return ids[-keep:] if keep else ids
+
+
+def encode_prompts(name: str, tokenizer, *, limit: int | None, keep: int | None) -> list[EncodedPrompt]:
+    """The prompt set's first `limit` prompts, tokenized, cut from the left to `keep` tokens;
+    empty ones are skipped."""
+    out = []
+    for p in load_prompts(name, limit=limit):
+        ids = prompt_ids(tokenizer, p.text, keep=keep)
+        if ids:
+            out.append(EncodedPrompt(p.id, p.text, ids))
+    if not out:
+        raise UserError(f"no non-empty prompts in {name!r}")
+    return out
+
+
 @cache
 def _named_set(name: str) -> tuple[Prompt, ...]:
     if name == "humaneval":

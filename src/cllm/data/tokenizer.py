@@ -13,9 +13,15 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
+
+    from cllm.data.corpus import Corpus
 
 EOT = "<|endoftext|>"
 
@@ -68,3 +74,16 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) ->
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
     return directory
+
+
+def token_stream(corpus: Corpus, tokenizer) -> torch.Tensor:
+    """All documents of a split as one (N,) int64 stream, each followed by <|endoftext|>."""
+    import torch
+
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    encoded = tokenizer([doc.text for doc in corpus.documents], add_special_tokens=False)
+    ids: list[int] = []
+    for doc_ids in encoded["input_ids"]:
+        ids.extend(doc_ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.long)

@@ -98,7 +98,7 @@ def model_forward(
 ) -> torch.Tensor:
     """Call a transformers causal LM with our cache, whatever its version calls the argument."""
     kwargs = {_cache_kwarg(model): kv, "use_cache": True}
-    if last_only and _accepts_logits_to_keep(model):
+    if last_only and accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefill needs the last position's logits only
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
@@ -329,5 +329,6 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if _TRANSFORMERS_MAJOR >= 5 else "past_key_values"
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers >= 4.45 causal LMs)."""
     return "logits_to_keep" in _forward_parameters(model)
