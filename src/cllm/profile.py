@@ -35,7 +35,7 @@ HOST_REPEATS = 2  # runs of each host-time decode after a warm-up (the least hos
 
 
 def parse_tpf(text: str) -> dict[str, float]:
-    """"ar=1,jacobi=1.16,engine=4.11" -> {"ar": 1.0, ...}; a one-line ValueError otherwise."""
+    """"ar=1,jacobi=1.09,engine=4.71" -> {"ar": 1.0, ...}; a one-line ValueError otherwise."""
     out: dict[str, float] = {}
     for part in (p.strip() for p in text.split(",")):
         name, eq, value = part.partition("=")
@@ -58,7 +58,7 @@ class ProfileConfig:
     k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to time (1 is always added: every ratio is against it)"})
     repeats: int = field(default=20, metadata={"help": "interleaved timing rounds over every k (min and median reported)"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's own choice; reported)"})
-    tpf: str = field(default="ar=1,jacobi=1.16,engine=4.11", metadata={"help": "tokens per forward to predict tokens/s at, NAME=TPF pairs (default: the shipped CLLM's plain Jacobi and full engine on HumanEval, README)"})
+    tpf: str = field(default="ar=1,jacobi=1.09,engine=4.71", metadata={"help": "tokens per forward to predict tokens/s at, NAME=TPF pairs (default: the shipped CLLM's plain Jacobi and full engine on HumanEval, README)"})
     tree: bool = field(default=True, metadata={"help": "also time the tree-mask step (a recycling trie of k tokens)"})
     host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the engine's host time per step (0: skip)"})
     seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})

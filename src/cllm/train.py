@@ -590,6 +590,20 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _objective_line(cfg: dict) -> str:
+    """The training objective in one line of the model card."""
+    teacher = cfg.get("consistency_teacher", "model")
+    parts = [f"consistency `{cfg['consistency']}` / `{cfg['distance']}`, teacher: "
+             + ("the frozen target" if teacher == "target" else "the model itself")]
+    if cfg.get("ar_weight"):
+        parts.append(f"{cfg['ar_weight']} x AR on `{cfg['ar_target']}`")
+    if cfg.get("kd_weight"):
+        rollouts = cfg.get("rollout_prompts") or 0
+        parts.append(f"{cfg['kd_weight']} x `{cfg.get('kd_distance', 'fkl')}` to the frozen target on `{cfg['ar_target']}`"
+                     + (f" and {rollouts} rollouts per step" if rollouts else ""))
+    return " + ".join(parts)
+
+
 def model_card(info: dict, extra: str = "") -> str:
     """MODEL_CARD.md from train_summary.json (and an optional extra section, e.g. distill's)."""
     s, meta, ev = info["summary"], info["data_meta"], info["eval_settings"]
@@ -605,7 +619,7 @@ heads); decode it with `cllm.jacobi_decode`, whose output equals greedy decoding
 - trajectories: `{info['data']}` ({s['records']} records; collected from `{meta['prompts']}` with block
   size {meta['block_size']}, {meta['max_new_tokens']} new tokens, guess `{meta['guess']}`, {meta['dtype']})
 - training: {s['steps']} steps, {s['train_time_s']} s, final loss {_fmt(s['final_loss'])}{_selected(s)}
-  (consistency `{info['config']['consistency']}` / `{info['config']['distance']}` + {info['config']['ar_weight']} x AR on `{info['config']['ar_target']}`)
+  ({_objective_line(info['config'])})
 
 ## Evaluation
 
