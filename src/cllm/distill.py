@@ -28,8 +28,8 @@ target that a wrong state token just before it already shows (`--skip-copies`), 
 hard AR labels, distillation from the frozen target (KL x 10) on its fixed points, 4 windows of
 real text and 6 greedy 128-token rollouts of the CLLM per step (on-policy); 450 steps, lr 2e-4.
 The shipped `models/stdlib-coder-cllm` was trained with it (as `cllm collect` + `cllm train`
-with these settings). Measured on 2 CPU cores with one thread per job
-and another job beside it: about 17 minutes of collection, 71 of training.
+with these settings): 4,266 s of training on 2 CPU cores, one thread, with another job
+beside it (its `train_summary.json`).
 The reference's recipe (the model its own consistency teacher, 10 x hard AR on the ground
 truth) is `--consistency-teacher model --ar-weight 10 --ar-target labels --kd-weight 0
 --rollout-prompts 0 --skip-copies false`: faster by itself, and its text loops far more.
