@@ -148,3 +148,12 @@ def test_cli_reports_a_bad_config_in_one_line_and_exits_2(capsys):
     assert main(["pretrain", "--width", "30", "--heads", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm pretrain: error:") and "\n" not in err
+
+
+def test_a_draft_model_reuses_the_targets_tokenizer(reference_run, tmp_path):
+    draft = tmp_path / "draft"
+    pretrain(tiny(draft, tokenizer=str(reference_run), width=16, layers=1, heads=1, steps=2, warmup_steps=1))
+    assert (draft / "tokenizer.json").read_bytes() == (reference_run / "tokenizer.json").read_bytes()
+    assert AutoModelForCausalLM.from_pretrained(draft).config.num_hidden_layers == 1
+    with pytest.raises(UserError, match="320 tokens, not --vocab-size 400"):
+        pretrain(tiny(tmp_path / "other", tokenizer=str(reference_run), vocab_size=400))

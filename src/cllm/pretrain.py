@@ -56,6 +56,7 @@ _RESUME_FREE = {"resume", "threads", "eval_interval", "eval_batches", "checkpoin
 class PretrainConfig:
     out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, logs, checkpoints)"})
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
+    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of training one (a draft model must share its target's; its size must equal --vocab-size)"})
     width: int = field(default=256, metadata={"help": "hidden size"})
     layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
     heads: int = field(default=4, metadata={"help": "attention heads (width must divide evenly)"})
@@ -206,6 +207,14 @@ def _prepare(config: PretrainConfig, out: Path, resuming: bool):
     val_corpus = load_corpus("validation", max_files=config.max_files)
     if resuming:
         tokenizer = AutoTokenizer.from_pretrained(out)
+    elif config.tokenizer is not None:
+        from cllm.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer)
+        if len(tokenizer) != config.vocab_size or tokenizer.convert_tokens_to_ids(EOT) is None:
+            raise UserError(f"{config.tokenizer}: its tokenizer has {len(tokenizer)} tokens, not --vocab-size "
+                            f"{config.vocab_size} with {EOT}")
+        save_tokenizer(tokenizer, out)
     else:
         tokenizer = train_tokenizer((d.text for d in train_corpus.documents), vocab_size=config.vocab_size)
         save_tokenizer(tokenizer, out)
@@ -405,8 +414,14 @@ def evaluate_target(
     )
 
 
-def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None = None, *, name: str = "stdlib-coder", **evaluate_kwargs) -> Path:
-    """Write MODEL_CARD.md (and evaluation.json) into a pretrained model directory."""
+TARGET_ROLE = ("It is the embedded *target* of the cllm toolkit: small enough to Jacobi-decode and "
+               "consistency-train on a CPU.")
+
+
+def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None = None, *, name: str = "stdlib-coder",
+                     role: str = TARGET_ROLE, **evaluate_kwargs) -> Path:
+    """Write MODEL_CARD.md (and evaluation.json) into a pretrained model directory. `role`: the
+    sentence that says what the model is for (the embedded target, a draft model, ...)."""
     import dataclasses
 
     model_dir = Path(model_dir)
@@ -421,9 +436,9 @@ def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None 
         "",
         f"A {evaluation.parameters / 1e6:.2f}M-parameter Llama-architecture causal LM trained from",
         "scratch by `cllm pretrain` on the Python standard library, with its own byte-level BPE",
-        "tokenizer. It is the embedded *target* of the cllm",
-        "toolkit: small enough to Jacobi-decode and consistency-train on a CPU. It completes Python",
-        "code in stdlib style; it is not a useful assistant.",
+        "tokenizer.",
+        role,
+        "It completes Python code in stdlib style; it is not a useful assistant.",
         "",
         "## Architecture",
         "",
