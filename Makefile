@@ -34,7 +34,7 @@ bench: install
 	$(VENV)/bin/cllm bench
 
 lint: install
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

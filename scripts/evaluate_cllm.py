@@ -8,8 +8,8 @@ spread over the set, greedy, 128 new tokens; `cllm.quality.compare_models` measu
 degenerate / looping rates, the target's NLL of each model's greedy text, where it leaves the
 target's, plain-Jacobi tokens per forward at n = 16 and 32 over all completions and over those
 that do not loop (Jacobi output checked against greedy on every prompt), and the validation
-loss over the whole stdlib-val split. Several `--cllm NAME=PATH` give one column each.
-Writes OUT/evaluation.json and OUT/README.md.
+loss over the whole stdlib-val split (`--no-val-loss` skips it). Several `--cllm NAME=PATH`
+give one column each. Writes OUT/evaluation.json and OUT/README.md.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--stdlib-val", type=int, default=100, help="N stdlib-val prompts spread over the set (0: none)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="16,32")
+    ap.add_argument("--val-loss", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the validation loss over the whole stdlib-val split")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/cllm-evaluation")
     args = ap.parse_args()
@@ -45,7 +47,7 @@ def main() -> None:
         cllms[name or path] = path
     sets = {k: v for k, v in (("humaneval", args.humaneval), ("stdlib-val", args.stdlib_val)) if v}
     settings = QualitySettings(prompt_sets=sets, block_sizes=[int(n) for n in args.block_sizes.split(",")],
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens, val_loss=args.val_loss)
     tokenizer = load_tokenizer(args.target)
     models = {"target": load_model(args.target, dtype="float32")}
     models |= {name: load_model(path, dtype="float32") for name, path in cllms.items()}

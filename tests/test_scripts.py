@@ -1,0 +1,176 @@
+"""The maintainer scripts in `scripts/`, run as a user runs them (a subprocess, PYTHONPATH=src):
+each answers `--help`, and a tiny run on random models saved in tmp_path writes what it says.
+`gpu_profile.sh` runs with a stand-in Python that records its `cllm` commands, which must parse.
+
+No timing is checked: the scripts' numbers are measurements, their shape is the contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cllm.cli import COMMANDS, build_parser
+from cllm.config import build_config
+from cllm.data.tokenizer import save_tokenizer, train_tokenizer
+from tests.tiny import CODE_TEXTS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "load_test.py"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+PROMPTS = ["def f(x):", "class A:", "import re"]
+NEW = 8
+
+
+def run(*args: str | Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], cwd=ROOT, env=kwargs.pop("env", ENV), capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def save_model(directory: Path, tokenizer, *, seed: int) -> Path:
+    """A tiny random Llama and its tokenizer; 512 positions hold a HumanEval prompt cut to fit."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("scripts")
+    tokenizer = train_tokenizer(CODE_TEXTS * 3, vocab_size=320, min_frequency=1)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(PROMPTS)))
+    return {"target": save_model(root / "target", tokenizer, seed=0),
+            "cllm": save_model(root / "cllm", tokenizer, seed=1), "prompts": prompts}
+
+
+def test_every_script_is_one_this_file_tests():
+    assert sorted(p.name for p in SCRIPTS.iterdir() if p.is_file()) == sorted([*PYTHON_SCRIPTS, "gpu_profile.sh"])
+
+
+@pytest.mark.parametrize("script", PYTHON_SCRIPTS)
+def test_help_exits_0_with_usage(script):
+    done = run(sys.executable, SCRIPTS / script, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and "--" in done.stdout
+
+
+def test_draft_policy_prints_one_row_per_setting(tiny):
+    done = run(sys.executable, SCRIPTS / "draft_policy.py", tiny["cllm"], "--prompts", tiny["prompts"],
+               "--count", "2", "--max-new-tokens", str(NEW), "--threads", "1", "--settings", "4,2,8,2,0", "2,4,8,1")
+    assert done.returncode == 0, done.stderr
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    header, *settings = rows
+    assert [c.strip() for c in header][-1] == "estimated speedup"
+    assert [[c.strip() for c in r[:5]] for r in settings] == [["4", "2", "8", "2", "none"], ["2", "4", "8", "1", "default"]]
+    for row in settings:
+        tpf, fed, speedup = float(row[5]), float(row[6]), float(row[7].strip().rstrip("x"))
+        assert tpf >= 1 and fed >= 1 and speedup > 0
+
+
+@pytest.mark.slow
+def test_evaluate_cllm_writes_the_json_and_the_gates_readme(tiny, tmp_path):
+    out = tmp_path / "eval"
+    done = run(sys.executable, SCRIPTS / "evaluate_cllm.py", "--target", tiny["target"], "--cllm", f"tiny={tiny['cllm']}",
+               "--humaneval", "2", "--stdlib-val", "0", "--max-new-tokens", str(NEW), "--block-sizes", "4",
+               "--no-val-loss", "--out", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "evaluation.json").read_text())
+    assert result["models"] == {"target": str(tiny["target"]), "tiny": str(tiny["cllm"])}
+    assert set(result["sets"]) == {"humaneval"} and set(result["sets"]["humaneval"]) == {"target", "tiny"}
+    assert result["sets"]["humaneval"]["tiny"]["prompts"] == 2 and result["val_loss"] == {}
+    assert {g["name"] for g in result["gates"]["tiny"]} >= {"looping", "degenerate", "parses"}
+    readme = (out / "README.md").read_text()
+    assert "python scripts/evaluate_cllm.py --target" in readme and "Gates for `tiny`" in readme
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_load_test_refuses_a_url_off_this_machine():
+    done = run(sys.executable, SCRIPTS / "load_test.py", "--url", "http://example.com:8000")
+    assert done.returncode == 2 and "loopback" in done.stderr
+
+
+@pytest.mark.slow
+def test_load_test_against_a_tiny_server_reports_every_level_without_mismatches(tiny, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "cllm.cli", "serve", "--model", str(tiny["target"]),
+                               "--port", str(port), "--threads", "1", "--log-level", "warning"],
+                              cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"server did not start:\n{log.read()}")
+            time.sleep(0.2)
+        out = tmp_path / "load.json"
+        done = run(sys.executable, SCRIPTS / "load_test.py", "--url", url, "--concurrency", "1,2",
+                   "--methods", "jacobi,ar", "--max-tokens", str(NEW), "--rounds", "1", "--min-requests", "2",
+                   "--time-limit", "60", "--json", out)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert json.loads(done.stdout) == result
+    levels = [(r["method"], r["concurrency"]) for r in result["levels"]]
+    assert levels == [("jacobi", 1), ("jacobi", 2), ("ar", 1), ("ar", 2)]
+    assert all(r["completed"] == r["requests"] == 2 and r["errors"] == r["mismatches"] == 0 for r in result["levels"])
+    assert set(result["throughput_vs_one_client"]) == {"jacobi", "ar"}
+
+
+def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
+    script = SCRIPTS / "gpu_profile.sh"
+    assert run("bash", "-n", script).returncode == 0
+    # a stand-in for python: records each command line instead of running it
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(calls))}\necho >> {shlex.quote(str(calls))}\n')
+    stub.chmod(0o755)
+    done = run("bash", script, env={**ENV, "PYTHON": str(stub), "OUT": str(tmp_path / "out")})
+    assert done.returncode == 0, done.stderr
+    commands = [shlex.split(line)[2:] for line in calls.read_text().splitlines()]  # after `-m cllm.cli`
+    assert [c[0] for c in commands] == ["profile", "profile", "tune"]
+    helps = {name: run(sys.executable, "-m", "cllm.cli", name, "--help").stdout for name in ("profile", "tune")}
+    for argv in commands:
+        flags = [a for a in argv if a.startswith("--")]
+        assert all(f in helps[argv[0]] for f in flags), (argv, helps[argv[0]])
+        # and the values are ones the command takes: its config validates them
+        args, extras = build_parser(argv[0]).parse_known_args(argv)
+        assert extras == []
+        module, config_class = COMMANDS[argv[0]][:2]
+        build_config(getattr(importlib.import_module(module), config_class), None, vars(args))
