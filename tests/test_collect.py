@@ -24,7 +24,6 @@ from cllm.cli import main as cli_main
 from cllm.collect import (
     LOOP_WINDOW,
     CollectConfig,
-    TrajectoryRecorder,
     augment_states,
     collect,
 )
@@ -38,6 +37,7 @@ from cllm.data.trajectories import (
     write_meta,
 )
 from cllm.decoding import IterationEvent, greedy_decode
+from cllm.decoding.trajectory import TrajectoryRecorder, block_states
 from cllm.quality import ends_in_loop as _ends_in_loop
 from cllm.quality import is_degenerate
 from cllm.seeds import derived_seed as prompt_seed
@@ -358,7 +358,8 @@ def test_recorder_cuts_states_at_eos_and_drops_repeated_states():
     for j, (state, committed, converged) in enumerate(events):
         recorder(IterationEvent(row=0, block_index=0, iteration=j, state=state,
                                 committed=committed, converged=converged))
-    assert recorder.blocks[0] == [(0, [[5, 1, 1], [5, 6, 2], [5, 6, 7]], [5, 6, 7])]
+    (block,) = recorder.blocks[0]
+    assert block.fixed_point == (5, 6, 7) and block_states(block) == [[5, 1, 1], [5, 6, 2], [5, 6, 7]]
 
 
 def test_prompt_seed_depends_on_seed_and_prompt_only():

@@ -8,9 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.decoding import jacobi_decode
 from cllm.decoding.stats import fast_forwarded_per_update, stationary_count
+from cllm.decoding.trajectory import BlockTrajectory, TrajectoryRecorder
 from cllm.report import (
-    BlockTrajectory,
-    TrajectoryRecorder,
     markdown_report,
     methods_table,
     plot_accepted_histograms,

@@ -674,7 +674,7 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
     """One prompt's trajectories on the engine the headline measures (cllm_jacobi's setting for
     the CLLM, target_lookahead's for the target: block size, recycling, each model's own draft
     table), per model: role -> TrajectoryRecorder. Each block knows where its tokens came from."""
-    from cllm.report import TrajectoryRecorder
+    from cllm.decoding.trajectory import TrajectoryRecorder
 
     recorders = {}
     for role in ("target", "cllm"):

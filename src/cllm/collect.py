@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
@@ -51,6 +50,7 @@ import torch
 from cllm.config import UserError, write_config
 from cllm.data import trajectories as tj
 from cllm.data.prompts import prompt_ids
+from cllm.decoding.trajectory import TrajectoryRecorder, block_states
 from cllm.quality import ends_in_loop, is_degenerate
 from cllm.seeds import derived_seed
 
@@ -121,32 +121,6 @@ class CollectSummary:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / max(self.seconds, 1e-9)
-
-
-class TrajectoryRecorder:
-    """The engine's `on_iteration` hook: gathers each (row, block)'s states until it converges.
-
-    A converged block becomes `(block_index, states, fixed_point)` in `blocks[row]`. States are
-    cut to the committed length (EOS inside the block) and consecutive duplicates are removed
-    (the engine may report the fixed point again on the iteration that confirms it).
-    """
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-        self.blocks: dict[int, list[tuple[int, list[list[int]], list[int]]]] = defaultdict(list)
-
-    def __call__(self, event) -> None:
-        states = self._open.setdefault((event.row, event.block_index), [])
-        states.append(tuple(event.state))
-        if not event.converged:
-            return
-        del self._open[(event.row, event.block_index)]
-        n = event.committed
-        trajectory: list[list[int]] = []
-        for state in states:
-            if not trajectory or trajectory[-1] != list(state[:n]):
-                trajectory.append(list(state[:n]))
-        self.blocks[event.row].append((event.block_index, trajectory, list(event.state[:n])))
 
 
 @dataclass
@@ -220,7 +194,8 @@ def decode_batch(
     records: list[tj.TrajectoryRecord] = []
     counts = _Counts(row_forwards=out.stats.row_forwards)
     for row, prompt in enumerate(prompts):
-        blocks = sorted(recorder.blocks[row])
+        blocks = [(b.block_index, block_states(b), list(b.fixed_point))
+                  for b in sorted(recorder.blocks[row], key=lambda b: b.block_index)]
         # The hook and the output must tell the same story; anything else is an engine bug.
         joined = [t for _, _, fixed in blocks for t in fixed]
         if [b for b, _, _ in blocks] != list(range(len(blocks))) or joined != out.new_tokens[row]:

@@ -2,8 +2,8 @@
 token-level decoders (`cllm.decoding`). `cllm generate`, `cllm chat`, the HTTP server and its
 scheduler all decode through it, so that they produce the same text:
 
-- "jacobi": greedy Jacobi decoding; a block's text is emitted as soon as it reaches its fixed
-  point (the `on_iteration` hook's converged event);
+- "jacobi": greedy Jacobi decoding; text is emitted as soon as its tokens are final (after
+  every step of the engine's `BatchDecoder`);
 - "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
   greedy decoding exactly (one token per forward);
 - temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
@@ -12,7 +12,7 @@ scheduler all decode through it, so that they produce the same text:
 
 Text is detokenized incrementally (`TextStream`): a chunk is released only when it cannot change
 any more (no half UTF-8 character at its end, no possible start of a stop string). Output is cut
-at the first stop string and decoding halts there, by raising out of the decoder's hook.
+at the first stop string and decoding stops there: the loop over the decoder's steps breaks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cllm.decoding import IterationEvent, jacobi_decode
+from cllm.decoding import BatchDecoder, IterationEvent
 from cllm.decoding.ngram import NgramTable
 
 METHODS = ("jacobi", "ar")
@@ -152,10 +152,6 @@ class Completion:
                 f" · finish: {self.finish_reason}")
 
 
-class _Halt(Exception):
-    """Raised from a decoder hook to stop early (stop string seen, or the caller gave up)."""
-
-
 def complete(
     model: torch.nn.Module,
     codec: TextCodec,
@@ -180,40 +176,29 @@ def complete(
         draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
     """
     stream = TextStream(codec, params.stop, on_text)
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
-    forwards = [0]
-    handle = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
     start = time.perf_counter()
-    try:
-        _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled, draft_table)
-    except _Halt:
-        pass
-    finally:
-        handle.remove()
+    decoder = BatchDecoder(model, eos_token_id=codec.eos_token_id, on_iteration=on_iteration,
+                           **engine_settings(params, draft_table))
+    with torch.inference_mode():
+        (row,) = decoder.add(input_ids, max_new_tokens=params.max_new_tokens,
+                             generator=torch.Generator(device=device).manual_seed(params.seed or 0))
+        # 1. one step at a time; the tokens it made final go to the text stream at once
+        while True:
+            final = decoder.tokens(row)
+            stream.feed(final[len(stream.tokens):])
+            if decoder.done(row) or stream.stopped or (cancelled is not None and cancelled()):
+                break
+            decoder.step()
     seconds = time.perf_counter() - start
+    forward_passes = decoder.forward_passes(row)
     stream.finish()
     ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
     return Completion(
         text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
-        forward_passes=forwards[0], seconds=seconds,
+        forward_passes=forward_passes, seconds=seconds,
         finish_reason="stop" if ended else "length", method=params.label,
-    )
-
-
-def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> None:
-    def hook(event: IterationEvent) -> None:
-        if on_iteration is not None:
-            on_iteration(event)
-        if event.converged:  # state[:committed] is the block's final tokens
-            stream.feed(event.state[: event.committed])
-        if stream.stopped or (cancelled is not None and cancelled()):
-            raise _Halt
-
-    device = next(model.parameters()).device
-    jacobi_decode(
-        model, input_ids.to(device), max_new_tokens=params.max_new_tokens, eos_token_id=eos,
-        generator=torch.Generator(device=device).manual_seed(params.seed or 0), on_iteration=hook,
-        **engine_settings(params, draft_table),
     )
 
 

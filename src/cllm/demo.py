@@ -30,10 +30,11 @@ from cllm.bench import (
 )
 from cllm.config import write_config
 from cllm.decoding import jacobi_decode
+from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.machine import load_average_1min, threads_for_load
 from cllm.models import SHIPPED
 from cllm.progress import Progress
-from cllm.report import TrajectoryRecorder, render_block_terminal, token_marks
+from cllm.report import render_block_terminal, token_marks
 
 FALLBACK_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 

@@ -138,8 +138,8 @@ def generate(config: GenerateConfig) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     from rich.console import Console
 
+    from cllm.decoding.trajectory import TrajectoryRecorder
     from cllm.report import (
-        TrajectoryRecorder,
         render_block_terminal,
         sources_summary,
         trajectory_legend,

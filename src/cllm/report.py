@@ -20,44 +20,15 @@ file (inline CSS, every token's text escaped). Nothing here runs a model.
 from __future__ import annotations
 
 import html
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cllm.decoding import IterationEvent
 from cllm.decoding.stats import correct_prefix_length, fast_forwarded_per_update, stationary_count
+from cllm.decoding.trajectory import BlockTrajectory
 
 STYLES = {"final": "bold green", "correct": "yellow", "wrong": "red"}
-
-
-@dataclass
-class BlockTrajectory:
-    row: int
-    block_index: int
-    states: list[tuple[int, ...]] = field(default_factory=list)
-    committed: list[int] = field(default_factory=list)
-    fixed_point: tuple[int, ...] = ()
-    sources: tuple[str, ...] = ()  # where each fixed-point token came from (`jacobi.SOURCES`)
-
-
-class TrajectoryRecorder:
-    """An `on_iteration` hook that keeps every block's states (for pictures and the demo)."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[int, int], BlockTrajectory] = {}
-        self.blocks: dict[int, list[BlockTrajectory]] = defaultdict(list)
-
-    def __call__(self, event: IterationEvent) -> None:
-        key = (event.row, event.block_index)
-        block = self._open.setdefault(key, BlockTrajectory(event.row, event.block_index))
-        block.states.append(event.state)
-        block.committed.append(event.committed)
-        if event.converged:
-            block.fixed_point = event.state[: event.committed]
-            block.sources = event.sources
-            self.blocks[event.row].append(self._open.pop(key))
 
 
 def classify(state: tuple[int, ...], committed: int, fixed_point: tuple[int, ...]) -> list[str]:
