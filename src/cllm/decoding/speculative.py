@@ -94,7 +94,8 @@ class ModelDrafter:
         B, device = len(known), model_device(self.model)
         self._fed_drafts = max(count - 1, 0)
         if count == 0:
-            return Drafts(torch.zeros(B, 0, dtype=torch.long, device=device), [[] for _ in range(B)])
+            none = torch.zeros(B, 0, dtype=torch.long, device=device)
+            return Drafts(none, None if self.sampling is None else [[] for _ in range(B)])
         # 1. the final tokens the cache lacks; logits (B, V) after each row's last of them
         if self.rc is None:
             ids, mask = left_pad([p + k for p, k in zip(self.prompts, known, strict=True)], pad_id=0)
