@@ -4,6 +4,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
 
     from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
+    from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "greedy_decode",
     "jacobi_decode",
     "sample_decode",
+    "speculative_decode",
 ]
 
 # public name -> module that defines it
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
         greedy_decode,
         jacobi_decode,
         sample_decode,
+        speculative_decode,
     )
 
 

@@ -1,5 +1,6 @@
 """Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
-or lossless sampling), and plain autoregressive sampling.
+or lossless sampling), speculative decoding with a draft model (greedy, or lossless sampling),
+and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
@@ -7,6 +8,17 @@ Token ids in, token ids out: nothing here knows about tokenizers.
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import RECOMMENDED, BatchDecoder, IterationEvent, jacobi_decode
 from cllm.decoding.sampling import sample_decode
+from cllm.decoding.speculative import speculative_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["RECOMMENDED", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
+__all__ = [
+    "RECOMMENDED",
+    "BatchDecoder",
+    "DecodeOutput",
+    "DecodeStats",
+    "IterationEvent",
+    "greedy_decode",
+    "jacobi_decode",
+    "sample_decode",
+    "speculative_decode",
+]
