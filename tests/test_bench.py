@@ -239,6 +239,16 @@ def test_a_missing_shipped_cllm_is_skipped_with_a_note(tiny, tmp_path, monkeypat
     assert BenchConfig(cllm="none").cllm is None
 
 
+def test_the_shipped_companions_are_not_used_with_another_target(tiny, monkeypatch):
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tiny["cllm"])  # present, but made for another target
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-draft", tiny["cllm"])
+    models = load_models(BenchConfig(target=str(tiny["target"])))
+    assert models.cllm is None and models.draft is None and len(models.notes) == 2
+    assert all("goes with the shipped target 'stdlib-coder'" in n for n in models.notes)
+    given = load_models(BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), draft_model=str(tiny["cllm"])))
+    assert given.cllm is not None and given.draft is not None and not given.notes  # named by path: used
+
+
 def test_a_missing_shipped_draft_model_skips_the_draft_methods_with_a_note(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(SHIPPED, "stdlib-coder-draft", tmp_path / "absent")
     config = BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]))

@@ -201,23 +201,33 @@ class BenchModels:
 
 
 def load_models(config: BenchConfig) -> BenchModels:
-    from cllm.models import SHIPPED, load_draft_table, load_model, load_tokenizer
+    from cllm.models import EMBEDDED_TARGET, SHIPPED, load_draft_table, load_model, load_tokenizer
 
     def shipped_absent(name: str) -> bool:
         return name in SHIPPED and not (SHIPPED[name] / "config.json").is_file()
 
+    # the shipped CLLM and draft model go with the shipped target: another target skips them
+    target_path = Path(SHIPPED.get(config.target, Path(config.target).expanduser())).resolve()
+    foreign = target_path != SHIPPED[EMBEDDED_TARGET].resolve()
+
+    def companion_skipped(name: str, what: str, skipped: str) -> bool:
+        if shipped_absent(name):
+            models.notes.append(f"shipped {what} {name!r} not present: no {skipped}")
+            return True
+        if name in SHIPPED and foreign:
+            models.notes.append(f"the shipped {what} {name!r} goes with the shipped target {EMBEDDED_TARGET!r}, "
+                                f"not {config.target!r}: no {skipped}")
+            return True
+        return False
+
     kw = dict(dtype=config.dtype, device=config.device)
     models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
                          names={"target": config.target})
-    if config.cllm is not None:
-        if shipped_absent(config.cllm):
-            models.notes.append(f"shipped CLLM {config.cllm!r} not present: target-only run")
-        else:
-            models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
+    if config.cllm is not None and not companion_skipped(config.cllm, "CLLM", "cllm_* methods (target-only run)"):
+        models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
     if config.draft_model is not None:
-        if shipped_absent(config.draft_model):
-            models.notes.append(f"shipped draft model {config.draft_model!r} not present: no "
-                                f"{', '.join(DRAFT_METHODS)}")
+        if companion_skipped(config.draft_model, "draft model", ", ".join(DRAFT_METHODS)):
+            pass
         else:
             models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
     for role in ("target", "cllm"):

@@ -33,6 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Shipped checkpoints, addressable by short name from anywhere.
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED_TARGET = "stdlib-coder"  # the shipped target; the other shipped models are made from it
 SHIPPED = {
     "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
     "stdlib-coder-cllm": REPO_ROOT / "models" / "stdlib-coder-cllm",
