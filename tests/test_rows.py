@@ -6,7 +6,11 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from cllm.batches import pick_states
 from cllm.rows import BlockGroup, forward_blocks, forward_shared_prefix, rows_from_lists
@@ -20,13 +24,20 @@ def tiny(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).float()
 
 
-def test_shared_prefix_forward_equals_separate_rows_in_values_and_gradients():
+@pytest.mark.parametrize("checkpointing", [None, "transformers", "torch-wrapper"])
+def test_shared_prefix_forward_equals_separate_rows_in_values_and_gradients(checkpointing):
     g = torch.Generator().manual_seed(1)
     prefixes = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (5, 9, 3)]
     # blocks: two per prefix for rows 0 and 2, one for row 1, some shorter (right-padded)
     owner = [0, 0, 1, 2, 2]
     blocks = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (6, 6, 4, 6, 2)]
     model = tiny()
+    # checkpointed layers cannot keep the cache (transformers drops it; torch's wrapper, FSDP's
+    # activation checkpointing, would replay its writes): every block gets its own prefix row
+    if checkpointing == "transformers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing == "torch-wrapper":
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
     separate = rows_from_lists([prefixes[o] for o in owner], blocks, pad_id=0)
     model.zero_grad()
     expected = forward_blocks(model, separate)

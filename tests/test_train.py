@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from cllm import parallel, rows
 from cllm.batches import Counts, make_micro_batch
 from cllm.cli import main as cli_main
 from cllm.collect import CollectConfig, collect
@@ -236,6 +237,47 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(world):
     assert torch.allclose(gradient(3), full, atol=1e-6, rtol=1e-4)
 
 
+def test_gradient_checkpointing_gives_the_same_gradient(world):
+    """Checkpointed layers drop the KV cache the shared-prefix forward reuses: the states then get
+    their own prefix rows (`rows.forward_prefix_per_block`), and the gradient is the same."""
+    cfg = config(world, world.root / "unused", consistency="gc+lc", ar_target="both", states_per_record=3)
+    records = TrajectoryReader(world.data).records()[:6]
+    draws = torch.rand(6, 64, generator=torch.Generator().manual_seed(1))
+    mb = make_micro_batch(records, draws, pad_id=0, block_size=BLOCK, config=cfg)
+    counts = Counts()
+    counts.add(mb, cfg)
+    model = tiny_llama(5).train()
+
+    def gradient() -> torch.Tensor:
+        model.zero_grad()
+        micro_batch_loss(model, mb, counts, cfg, pad_id=0).total.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    plain = gradient()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert torch.allclose(gradient(), plain, atol=1e-6, rtol=1e-4)
+
+
+def test_gradient_checkpointing_flag_trains_like_without_it_with_lora(world, tmp_path, monkeypatch):
+    per_block = []
+    monkeypatch.setattr(rows, "forward_prefix_per_block", spy(rows.forward_prefix_per_block, per_block))
+    common = dict(max_steps=4, eval_count=0, lora=True, lora_r=4, lr=3e-3, micro_batch_size=8)
+    train(config(world, tmp_path / "plain", **common))
+    assert not per_block
+    train(config(world, tmp_path / "checkpointed", gradient_checkpointing=True, **common))
+    assert per_block  # the flag reached the model's layers
+    plain, checkpointed = step_losses(tmp_path / "plain"), step_losses(tmp_path / "checkpointed")
+    assert torch.allclose(torch.tensor(checkpointed), torch.tensor(plain), rtol=1e-4, atol=1e-6)
+
+
+def spy(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def counts_are_mixed(records) -> bool:
     """The micro-batches differ in counted positions (else any normalisation would pass)."""
     return len({len(r.states) for r in records}) > 1
@@ -271,6 +313,29 @@ def test_ar_on_text_windows_trains_and_resumes_exactly(world, tmp_path):
     assert plain.final_loss != step_losses(tmp_path / "straight")[-1][1]  # the windows count
     with pytest.raises(UserError, match="ar-text"):
         train(config(world, tmp_path / "bad", **{**common, "ar_text": str(tmp_path / "missing.txt")}))
+
+
+def test_accelerate_state_checkpoints_resume_exactly(world, tmp_path, monkeypatch):
+    """The checkpoints of FSDP and DeepSpeed (accelerate's save_state in a state-<step> folder,
+    last.pt naming it), written and resumed here by one process."""
+    sharded = parallel.Engine("single", accelerate_checkpoints=True)
+    common = dict(max_steps=10, eval_count=0, checkpoint_interval=3, micro_batch_size=8)
+    with monkeypatch.context() as m:
+        m.setattr(parallel, "engine_of", lambda accelerator: sharded)
+        train(config(world, tmp_path / "straight", **common))
+        train(config(world, tmp_path / "resumed", stop_at_step=5, **common))
+    saved = torch.load(tmp_path / "resumed" / CHECKPOINT, weights_only=False)
+    assert saved["step"] == 5 and saved["accelerate_state"] == "state-00000005" and "trainable" not in saved
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").glob("state-*")] == ["state-00000005"]
+    with pytest.raises(UserError, match="FSDP / DeepSpeed"):  # not mistaken for a DDP checkpoint
+        train(config(world, tmp_path / "resumed", **common))
+    with monkeypatch.context() as m:
+        m.setattr(parallel, "engine_of", lambda accelerator: sharded)
+        train(config(world, tmp_path / "resumed", **common))
+    assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
+    lrs = [[r["lr"] for r in map(json.loads, (tmp_path / d / "train_log.jsonl").read_text().splitlines())]
+           for d in ("resumed", "straight")]
+    assert lrs[0] == lrs[1]  # the scheduler came back too
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(world, tmp_path):
@@ -320,25 +385,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_save_a_loadable_checkpoint(world, tmp_path):
-    cfg = config(world, tmp_path / "two", max_steps=6, eval_count=4, eval_interval=6,
+def test_two_processes_train_like_one_and_only_rank_0_writes(world, tmp_path):
+    """The shipped DDP config, 2 gloo CPU processes, 8 records each per step, against one process
+    accumulating two micro-batches of 8: the same losses, gradient norms and exported weights."""
+    cfg = config(world, tmp_path / "two", max_steps=6, eval_count=4, eval_interval=6, checkpoint_interval=4,
                  consistency="gc+lc", ar_target="both")
     accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [str(accelerate), "launch", "--config_file", str(EXAMPLES / "ddp.yaml"), "--num_processes", "2",
            "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), "-m", "cllm.cli", *cli_args(cfg)]
     env = {**ENV, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("trained:") == 1  # rank 0 alone prints
-    AutoModelForCausalLM.from_pretrained(tmp_path / "two")
-    assert json.loads((tmp_path / "two" / "train_summary.json").read_text())["processes"] == 2
+    summary = json.loads((tmp_path / "two" / "train_summary.json").read_text())
+    assert (summary["processes"], summary["engine"]) == (2, "ddp")
     # the same global batches in one process (two accumulated micro-batches): the same losses
     train(dataclasses.replace(cfg, out=str(tmp_path / "one"), micro_batch_size=8))
     two, one = step_losses(tmp_path / "two"), step_losses(tmp_path / "one")
     assert [r[0] for r in two] == [r[0] for r in one] == list(range(1, 7))
     assert torch.allclose(torch.tensor(two)[:, 1:], torch.tensor(one)[:, 1:], rtol=1e-4, atol=1e-6)
+    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("two", "one")]
+    for name, w in weights[0].items():
+        assert torch.allclose(w, weights[1][name], rtol=1e-4, atol=1e-5), name
+    # rank 0 alone writes: the same files, one log record per step and evaluation, not two
+    files = [sorted(p.relative_to(tmp_path / d).as_posix() for p in (tmp_path / d).rglob("*")) for d in ("two", "one")]
+    assert files[0] == files[1]
+    log = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3, 4, 5, 6]
 
 
 # ------------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
         groups["next_state"] = BlockGroup(mb.next_state, fp.block_mask[mb.owner], mb.owner, grad=False)
     student, frozen = {}, {}  # logits of the model being trained / of the frozen teacher
     with autocast:
-        student = dict(zip(groups, forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values())),
-                           strict=True))
+        logits = forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values()),
+                                       logits_to_keep=logits_to_keep)
+        student = dict(zip(groups, logits, strict=True))
         # 2. the AR rows on the ground truth have prefixes of their own; text windows and
         #    rollouts too
         if config.ar_on_labels:

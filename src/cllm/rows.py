@@ -69,12 +69,18 @@ class BlockGroup:
 
 
 def forward_shared_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
-                          groups: Sequence[BlockGroup]) -> list[torch.Tensor]:
+                          groups: Sequence[BlockGroup], *, logits_to_keep: bool = True) -> list[torch.Tensor]:
     """Block-aligned logits of every group, as `forward_blocks` would give for the rows
     ``prefix[owner] + block``, but each prefix is computed once (with gradients) and its KV
-    entries reused by all of its blocks: k states of one record cost one prefix, not k."""
+    entries reused by all of its blocks: k states of one record cost one prefix, not k.
+
+    Under gradient checkpointing transformers drops the cache of a checkpointed layer (its
+    backward replay would append to it twice), so there every block gets its own copy of the
+    prefix instead (`forward_prefix_per_block`): the same logits, at k times the prefix cost."""
     from cllm.decoding import cache as kv
 
+    if checkpointed(model):
+        return forward_prefix_per_block(model, prefix_ids, prefix_mask, groups, logits_to_keep=logits_to_keep)
     device = next(model.parameters()).device
     rc, last = kv.prefill(model, prefix_ids.to(device), prefix_mask.to(device))  # last: (B, V)
     out = []
@@ -87,3 +93,27 @@ def forward_shared_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Te
             first = first if g.grad else first.detach()
             out.append(torch.cat([first[:, None], logits[:, :-1]], 1))
     return out
+
+
+def forward_prefix_per_block(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
+                             groups: Sequence[BlockGroup], *, logits_to_keep: bool = True) -> list[torch.Tensor]:
+    """`forward_shared_prefix` without a cache: one `forward_blocks` over ``prefix[owner] + block``
+    per group (the form gradient checkpointing allows)."""
+    out = []
+    for g in groups:
+        owner = g.owner.to(prefix_ids.device)
+        rows = Rows(prefix_ids[owner], prefix_mask[owner], g.block_ids, g.block_mask)
+        with torch.enable_grad() if g.grad else torch.no_grad():
+            out.append(forward_blocks(model, rows, logits_to_keep=logits_to_keep))
+    return out
+
+
+def checkpointed(model) -> bool:
+    """Whether any layer of `model` (possibly wrapped: DDP, FSDP, peft) recomputes its activations
+    in backward in this forward (training mode, gradients on): transformers'
+    `gradient_checkpointing_enable`, or torch's checkpoint wrapper (FSDP's activation
+    checkpointing), which would replay the cache writes too."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
+               for m in model.modules())

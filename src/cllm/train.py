@@ -36,7 +36,8 @@ train_summary.json and MODEL_CARD.md beside it.
 
 Processes: `accelerate launch --multi_gpu --num_processes K -m cllm.cli train ...` (DDP); with
 ``CUDA_VISIBLE_DEVICES=""`` the same command runs K gloo CPU processes. Rank 0 alone prints,
-evaluates and writes.
+evaluates and writes. FSDP and DeepSpeed ZeRO run the same loop from an accelerate config
+(examples/accelerate/, docs/scale.md); what differs between the engines is in `cllm.parallel`.
 """
 
 from __future__ import annotations
@@ -46,17 +47,17 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from cllm import losses
+from cllm import losses, parallel
 from cllm.batches import (
     Counts,
     load_text_stream,
@@ -88,8 +89,9 @@ LOG = "train_log.jsonl"
 SUMMARY = "train_summary.json"
 CARD = "MODEL_CARD.md"
 # Options that may change between a run and its resumption without changing what it computes
-# (a different micro-batch size changes only the order of float sums).
-RESUME_FREE = {"resume", "stop_at_step", "checkpoint_interval", "eval_interval", "micro_batch_size"}
+# (a different micro-batch size or gradient checkpointing changes only the order of float sums).
+RESUME_FREE = {"resume", "stop_at_step", "checkpoint_interval", "eval_interval", "micro_batch_size",
+               "gradient_checkpointing"}
 
 
 @dataclass
@@ -121,7 +123,8 @@ class TrainConfig:
     batch_size: int = field(default=16, metadata={"help": "records per optimizer step, all processes together"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation); default batch-size / processes"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16 = autocast for forwards; weights, optimizer and checkpoint stay float32"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 (autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed precision (DeepSpeed: bf16 weights beside float32 master weights)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each layer's activations in backward (transformers' gradient checkpointing): far less activation memory, about a third more compute, and each state row then recomputes its record's prefix (no shared KV cache)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged into the saved checkpoint"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
@@ -325,12 +328,20 @@ def add_lora(model, config: TrainConfig):
         raise UserError(f"cannot add LoRA: {str(exc).splitlines()[0]}") from None
 
 
-def export(model, tokenizer, out: Path, *, lora: bool) -> None:
-    """An ordinary HF checkpoint: LoRA merged into the weights, float32, safetensors."""
-    if lora:
-        model = model.merge_and_unload()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+def export(accelerator, model, tokenizer, out: Path, *, lora: bool) -> None:
+    """An ordinary HF checkpoint: LoRA merged into the weights, safetensors (float32; bf16 under
+    DeepSpeed's bf16). Called by every process: gathering split weights (FSDP, ZeRO-3) takes all
+    of them; the main process writes."""
+    unwrapped = accelerator.unwrap_model(model)
+    if lora:  # the whole model is on every process (`parallel.check_engine`): merge on the main one
+        if accelerator.is_main_process:
+            unwrapped.merge_and_unload().save_pretrained(out, safe_serialization=True)
+    else:
+        weights = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(out, state_dict=weights, safe_serialization=True)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +378,11 @@ def train(config: TrainConfig) -> TrainSummary:
 
     # Without a GPU, several launched processes are gloo CPU processes (see cllm.collect).
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=use_cpu, mixed_precision="no")
+    accelerator = Accelerator(cpu=use_cpu, mixed_precision=parallel.mixed_precision(config.dtype, os.environ))
     is_main, P, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    engine = parallel.engine_of(accelerator)
+    parallel.check_engine(engine, eval_count=config.eval_count, lora=config.lora,
+                          model_rollouts=bool(config.rollout_prompts) and config.rollout_policy == "model")
     out = Path(config.out)
     ckpt_path, log_path = out / CHECKPOINT, out / LOG
 
@@ -381,6 +395,7 @@ def train(config: TrainConfig) -> TrainSummary:
     if config.batch_size % (micro * P):
         raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
+    accumulation = config.batch_size // (micro * P)  # micro-batches per process and step
     per_epoch = len(records) // config.batch_size
     max_states = max(len(r.states) + (len(r.augmented_states) if config.augmented else 0) for r in records)
     total = config.max_steps or config.epochs * per_epoch
@@ -390,6 +405,9 @@ def train(config: TrainConfig) -> TrainSummary:
     if ckpt_path.exists() and config.resume:
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         check_resumable(state, config, digest)
+        if not engine.accelerate_checkpoints and "trainable" not in state:
+            raise UserError(f"{out} was checkpointed by FSDP / DeepSpeed: resume it under the same engine, "
+                            "or --resume false")
     accelerator.wait_for_everyone()
     if is_main:
         if state is None:
@@ -402,6 +420,8 @@ def train(config: TrainConfig) -> TrainSummary:
     tokenizer = load_tokenizer(config.model)
     torch.manual_seed(config.seed)
     model = load_model(config.model, dtype="float32")
+    if config.gradient_checkpointing:  # non-reentrant: no inputs that require grad needed (LoRA)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora:
         model = add_lora(model, config)
     model.train()
@@ -411,12 +431,22 @@ def train(config: TrainConfig) -> TrainSummary:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
+    # accelerate's `accumulate` syncs gradients (DDP, FSDP) and steps DeepSpeed's engine on the
+    # last of a step's micro-batches; DeepSpeed reads its batch geometry from the same numbers
+    accelerator.gradient_accumulation_steps = accumulation
+    if engine.name == "deepspeed":
+        parallel.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, micro_batch=micro,
+                                       accumulation=accumulation, grad_clip=config.grad_clip)
     model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
     step, elapsed, eval_before, eval_last, best = 0, 0.0, None, None, None
     if state is not None:
-        load_trainable_state(accelerator.unwrap_model(model), state["trainable"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if engine.accelerate_checkpoints:
+            parallel.load_accelerate_state(accelerator, ckpt_path.parent, state)
+        else:
+            load_trainable_state(accelerator.unwrap_model(model), state["trainable"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
         step, elapsed = state["step"], state["elapsed_s"]
         eval_before, eval_last, best = state["eval_before"], state["eval_last"], state.get("best")
         if is_main:
@@ -445,13 +475,18 @@ def train(config: TrainConfig) -> TrainSummary:
         accelerator.wait_for_everyone()
         return result
 
-    def snapshot() -> dict:
+    def write_checkpoint() -> None:
+        """OUT/checkpoints/last.pt: the position and evaluations, with the trainable weights,
+        optimizer and scheduler, or (FSDP, DeepSpeed) naming accelerate's state folder beside it."""
         epoch, index = divmod(step, per_epoch)
-        return {"step": step, "elapsed_s": elapsed, "config": config_to_dict(config),
+        meta = {"step": step, "elapsed_s": elapsed, "config": config_to_dict(config),
                 "data_digest": digest, "data_position": {"epoch": epoch, "batch_in_epoch": index},
-                "trainable": trainable_state(accelerator.unwrap_model(model)),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "eval_before": eval_before, "eval_last": eval_last, "best": best}
+        if engine.accelerate_checkpoints:
+            parallel.save_accelerate_state(accelerator, ckpt_path.parent, step, meta, ckpt_path)
+        elif is_main:
+            save_checkpoint(ckpt_path, {**meta, "trainable": trainable_state(accelerator.unwrap_model(model)),
+                                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
     def consider(evaluation: dict) -> None:
         """--select gated: keep these weights if they pass the text gates and are the fastest yet."""
@@ -495,10 +530,10 @@ def train(config: TrainConfig) -> TrainSummary:
             counts = Counts()
             for mb, share in zip(mbs, shares, strict=True):
                 counts.add(mb, config, rollouts=len(share))
-            # 4.2 this process's micro-batches: forwards and ONE backward each; DDP syncs the last
+            # 4.2 this process's micro-batches: forwards and ONE backward each; the last syncs
             mine = list(zip(mbs, shares, strict=True))[rank::P]
             sums = torch.zeros(5, dtype=torch.float64)
-            for k, (mb, share) in enumerate(mine):
+            for mb, share in mine:
                 if share:  # on-policy: the model continues its prompts as it is now (or the teacher)
                     seeds = [derived_seed(config.seed, "rollout", step, i) for i in share]
 
@@ -507,11 +542,13 @@ def train(config: TrainConfig) -> TrainSummary:
                                              eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
 
                     mb.rollout = roll(base) if config.rollout_policy == "model" else teacher(roll)
-                with nullcontext() if k == len(mine) - 1 else accelerator.no_sync(model):
+                with accelerator.accumulate(model):
                     parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep,
                                              teacher=teacher)
-                    # DDP averages gradients over processes; the terms are already global sums
-                    accelerator.backward(parts.total * P)
+                    # the terms are already this micro-batch's share of the global batch's loss, but
+                    # accelerate (or DeepSpeed's engine) divides by the accumulated micro-batches and
+                    # DDP, FSDP and DeepSpeed average over the processes: undo both
+                    accelerator.backward(parts.total * (P * accumulation))
                 sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar, parts.kd]).detach().double().cpu()
             # 4.3 clip, AdamW, schedule
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
@@ -527,7 +564,8 @@ def train(config: TrainConfig) -> TrainSummary:
                 interrupted["set"] = bool(accelerator.reduce(flag, "sum").item())
             loss, gc, lc, ar, kd = sums.tolist()
             record = {"step": step, "epoch": round(step / per_epoch, 4), "loss": loss, "gc": gc, "lc": lc,
-                      "ar": ar, "kd": kd, "lr": lr, "grad_norm": float(grad_norm)}
+                      "ar": ar, "kd": kd, "lr": lr,
+                      "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}  # None: DeepSpeed's first steps
             if step % config.eval_interval == 0 or step == total:
                 eval_last = run_eval()
                 if eval_last:
@@ -542,8 +580,7 @@ def train(config: TrainConfig) -> TrainSummary:
             bar.set_postfix(loss=f"{loss:.3f}", tpf=f"{eval_last['tokens_per_forward']:.2f}" if eval_last else "-",
                             refresh=False)
             if step % config.checkpoint_interval == 0 or step == stop_at or interrupted["set"]:
-                if is_main:
-                    save_checkpoint(ckpt_path, snapshot())
+                write_checkpoint()
                 accelerator.wait_for_everyone()
             if interrupted["set"] and step < total:
                 bar.close()
@@ -561,15 +598,16 @@ def train(config: TrainConfig) -> TrainSummary:
                            eval_before=eval_before,
                            eval_after=(chosen["eval"] if chosen else eval_last) if finished else None,
                            selected_step=chosen["step"] if chosen and finished else None)
+    if finished and chosen and is_main:  # the gated choice's weights (the run's own state stays in last.pt)
+        saved = torch.load(out / BEST, map_location="cpu", weights_only=False)
+        load_trainable_state(accelerator.unwrap_model(model), saved["trainable"])
+    if finished:
+        export(accelerator, model, tokenizer, out, lora=config.lora)
     if finished and is_main:
-        if chosen:  # the gated choice's weights (the run's own state stays in last.pt)
-            saved = torch.load(out / BEST, map_location="cpu", weights_only=False)
-            load_trainable_state(accelerator.unwrap_model(model), saved["trainable"])
-        export(accelerator.unwrap_model(model), tokenizer, out, lora=config.lora)
         info = {"summary": asdict(summary), "base_model": config.model,
                 "base_fingerprint": fingerprint(config.model), "model_fingerprint": fingerprint(out),
                 "data": config.data, "data_meta": asdict(meta), "config": config_to_dict(config),
-                "processes": P,
+                "processes": P, "engine": engine.name,
                 "eval_settings": {"prompts": config.eval_prompts, "count": len(eval_prompts),
                                   "block_size": block, "max_new_tokens": config.eval_max_new_tokens}}
         (out / SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
