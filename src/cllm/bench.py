@@ -63,7 +63,7 @@ from cllm.config import UserError, config_to_dict
 from cllm.data.prompts import EncodedPrompt, encode_prompts
 from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
 from cllm.decoding.inputs import position_limit
-from cllm.decoding.jacobi import LOOKUP_NGRAM
+from cllm.decoding.settings import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
 from cllm.humaneval_exec import QUALITIES
 from cllm.machine import load_warning

@@ -5,8 +5,9 @@ Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
-from cllm.decoding.jacobi import RECOMMENDED, BatchDecoder, IterationEvent, jacobi_decode
+from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
 from cllm.decoding.sampling import sample_decode
+from cllm.decoding.settings import RECOMMENDED, RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["RECOMMENDED", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
+__all__ = ["RECOMMENDED", "RECOMMENDED_CONFIG", "JacobiConfig", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
