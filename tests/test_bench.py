@@ -30,7 +30,7 @@ CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs
             "exact_match_own_ar": float, "agreement_with_target": float, "n_prompts": int, "new_tokens": int}
 EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
          "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-         "cllm_jacobi_plain": "cllm_ar"}
+         "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar"}
 
 
 def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
@@ -66,7 +66,7 @@ def bench_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["bench", "--target", str(paths["target"]), "--cllm", str(paths["cllm"]),
             "--prompts", str(paths["prompts"]), "--val-set", str(paths["val"]), "--val-prompts", "3",
             "--max-new-tokens", str(NEW), "--block-size", str(BLOCK), "--repeats", "2", "--threads", "1",
-            "--out", str(out), *extra]
+            "--draft-model", "none", "--out", str(out), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def test_bench_json_matches_the_design_contract(report):
     assert {"config", "machine", "methods", "models"} <= set(data)
     assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
                                      "hf_generate", "prompt_lookup", "assisted", "target_lookahead",
-                                     "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling"]
+                                     "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling",
+                                     "speculative", "cllm_speculative"]
     for name, m in data["methods"].items():
         for key, kind in CONTRACT.items():
             assert isinstance(m[key], kind), (name, key, m[key])
@@ -160,7 +161,13 @@ def test_counts_follow_the_reference_definitions(report):
     for name in ("target_jacobi", "cllm_jacobi", "cllm_jacobi_plain", "target_lookahead"):
         assert data["methods"][name]["mean_fast_forwarded"] >= 1.0
         assert data["methods"][name]["stationary_tokens"] >= 0
-    assert data["methods"]["assisted"]["draft_forward_passes"] > 0
+    for name in ("assisted", "speculative", "cllm_speculative"):  # target forwards counted, the draft's apart
+        assert data["methods"][name]["draft_forward_passes"] > 0, name
+    for name in ("speculative", "cllm_speculative"):  # one verify forward makes 1 .. k + 1 tokens final
+        m = data["methods"][name]
+        assert 1.0 <= m["tokens_per_forward"] and max(map(int, m["accepted_histogram"])) <= data["config"]["draft_tokens"] + 1
+        assert m["draft_forward_passes"] <= data["config"]["draft_tokens"] * m["forward_passes"]
+    assert data["methods"]["cllm_speculative"]["speedup_vs_own_ar"] > 0
     assert data["methods"]["target_ar"]["agreement_with_target"] == 1.0
     assert set(data["sweep"]) == {"target", "cllm"} and set(data["sweep"]["target"]) == {"2", "4", "8"}
     assert data["sweep"]["target"][str(BLOCK)]["tokens_per_forward"] == pytest.approx(
@@ -227,13 +234,37 @@ def test_forward_counter_reads_tokens_made_final_per_call(tiny):
 
 def test_a_missing_shipped_cllm_is_skipped_with_a_note(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tmp_path / "absent")
-    models = load_models(BenchConfig(target=str(tiny["target"])))
+    models = load_models(BenchConfig(target=str(tiny["target"]), draft_model="none"))
     assert models.cllm is None and "not present" in models.notes[0]
     assert BenchConfig(cllm="none").cllm is None
 
 
+def test_the_shipped_companions_are_not_used_with_another_target(tiny, monkeypatch):
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tiny["cllm"])  # present, but made for another target
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-draft", tiny["cllm"])
+    models = load_models(BenchConfig(target=str(tiny["target"])))
+    assert models.cllm is None and models.draft is None and len(models.notes) == 2
+    assert all("goes with the shipped target 'stdlib-coder'" in n for n in models.notes)
+    given = load_models(BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), draft_model=str(tiny["cllm"])))
+    assert given.cllm is not None and given.draft is not None and not given.notes  # named by path: used
+
+
+def test_a_missing_shipped_draft_model_skips_the_draft_methods_with_a_note(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-draft", tmp_path / "absent")
+    config = BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]))
+    assert config.draft_model == "stdlib-coder-draft"  # the default
+    models = load_models(config)
+    assert models.draft is None and "cllm" in models.names
+    assert any("draft model 'stdlib-coder-draft' not present" in n and "speculative" in n for n in models.notes)
+    assert BenchConfig(draft_model="none").draft_model is None
+    out = tmp_path / "b"
+    args = small_args(tiny, out, "--methods", "target_ar,speculative", "--sweep-block-sizes", "")
+    args[args.index("--draft-model") + 1] = "stdlib-coder-draft"
+    assert main(args) == 2  # asked for by name: a one-line error, not a silent skip
+
+
 @pytest.mark.parametrize("bad", [["--block-size", "0"], ["--methods", "target_jacobi"], ["--methods", "nope"],
-                                 ["--repeats", "0"], ["--sweep-block-sizes", "4,0"]])
+                                 ["--repeats", "0"], ["--sweep-block-sizes", "4,0"], ["--draft-tokens", "0"]])
 def test_bad_settings_are_one_line_errors(bad, capsys):
     assert main(["bench", *bad]) == 2
     err = capsys.readouterr().err.strip()
@@ -287,10 +318,11 @@ def test_an_out_that_is_a_model_or_holds_foreign_files_is_refused_before_anythin
 def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
     """Each method alone beside the references it needs (target_ar; cllm_ar for cllm_*)."""
     for method in ("target_jacobi", "hf_generate", "prompt_lookup", "target_lookahead", "cllm_jacobi",
-                   "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling"):
+                   "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative", "cllm_speculative"):
         wanted = ["target_ar", *(["cllm_ar"] if method.startswith("cllm") else []), method]
         out = tmp_path / method
-        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4")) == 0, method
+        draft = ["--draft-model", str(tiny["draft"]), "--draft-tokens", "3"] if "speculative" in method else []
+        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4", *draft)) == 0, method
         assert set(load(out)["methods"]) == set(wanted)
 
 

@@ -5,6 +5,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
     from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
     from cllm import JacobiConfig, RECOMMENDED_CONFIG   # the engine's settings, validated once
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
+    from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "greedy_decode",
     "jacobi_decode",
     "sample_decode",
+    "speculative_decode",
 ]
 
 # public name -> module that defines it
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
         greedy_decode,
         jacobi_decode,
         sample_decode,
+        speculative_decode,
     )
 
 

@@ -17,12 +17,18 @@ Methods (the names are a contract: docs/method.md#bench-methods):
   assisted                      `generate(assistant_model=draft)` on the target (--draft-model)
   cllm_ar_sampling,             lossless sampling at --temperature: plain AR sampling against
   cllm_jacobi_sampling          Jacobi sampling (same law; speed and tokens per forward compared)
+  speculative                   our speculative decoding (`speculative_decode`), greedy: the draft
+                                model proposes --draft-tokens tokens, the target verifies; exact
+  cllm_speculative              the same with the CLLM as the verifier (its own AR: cllm_ar)
+
+The draft methods (assisted, speculative, cllm_speculative) need --draft-model, by default the
+shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are.
 
 Counting follows docs/method.md#counting: a forward pass is every model call, prefill included.
 A forward pre-hook on each model counts its calls for every method, and the cache length each
 call starts from tells how many tokens each call made final; so transformers' prompt lookup and
 assisted generation get honest tokens per forward too (target forwards; the draft's are reported
-apart). The JSON's keys: docs/method.md#bench-json.
+apart, for our speculative methods too). The JSON's keys: docs/method.md#bench-json.
 
 Timing (gpt-fast's habits): torch threads fixed and reported; every method first decodes the
 warm-up prompt(s), untimed; then, prompt after prompt, `repeats` rounds in which every method
@@ -36,10 +42,11 @@ validation loss go to OUT/progress.jsonl as soon as they are measured, and the s
 resumes from it after a crash or Ctrl-C. Method combinations are checked before anything loads:
 target_ar always, cllm_ar with any other cllm_* method (their greedy reference).
 
-Exactness: Jacobi, generate, prompt lookup and assisted generation promise greedy decoding's
-tokens of the same model. Every output of every prompt is compared. A mismatch whose top-2 logit
-margin at the first differing token is under `--tie-tolerance` is a float near-tie (reported);
-any other breaks the promise: the report is written all the same, then `ExactnessError`.
+Exactness: Jacobi, generate, prompt lookup, assisted generation and speculative decoding promise
+greedy decoding's tokens of the same model. Every output of every prompt is compared. A mismatch
+whose top-2 logit margin at the first differing token is under `--tie-tolerance` is a float
+near-tie (reported); any other breaks the promise: the report is written all the same, then
+`ExactnessError`.
 """
 
 from __future__ import annotations
@@ -61,10 +68,10 @@ import torch
 from cllm.benchlog import PROGRESS, BenchLog, run_key, stats_from
 from cllm.config import UserError, config_to_dict
 from cllm.data.prompts import EncodedPrompt, encode_prompts
-from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode
+from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode, speculative_decode
 from cllm.decoding.inputs import position_limit
-from cllm.decoding.settings import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
+from cllm.decoding.settings import LOOKUP_NGRAM
 from cllm.humaneval_exec import QUALITIES
 from cllm.machine import load_warning
 from cllm.options import OFF, is_off
@@ -75,13 +82,16 @@ from cllm.seeds import derived_seed
 log = logging.getLogger(__name__)
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
-           "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling")
+           "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
+           "cllm_speculative")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
 ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-                 "cllm_jacobi_plain": "cllm_ar"}
+                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar"}
+# the methods that decode with the draft model (skipped when there is none)
+DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
 
 
 class ExactnessError(RuntimeError):
@@ -92,7 +102,8 @@ class ExactnessError(RuntimeError):
 class BenchConfig:
     target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
     cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing shipped CLLM is skipped with a note)"})
-    draft_model: str | None = field(default=None, metadata={"help": "draft model for transformers' assisted generation (adds method 'assisted')"})
+    draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
+    draft_tokens: int = field(default=4, metadata={"help": "tokens the draft model proposes per step in speculative and cllm_speculative"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
@@ -127,7 +138,8 @@ class BenchConfig:
 
     def __post_init__(self):
         positive = dict(max_new_tokens=self.max_new_tokens, block_size=self.block_size,
-                        repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens)
+                        repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
+                        draft_tokens=self.draft_tokens)
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
@@ -167,6 +179,8 @@ class BenchConfig:
             raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
         if is_off(self.cllm):
             self.cllm = None
+        if is_off(self.draft_model):
+            self.draft_model = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -187,18 +201,35 @@ class BenchModels:
 
 
 def load_models(config: BenchConfig) -> BenchModels:
-    from cllm.models import SHIPPED, load_draft_table, load_model, load_tokenizer
+    from cllm.models import EMBEDDED_TARGET, SHIPPED, load_draft_table, load_model, load_tokenizer
+
+    def shipped_absent(name: str) -> bool:
+        return name in SHIPPED and not (SHIPPED[name] / "config.json").is_file()
+
+    # the shipped CLLM and draft model go with the shipped target: another target skips them
+    target_path = Path(SHIPPED.get(config.target, Path(config.target).expanduser())).resolve()
+    foreign = target_path != SHIPPED[EMBEDDED_TARGET].resolve()
+
+    def companion_skipped(name: str, what: str, skipped: str) -> bool:
+        if shipped_absent(name):
+            models.notes.append(f"shipped {what} {name!r} not present: no {skipped}")
+            return True
+        if name in SHIPPED and foreign:
+            models.notes.append(f"the shipped {what} {name!r} goes with the shipped target {EMBEDDED_TARGET!r}, "
+                                f"not {config.target!r}: no {skipped}")
+            return True
+        return False
 
     kw = dict(dtype=config.dtype, device=config.device)
     models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
                          names={"target": config.target})
-    if config.cllm is not None:
-        if config.cllm in SHIPPED and not (SHIPPED[config.cllm] / "config.json").is_file():
-            models.notes.append(f"shipped CLLM {config.cllm!r} not present: target-only run")
-        else:
-            models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
+    if config.cllm is not None and not companion_skipped(config.cllm, "CLLM", "cllm_* methods (target-only run)"):
+        models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
     if config.draft_model is not None:
-        models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+        if companion_skipped(config.draft_model, "draft model", ", ".join(DRAFT_METHODS)):
+            pass
+        else:
+            models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
     for role in ("target", "cllm"):
         table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
         if table is not None:
@@ -249,7 +280,7 @@ class ForwardCounter:
 @dataclass
 class Decoded:
     tokens: list[int]  # new tokens, EOS included when produced
-    forward_passes: int  # model calls (the target's, for assisted generation)
+    forward_passes: int  # model calls (the verifying model's, for the draft methods)
     accepted: list[int] | None  # per forward: tokens it made final
     stats: DecodeStats | None = None  # our engine's counters (Jacobi: fast-forward, stationary)
     draft_forward_passes: int = 0
@@ -311,6 +342,23 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
     return run
 
 
+def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCounter, *, draft_tokens: int,
+                max_new_tokens: int, eos) -> Callable[[EncodedPrompt], Decoded]:
+    """Our speculative decoding, greedy: `draft` proposes `draft_tokens` tokens per step, `model`
+    verifies them in one forward; its forwards are the model's, the draft's are reported apart."""
+
+    def run(prompt: EncodedPrompt) -> Decoded:
+        out = speculative_decode(model, draft, _ids(prompt, model), draft_tokens=draft_tokens,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos)
+        engine = (out.forward_passes, out.stats.draft_forward_passes)
+        if (counter.calls, draft_counter.calls) != engine:  # the engine's counts and the hooks' must agree
+            raise RuntimeError(f"forward count mismatch: engine {engine}, hooks {(counter.calls, draft_counter.calls)}")
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
+                       draft_forward_passes=out.stats.draft_forward_passes)
+
+    return run
+
+
 def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter]) -> list[Method]:
     from cllm.models import pad_token_id
 
@@ -346,11 +394,18 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         cd = counters["draft"]
         candidates["assisted"] = Method("assisted", target, hf_generate(
             target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd])
+        spec = dict(draft_tokens=config.draft_tokens, **common)
+        candidates["speculative"] = Method("speculative", target, speculative(
+            target, models.draft, ct, cd, **spec), [ct, cd])
+        if models.cllm is not None:
+            cc = counters["cllm"]
+            candidates["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
+                models.cllm, models.draft, cc, cd, **spec), [cc, cd])
     wanted = config.methods or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
         raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
-                        "(cllm_* need --cllm, assisted needs --draft-model)")
+                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model)")
     return [candidates[m] for m in METHODS if m in wanted]
 
 
@@ -642,7 +697,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
         own_ar = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling",
-                  "cllm_jacobi_plain": "cllm_ar"}.get(name)
+                  "cllm_jacobi_plain": "cllm_ar", "cllm_speculative": "cllm_ar"}.get(name)
         if own_ar and results.get(own_ar, {}).get("tokens_per_second"):
             r["speedup_vs_own_ar"] = r["tokens_per_second"] / results[own_ar]["tokens_per_second"]
     return results
@@ -776,8 +831,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
         prompts = encode_prompts(config.prompts, models.tokenizer, limit=config.max_prompts,
                                  keep=limit - config.max_new_tokens if limit else None)
     vocab = models.target.get_output_embeddings().weight.shape[0]
-    if models.cllm is not None and models.cllm.get_output_embeddings().weight.shape[0] != vocab:
-        raise UserError("the CLLM's vocabulary differs from the target's: it must share the tokenizer")
+    for role in ("cllm", "draft"):
+        model = getattr(models, role)
+        if model is not None and model.get_output_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"the {dict(cllm='CLLM', draft='draft model')[role]}'s vocabulary differs from the target's: it must share the tokenizer")
     trajectory_prompt = prompts[min(config.trajectory_prompt, len(prompts) - 1)]
     prints = fingerprints(models)
     if log is True:
@@ -825,8 +882,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
         "machine": machine,
         "methods": metrics,
         "models": model_info(models, config, prints, val),
-        "counting": "docs/method.md#counting: forward passes = every model call (prefill included; target calls for "
-                    "assisted); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
+        "counting": "docs/method.md#counting: forward passes = every model call (prefill included; the target's or "
+                    "CLLM's calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
         "val_set": {"name": config.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
         "sweep": sweep_result,
         "exactness": exactness,

@@ -33,9 +33,12 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Shipped checkpoints, addressable by short name from anywhere.
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED_TARGET = "stdlib-coder"  # the shipped target; the other shipped models are made from it
 SHIPPED = {
     "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
     "stdlib-coder-cllm": REPO_ROOT / "models" / "stdlib-coder-cllm",
+    # the draft model of speculative decoding in `cllm bench` (not shipped yet: skipped with a note)
+    "stdlib-coder-draft": REPO_ROOT / "models" / "stdlib-coder-draft",
 }
 # A model's draft table (`cllm drafts`), relative to its checkpoint directory: a subfolder, so
 # the checkpoint's own files (and `fingerprint`) do not change when a table is added.

@@ -389,6 +389,17 @@ def _tables_text(models: dict[str, dict]) -> str:
     return "; with " + " and ".join(used) if used else "; no draft tables"
 
 
+def _draft_text(data: dict[str, Any]) -> str:
+    """Which draft model the draft methods used, and how many tokens ours drafted per step."""
+    if "draft" not in data["models"]:
+        return ""
+    ours = [f"`{m}`" for m in ("speculative", "cllm_speculative") if m in data["methods"]]
+    return (f" Draft model `{data['models']['draft']['name']}`"
+            + (f"; {' and '.join(ours)}: {data['config'].get('draft_tokens', 4)} draft tokens per step, "
+               "verified by one forward of the target / the CLLM (the draft's forwards counted apart)" if ours else "")
+            + ".")
+
+
 def markdown_report(data: dict[str, Any]) -> str:
     """report.md: the tables of the bench JSON, the settings, and links to the pictures."""
     cfg, mach = data["config"], data["machine"]
@@ -406,7 +417,7 @@ def markdown_report(data: dict[str, Any]) -> str:
         + _tables_text(data["models"])
         + ", "
         f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
-        "the paper's plain Jacobi decoding.",
+        "the paper's plain Jacobi decoding." + _draft_text(data),
         "",
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['threads']} torch threads, {mach['device']}, "
         f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "

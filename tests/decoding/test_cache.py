@@ -1,5 +1,6 @@
 """The cache adapter alone: crop, holes, row selection and compaction on a real DynamicCache."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -56,6 +57,29 @@ def test_commit_kept_in_a_batch_marks_holes():
     cache.commit_kept(rc, [[0, 2], [0, 1]], fed=4)
     assert rc.lengths == [4, 4] and rc.physical_length == 5
     assert rc.valid.int().tolist() == [[1, 1, 1, 0, 1], [1, 1, 1, 1, 0]]
+
+
+def test_rollback_forgets_each_rows_last_entries_as_a_commit_would():
+    rc = _filled([[1, 1], [1, 1]])
+    rc.valid = None
+    fed = torch.tensor([[10.0, 11, 12], [20, 21, 22]])[:, None, :, None]  # three 1-token forwards, kept
+    rc.kv.update(fed, fed.clone(), 0)
+    rc.lengths = [5, 5]
+    cache.rollback(rc, [2, 1])  # row 0 keeps 10, row 1 keeps 20, 21
+    assert rc.lengths == [3, 4] and rc.physical_length == 4  # the last entry went for both rows
+    assert rc.valid.int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    cache.rollback(rc, [0, 0])
+    assert rc.lengths == [3, 4]
+
+
+def test_rollback_at_batch_one_only_crops_and_refuses_to_forget_holes():
+    rc = _filled([[1, 1, 1, 1]])
+    rc.valid = None
+    cache.rollback(rc, [3])
+    assert rc.valid is None and rc.lengths == [1] and rc.physical_length == 1
+    holes = _filled([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="valid"):
+        cache.rollback(holes, [1, 1])
 
 
 def test_compact_gathers_valid_entries_in_order_left_padded():

@@ -1,5 +1,6 @@
 """Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
-or lossless sampling), and plain autoregressive sampling.
+or lossless sampling), speculative decoding with a draft model (greedy, or lossless sampling),
+and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
@@ -8,6 +9,19 @@ from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
 from cllm.decoding.sampling import sample_decode
 from cllm.decoding.settings import RECOMMENDED, RECOMMENDED_CONFIG, JacobiConfig
+from cllm.decoding.speculative import speculative_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["RECOMMENDED", "RECOMMENDED_CONFIG", "JacobiConfig", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
+__all__ = [
+    "RECOMMENDED",
+    "RECOMMENDED_CONFIG",
+    "BatchDecoder",
+    "DecodeOutput",
+    "DecodeStats",
+    "IterationEvent",
+    "JacobiConfig",
+    "greedy_decode",
+    "jacobi_decode",
+    "sample_decode",
+    "speculative_decode",
+]

@@ -202,6 +202,22 @@ def commit(rc: RowCache, keep: list[int], fed: int) -> None:
     rc.valid = torch.cat([rc.valid, new], dim=1)
 
 
+def rollback(rc: RowCache, drop: list[int]) -> None:
+    """Forget row r's last `drop[r]` entries, which must all be valid (e.g. a draft model's
+    tokens that verification rejected, appended one per forward): the cache is then as if the
+    forwards that wrote them had kept only the rest (`commit`: cropped, or holes)."""
+    most = max(drop)
+    if most == 0:
+        return
+    if rc.valid is not None:
+        if not bool(rc.valid[:, -most:].all()):
+            raise ValueError("rollback: the entries to forget must all be valid")
+        rc.valid = rc.valid[:, :-most]
+    # un-count the last `most` entries, then keep the first most - drop[r] of them per row
+    rc.lengths = [n - most for n in rc.lengths]
+    commit(rc, [most - d for d in drop], fed=most)
+
+
 def select_rows(rc: RowCache, rows: list[int]) -> None:
     """Keep only batch rows `rows` (e.g. drop the finished ones); copies the cache once."""
     index = torch.tensor(rows, device=_cache_device(rc))

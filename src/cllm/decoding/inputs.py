@@ -5,7 +5,7 @@ Every bad input raises ValueError with a one-line message, before any forward pa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +62,21 @@ def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     if isinstance(eos_token_id, int):
         return frozenset([eos_token_id])
     return frozenset(int(t) for t in eos_token_id)
+
+
+def row_generators(
+    generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int
+) -> list[torch.Generator | None]:
+    """One generator per row: None (torch's global RNG), one shared, or one per row (a row's
+    draws then do not depend on its batch mates)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return [generator] * batch_size
+    generators = list(generator)
+    if len(generators) != batch_size or not all(isinstance(g, torch.Generator) for g in generators):
+        raise ValueError(
+            f"generator must be None, a torch.Generator or a list of {batch_size} of them"
+        )
+    return generators
 
 
 def prepare_prompt(

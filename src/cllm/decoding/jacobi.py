@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt
+from cllm.decoding.inputs import (
+    eos_set,
+    model_device,
+    position_limit,
+    prepare_prompt,
+    row_generators,
+)
 from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
 from cllm.decoding.settings import GUESSES, LOOKUP_NGRAM, JacobiConfig
@@ -361,19 +367,6 @@ def _advance(row: _Row, outputs: list[int], cfg: _Settings, stats: DecodeStats,
 # The batched loop
 
 
-def _generators(
-    generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int
-) -> list[torch.Generator | None]:
-    if generator is None or isinstance(generator, torch.Generator):
-        return [generator] * batch_size
-    generators = list(generator)
-    if len(generators) != batch_size or not all(isinstance(g, torch.Generator) for g in generators):
-        raise ValueError(
-            f"generator must be None, a torch.Generator or a list of {batch_size} of them"
-        )
-    return generators
-
-
 def _step(
     model: torch.nn.Module, rc: kv.RowCache, rows: list[_Row], cfg: _Settings, stats: DecodeStats
 ) -> None:
@@ -584,7 +577,7 @@ def jacobi_decode(
     )
     prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
     if max_new_tokens == 0:  # nothing to decode: no prefill
-        _generators(generator, prompt.batch_size)
+        row_generators(generator, prompt.batch_size)
         return DecodeOutput(new_tokens=[[] for _ in range(prompt.batch_size)], forward_passes=0,
                             stats=DecodeStats())
     # 1. prefill: the prompt's last logits give every row its first block's first token
@@ -666,7 +659,7 @@ class BatchDecoder:
             if limit is not None and n + m > limit:
                 raise ValueError(f"prompt length {n} + max_new_tokens {m} exceeds the model's position limit {limit}")
         B = prompt.batch_size
-        generators = _generators(generator, B)
+        generators = row_generators(generator, B)
         cfg = self.cfg
         rc, logits = kv.prefill(self.model, prompt.input_ids, prompt.attention_mask)
         self.stats.forward_passes += 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cllm.decoding.inputs import row_generators
 from cllm.decoding.stats import DecodeOutput
 
 
@@ -125,10 +126,9 @@ def sample_decode(
     (`cllm_ar_sampling`) and the law Jacobi sampling must reproduce. `generator`: None, one, or
     one per row (a row's draws then do not depend on its batch mates)."""
     from cllm.decoding.autoregressive import autoregressive
-    from cllm.decoding.jacobi import _generators
 
     sampling = Sampling(float(temperature), top_k, top_p)
-    generators = _generators(generator, input_ids.shape[0])
+    generators = row_generators(generator, input_ids.shape[0])
 
     def choose(logits: torch.Tensor) -> list[int]:
         probs = sampling.probs(logits)  # (B, V)

@@ -60,9 +60,13 @@ def stationary_count(trajectory: Sequence[Sequence[int]], fixed_point: Sequence[
 
 @dataclass
 class DecodeStats:
-    """Counters of one decode call (greedy or Jacobi); lists are flat over rows and blocks."""
+    """Counters of one decode call (greedy, Jacobi or speculative); lists are flat over rows
+    and blocks."""
 
     forward_passes: int = 0  # model calls for the whole batch, prefill included
+    # speculative decoding only: the draft model's calls (its prefill included), apart from
+    # `forward_passes`, which counts the target's (docs/method.md#counting)
+    draft_forward_passes: int = 0
     new_tokens: int = 0  # over all rows
     # per (row, forward the row took part in): how many tokens that forward made final for it
     accepted: list[int] = field(default_factory=list)
@@ -135,6 +139,7 @@ class DecodeStats:
         """Scalars for logs and JSON reports."""
         return {
             "forward_passes": self.forward_passes,
+            "draft_forward_passes": self.draft_forward_passes,
             "new_tokens": self.new_tokens,
             "tokens_per_forward": self.tokens_per_forward,
             "mean_iterations_per_block": self.mean_iterations_per_block,
@@ -150,7 +155,7 @@ class DecodeStats:
 
 @dataclass
 class DecodeOutput:
-    """What greedy_decode and jacobi_decode return."""
+    """What the decoders (greedy_decode, jacobi_decode, speculative_decode...) return."""
 
     new_tokens: list[list[int]]  # per row: generated tokens, EOS included when produced
     forward_passes: int  # model calls for the whole batch, prefill included
