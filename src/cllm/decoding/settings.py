@@ -60,7 +60,7 @@ class JacobiConfig:
             object.__setattr__(self, "recycle_budget", None)
         _check_int("block_size", self.block_size, 1)
         if self.guess not in GUESSES:
-            raise ValueError(f"unknown guess {self.guess!r}; expected one of {', '.join(GUESSES)}")
+            raise ValueError(f"unknown guess {self.guess!r} (--guess); expected one of {', '.join(GUESSES)}")
         _check_int("recycle", self.recycle, 0)
         _check_int("recycle_width", self.recycle_width, 1)
         _check_int("recycle_min_ngram", self.recycle_min_ngram, 1, LOOKUP_NGRAM)
@@ -76,7 +76,8 @@ class JacobiConfig:
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{name} ({flag}) must be an int {bound}, got {value!r}")
 
 
 # The setting `cllm generate / chat / serve / bench` decode with by default: the fastest measured
