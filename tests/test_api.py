@@ -11,10 +11,11 @@ from cllm.api import (
     completion_prompt,
     parse_params,
 )
+from cllm.decoding import RECOMMENDED_CONFIG
 
 LIMITS = PromptLimits(max_prompt_tokens=48, max_tokens_limit=64, default_max_tokens=128, context=128,
                       vocab_size=320, max_chars=48 * 4 * 8)
-ENGINE = dict(method="jacobi", block_size=4, recycle=8, recycle_budget=24, blocks_in_flight=1)
+ENGINE = dict(method="jacobi", engine=RECOMMENDED_CONFIG)
 
 
 def refused(call, *args, status=400, words="", **kwargs):

@@ -2,7 +2,7 @@
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import pytest
@@ -14,6 +14,7 @@ from cllm.config import (
     read_config_file,
     write_config,
 )
+from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig
 
 
 @dataclass
@@ -90,3 +91,25 @@ def test_resolved_config_round_trips_through_json(tmp_path):
     cfg = ToyConfig(block_size=3, sizes=[5])
     path = write_config(cfg, tmp_path / "out" / "config.json")
     assert ToyConfig(**json.loads(path.read_text())) == cfg
+
+
+@dataclass
+class CommandWithEngine:
+    model: str = "m"
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG)
+
+
+def test_a_nested_config_is_flattened_into_the_commands_flags_files_and_json(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, CommandWithEngine)
+    assert "(default: 4)" in parser.format_help()  # the nested field's default, not JacobiConfig()'s 16
+    args = vars(parser.parse_args(["--block-size", "8", "--recycle-budget", "0"]))
+    cfg = build_config(CommandWithEngine, {"recycle": 2, "model": "x"}, args)
+    assert cfg == CommandWithEngine(model="x", engine=replace(RECOMMENDED_CONFIG, block_size=8, recycle=2,
+                                                              recycle_budget=None))
+    assert build_config(CommandWithEngine, None, {}).engine is RECOMMENDED_CONFIG
+    saved = json.loads(write_config(cfg, tmp_path / "c.json").read_text())
+    assert saved["block_size"] == 8 and saved["recycle_budget"] is None and "engine" not in saved
+    assert build_config(CommandWithEngine, saved, {}) == cfg  # the written file reads back
+    with pytest.raises(ValueError, match="--blocks-in-flight"):
+        build_config(CommandWithEngine, None, {"blocks_in_flight": 0})

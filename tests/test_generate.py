@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.cli import main
 from cllm.completion import DecodeParams, TextCodec, TextStream, complete
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
-from cllm.decoding import greedy_decode
+from cllm.decoding import JacobiConfig, greedy_decode
 from cllm.models import load_model, load_tokenizer
 from tests.tiny import CODE_TEXTS
 
@@ -147,9 +147,9 @@ def test_stop_string_cuts_the_output_and_halts_decoding(plain, oracle, capsys):
     assert code == 0 and out == cut + "\n" and "finish: stop" in err
 
     result = complete(oracle.model, TextCodec(oracle.tokenizer), oracle.ids("def f(x):"),
-                      DecodeParams(block_size=4, max_new_tokens=64, stop=(stop,)))
+                      DecodeParams(engine=JacobiConfig(block_size=4), max_new_tokens=64, stop=(stop,)))
     assert result.text == cut and result.finish_reason == "stop"
-    assert len(result.tokens) < 64  # halted at the block holding the stop string
+    assert len(result.tokens) < 64  # halted at the step that made the stop string final
 
 
 def test_show_trajectory_prints_every_iteration_then_the_text(plain, oracle, capsys):

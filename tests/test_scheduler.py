@@ -10,11 +10,12 @@ import time
 import pytest
 
 from cllm.completion import DecodeParams, TextCodec, complete
+from cllm.decoding import JacobiConfig
 from cllm.models import load_model
 from cllm.scheduler import Job, Overloaded, Scheduler
 from tests.test_generate import PROMPTS, Oracle, save_tiny_model
 
-ENGINE = dict(block_size=4, recycle=8, recycle_budget=24, seed=0)
+ENGINE = dict(engine=JacobiConfig(block_size=4, recycle=8, recycle_budget=24), seed=0)
 WAIT = 60  # seconds: a bound against hangs, never a speed requirement
 
 

@@ -3,6 +3,7 @@
 Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast without torch):
 
     from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
+    from cllm import JacobiConfig, RECOMMENDED_CONFIG   # the engine's settings, validated once
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
     from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RECOMMENDED",
+    "RECOMMENDED_CONFIG",
+    "JacobiConfig",
     "BatchDecoder",
     "DecodeOutput",
     "DecodeStats",
@@ -34,10 +37,12 @@ _EXPORTS = {name: "cllm.decoding" for name in __all__ if name != "__version__"}
 if TYPE_CHECKING:
     from cllm.decoding import (
         RECOMMENDED,
+        RECOMMENDED_CONFIG,
         BatchDecoder,
         DecodeOutput,
         DecodeStats,
         IterationEvent,
+        JacobiConfig,
         greedy_decode,
         jacobi_decode,
         sample_decode,

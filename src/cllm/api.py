@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 from cllm.completion import METHODS, DecodeParams
+from cllm.decoding.settings import JacobiConfig
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -106,8 +107,7 @@ def check_body(body, served_names: set[str], served_id: str) -> dict:
     return body
 
 
-def parse_params(body: dict, limits: PromptLimits, n_prompt: int, *, method: str, block_size: int,
-                 recycle: int, recycle_budget: int, blocks_in_flight: int,
+def parse_params(body: dict, limits: PromptLimits, n_prompt: int, *, method: str, engine: JacobiConfig,
                  max_tokens_key: str = "max_tokens") -> DecodeParams:
     """The decode settings of a request whose prompt has `n_prompt` tokens. A request without
     a seed gets a fresh random one (OpenAI's behaviour: unseeded samples differ)."""
@@ -131,8 +131,7 @@ def parse_params(body: dict, limits: PromptLimits, n_prompt: int, *, method: str
         raise ApiError(400, f"'method' must be one of {', '.join(METHODS)}", param="method")
     seed = _number(body, "seed", None, lo=-(2**63), hi=2**63 - 1, integer=True)
     return DecodeParams(
-        method=method, block_size=block_size, max_new_tokens=max_tokens, stop=_stop(body),
-        recycle=recycle, recycle_budget=recycle_budget, blocks_in_flight=blocks_in_flight,
+        method=method, engine=engine, max_new_tokens=max_tokens, stop=_stop(body),
         temperature=float(_number(body, "temperature", 0.0, lo=0.0, hi=2.0)),
         top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)),
         top_k=_number(body, "top_k", None, lo=1, hi=2**31 - 1, integer=True),

@@ -68,9 +68,15 @@ import torch
 from cllm.benchlog import PROGRESS, BenchLog, run_key, stats_from
 from cllm.config import UserError, config_to_dict
 from cllm.data.prompts import EncodedPrompt, encode_prompts
-from cllm.decoding import RECOMMENDED, DecodeStats, greedy_decode, jacobi_decode, speculative_decode
+from cllm.decoding import (
+    RECOMMENDED_CONFIG,
+    DecodeStats,
+    JacobiConfig,
+    greedy_decode,
+    jacobi_decode,
+    speculative_decode,
+)
 from cllm.decoding.inputs import position_limit
-from cllm.decoding.jacobi import LOOKUP_NGRAM
 from cllm.decoding.ngram import NgramTable
 from cllm.humaneval_exec import QUALITIES
 from cllm.machine import load_warning
@@ -107,19 +113,13 @@ class BenchConfig:
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n of the timed methods (4: the fastest with recycling on a 2-core CPU; a GPU affords more)"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings of the timed methods (flags --block-size, --guess, --recycle, ...): cllm_jacobi and target_lookahead use them all, the plain Jacobi methods the block size and guess"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
     methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
     warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
-    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "Jacobi initial guess"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "n-gram pool drafts verified per iteration by cllm_jacobi and target_lookahead (0: plain Jacobi)"})
-    recycle_width: int = field(default=RECOMMENDED["recycle_width"], metadata={"help": "tokens per pool draft at most (cllm_jacobi, target_lookahead)"})
-    recycle_min_ngram: int = field(default=RECOMMENDED["recycle_min_ngram"], metadata={"help": "a pool draft must continue a match of at least this many tokens, 1-3 (cllm_jacobi, target_lookahead)"})
-    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "tokens fed per forward at most with recycling: the tail, then drafts until spent (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "blocks in flight for cllm_jacobi and target_lookahead"})
     draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
@@ -137,7 +137,7 @@ class BenchConfig:
     resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is kept renamed)"})
 
     def __post_init__(self):
-        positive = dict(max_new_tokens=self.max_new_tokens, block_size=self.block_size,
+        positive = dict(max_new_tokens=self.max_new_tokens,
                         repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
                         draft_tokens=self.draft_tokens)
         for name, value in positive.items():
@@ -161,10 +161,6 @@ class BenchConfig:
                              "which its exactness and agreement are measured against)")
         if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
             raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
-        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1 or self.recycle_width < 1:
-            raise ValueError("--recycle and --recycle-budget must be >= 0, --recycle-width and --blocks-in-flight >= 1")
-        if not 1 <= self.recycle_min_ngram <= LOOKUP_NGRAM:
-            raise ValueError(f"--recycle-min-ngram must be from 1 to {LOOKUP_NGRAM}, got {self.recycle_min_ngram}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -366,7 +362,7 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     eos = tok.eos_token_id
     pad_id = pad_token_id(tok)
     common = dict(max_new_tokens=config.max_new_tokens, eos=eos)
-    jac = dict(block_size=config.block_size, guess=config.guess, seed=config.seed)
+    jac = dict(block_size=config.engine.block_size, guess=config.engine.guess, seed=config.seed)
     target, ct = models.target, counters["target"]
     candidates: dict[str, Method] = {
         "target_ar": Method("target_ar", target, ours(target, ct, jacobi=False, block_size=1, **common), [ct]),
@@ -629,7 +625,7 @@ def sweep(models: BenchModels, config: BenchConfig, prompts: list[EncodedPrompt]
                 record = log.sweeps.get((role, n)) if log is not None else None
                 if record is None:
                     run = ours(model, counters[role], jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
-                               eos=models.tokenizer.eos_token_id, guess=config.guess, seed=config.seed)
+                               eos=models.tokenizer.eos_token_id, guess=config.engine.guess, seed=config.seed)
                     decoded = []
                     for p in prompts:
                         counters[role].reset()
@@ -718,10 +714,9 @@ def check_promises(methods: list[Method], prompts: list[EncodedPrompt], outputs:
 
 
 def engine_settings(config: BenchConfig) -> dict[str, Any]:
-    """`jacobi_decode`'s options of the engine methods (cllm_jacobi, target_lookahead), bar the table."""
-    return dict(block_size=config.block_size, recycle=config.recycle, recycle_width=config.recycle_width,
-                recycle_min_ngram=config.recycle_min_ngram, recycle_budget=config.recycle_budget or None,
-                blocks_in_flight=config.blocks_in_flight)
+    """`jacobi_decode`'s options of the engine methods (cllm_jacobi, target_lookahead), bar the
+    guess and the table."""
+    return {k: v for k, v in config.engine.as_kwargs().items() if k != "guess"}
 
 
 def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict[str, ForwardCounter],
@@ -739,7 +734,7 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
         recorders[role] = TrajectoryRecorder()
         counters[role].reset()
         ours(model, counters[role], jacobi=True, max_new_tokens=config.max_new_tokens, eos=models.tokenizer.eos_token_id,
-             guess=config.guess, seed=config.seed, on_iteration=recorders[role], draft_table=models.tables.get(role),
+             guess=config.engine.guess, seed=config.seed, on_iteration=recorders[role], draft_table=models.tables.get(role),
              **engine_settings(config))(prompt)
     return recorders
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from cllm.decoding import BatchDecoder, IterationEvent
+from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
 from cllm.decoding.ngram import NgramTable
 
 METHODS = ("jacobi", "ar")
@@ -111,16 +111,13 @@ class DecodeParams:
     """How to decode one request (validated by the CLI configs and the server)."""
 
     method: str = "jacobi"  # "jacobi" or "ar" (the Jacobi engine with n = 1)
-    block_size: int = 16
+    engine: JacobiConfig = JacobiConfig()  # Jacobi's settings (block size, recycling, ...)
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     temperature: float = 0.0  # > 0: lossless sampling
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
-    recycle: int = 0  # Jacobi: n-gram pool drafts verified per iteration
-    recycle_budget: int = 24  # Jacobi with recycling: tokens fed per forward at most (0: no limit)
-    blocks_in_flight: int = 1  # Jacobi, greedy: blocks drafted at once
 
     @property
     def label(self) -> str:
@@ -204,15 +201,16 @@ def complete(
 
 def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:
     """The engine's keyword settings for `params` (`jacobi_decode` / `BatchDecoder`), all but
-    the budget and the generator: "ar" is the engine with n = 1 and no drafts."""
+    the budget and the generator: "ar" is the engine with n = 1 and no drafts; sampling keeps
+    one block in flight."""
     jacobi, sampling = params.method == "jacobi", params.temperature > 0
+    engine = params.engine if jacobi else replace(params.engine, block_size=1, recycle=0)
+    if sampling or not jacobi:
+        engine = replace(engine, blocks_in_flight=1)
     return dict(
-        block_size=params.block_size if jacobi else 1,
+        config=engine,
         temperature=params.temperature,
         top_p=params.top_p if sampling and params.top_p < 1 else None,
         top_k=params.top_k if sampling else None,
-        recycle=params.recycle if jacobi else 0,
-        recycle_budget=params.recycle_budget or None,
-        blocks_in_flight=params.blocks_in_flight if jacobi and not sampling else 1,
         draft_table=draft_table if jacobi else None,
     )

@@ -55,18 +55,36 @@ def _list_parser(inner: Any):
     return parse
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one optional flag per dataclass field. Defaults stay None so that a config file can
-    fill what the command line leaves unset; the dataclass supplies the real defaults."""
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default if f.default is not dataclasses.MISSING else None
+
+
+def _nested(cls: type) -> dict[str, type]:
+    """The fields of `cls` that hold a dataclass (e.g. a command's `JacobiConfig`): their own
+    fields are the command's flags, as if declared in `cls` itself."""
     hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if f.init and dataclasses.is_dataclass(hints[f.name])}
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, defaults: Any = None) -> None:
+    """Add one optional flag per dataclass field (a nested dataclass field adds its fields'
+    flags). Defaults stay None so that a config file can fill what the command line leaves
+    unset; the dataclass supplies the real defaults. `defaults`: an instance whose values the
+    help shows (a nested field's default)."""
+    hints = typing.get_type_hints(cls)
+    nested = _nested(cls)
     for f in dataclasses.fields(cls):
         if not f.init or f.metadata.get("cli") is False:
             continue
+        if f.name in nested:
+            add_dataclass_arguments(parser, nested[f.name], _default(f))
+            continue
         tp, _ = _unwrap_optional(hints[f.name])
         help_text = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
+        default = getattr(defaults, f.name) if defaults is not None else _default(f)
         if "(default" not in help_text:  # a help text that explains its default says it once
             help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
         # argparse formats help with %: a literal "3%" would break `--help`
@@ -107,17 +125,27 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(cls: type[C], file_values: dict[str, Any] | None, cli_values: dict[str, Any]) -> C:
-    """Defaults < config file < command line. Unknown keys in the file are an error."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    """Defaults < config file < command line. Unknown keys in the file are an error. Keys are
+    flat: a nested dataclass field (see `_nested`) is built from its own fields' keys."""
+    nested = _nested(cls)
+    owner = {f.name: None for f in dataclasses.fields(cls) if f.init and f.name not in nested}
+    for name, sub in nested.items():
+        owner.update({f.name: name for f in dataclasses.fields(sub) if f.init})
     values: dict[str, Any] = {}
     for key, value in (file_values or {}).items():
         key = key.replace("-", "_")
-        if key not in names:
+        if key not in owner:
             raise UserError(f"unknown option {key!r} in config file")
         values[key] = value
-    values.update({k: v for k, v in cli_values.items() if k in names and v is not None})
+    values.update({k: v for k, v in cli_values.items() if k in owner and v is not None})
+    grouped = {k: v for k, v in values.items() if owner[k] is None}
+    defaults = {f.name: _default(f) for f in dataclasses.fields(cls) if f.name in nested}
     try:
-        return cls(**values)
+        for name in nested:
+            own = {k: v for k, v in values.items() if owner[k] == name}
+            if own:
+                grouped[name] = dataclasses.replace(defaults[name], **own)
+        return cls(**grouped)
     except TypeError as exc:
         raise UserError(str(exc)) from None
 
@@ -132,7 +160,11 @@ def config_to_dict(config: Any) -> dict[str, Any]:
             return {k: plain(v) for k, v in value.items()}
         return value
 
-    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}
+    flat: dict[str, Any] = {}
+    for f in dataclasses.fields(config):  # a nested dataclass's fields sit beside the others
+        value = getattr(config, f.name)
+        flat.update(config_to_dict(value) if dataclasses.is_dataclass(value) else {f.name: plain(value)})
+    return flat
 
 
 def write_config(config: Any, path: str | Path) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,7 +29,7 @@ from cllm.bench import (
     write_report,
 )
 from cllm.config import write_config
-from cllm.decoding import jacobi_decode
+from cllm.decoding import RECOMMENDED_CONFIG, jacobi_decode
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.machine import load_average_1min, threads_for_load
 from cllm.models import SHIPPED
@@ -181,7 +181,8 @@ def demo(config: DemoConfig) -> int:
     else:
         models = None
     bench_config = BenchConfig(target=target, cllm=cllm, prompts=config.prompts, max_prompts=config.max_prompts,
-                               max_new_tokens=config.max_new_tokens, block_size=config.block_size,
+                               max_new_tokens=config.max_new_tokens,
+                               engine=replace(RECOMMENDED_CONFIG, block_size=config.block_size),
                                sweep_block_sizes=config.sweep_block_sizes, repeats=config.repeats,
                                threads=threads, val_prompts=config.val_prompts, out=config.out,
                                resume=config.resume)
@@ -219,7 +220,7 @@ def demo(config: DemoConfig) -> int:
     else:
         first = next(p for p in result.prompts if p.id == result.data["trajectory_prompt"])
         prompt_ids, text = first.ids, first.text
-    setting = (f"n = {config.block_size}, {bench_config.recycle} recycled drafts"
+    setting = (f"n = {config.block_size}, {bench_config.engine.recycle} recycled drafts"
                + (", its draft table" if table is not None else ", no draft table"))
     console.rule("[bold]live[/]")
     console.print(f"{method}, the {role.upper() if role == 'cllm' else role} on the engine ({setting})", highlight=False)

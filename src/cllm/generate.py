@@ -20,7 +20,7 @@ from cllm.completion import (
     complete,
 )
 from cllm.config import UserError
-from cllm.decoding import RECOMMENDED, IterationEvent
+from cllm.decoding import RECOMMENDED_CONFIG, IterationEvent, JacobiConfig
 
 
 def unescape(text: str) -> str:
@@ -41,16 +41,13 @@ def unescape(text: str) -> str:
 class _DecodeOptions:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token by token)"})
-    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
     stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
-    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "Jacobi: n-gram pool drafts (prompt, output, earlier states) verified beside the block per forward; exact (0: the paper's plain Jacobi)"})
-    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "Jacobi with recycling: tokens fed per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "Jacobi, greedy: blocks drafted at once (multi-block decoding); exact"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings (flags --block-size, --recycle, ...)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
@@ -59,8 +56,6 @@ class _DecodeOptions:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         self.stop = [unescape(s) for s in self.stop]
@@ -70,19 +65,16 @@ class _DecodeOptions:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1:
-            raise ValueError("--recycle and --recycle-budget must be >= 0, --blocks-in-flight >= 1")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
 
     def params(self) -> DecodeParams:
-        return DecodeParams(method=self.method, block_size=self.block_size,
+        return DecodeParams(method=self.method, engine=self.engine,
                             max_new_tokens=self.max_new_tokens, stop=tuple(self.stop),
                             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                            seed=self.seed, recycle=self.recycle, recycle_budget=self.recycle_budget,
-                            blocks_in_flight=self.blocks_in_flight)
+                            seed=self.seed)
 
     def load(self):
         """The model, its tokenizer (as a TextCodec) and its draft table (or None)."""

@@ -197,7 +197,7 @@ class Scheduler:
             if group is None:
                 settings = engine_settings(group_jobs[0].params, self.draft_table)
                 group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **settings),
-                               settings["recycle_budget"])
+                               settings["config"].recycle_budget)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             generators = [torch.Generator(device=self.device).manual_seed(j.params.seed) for j in group_jobs]
             try:

@@ -62,7 +62,7 @@ from cllm.api import (
 )
 from cllm.completion import METHODS, Completion, TextCodec
 from cllm.config import UserError
-from cllm.decoding import RECOMMENDED
+from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.inputs import position_limit
 from cllm.scheduler import Job, Overloaded, Scheduler
 
@@ -78,10 +78,7 @@ class ServeConfig:
     port: int = field(default=8000, metadata={"help": "TCP port"})
     served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the model dir's name)"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
-    block_size: int = field(default=RECOMMENDED["block_size"], metadata={"help": "Jacobi block size n (4 with recycling suits a CPU; a GPU affords 16-32)"})
-    recycle: int = field(default=RECOMMENDED["recycle"], metadata={"help": "Jacobi: n-gram pool drafts verified beside the block per forward (exact; 0: the paper's plain Jacobi)"})
-    recycle_budget: int = field(default=RECOMMENDED["recycle_budget"], metadata={"help": "Jacobi with recycling: tokens fed per forward at most (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=RECOMMENDED["blocks_in_flight"], metadata={"help": "Jacobi, greedy: blocks drafted at once (exact)"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings (flags --block-size, --recycle, ...)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
@@ -107,9 +104,7 @@ class ServeConfig:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.recycle < 0 or self.recycle_budget < 0 or self.blocks_in_flight < 1:
-            raise ValueError("--recycle and --recycle-budget must be >= 0, --blocks-in-flight >= 1")
-        for name in ("block_size", "default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size",
+        for name in ("default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size",
                      "max_batch_size", "max_tokens_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -205,7 +200,7 @@ def _usage(result: Completion) -> dict:
 
 
 def _cllm(result: Completion, job: Job) -> dict:
-    return {"method": result.method, "block_size": job.params.block_size if result.method.startswith("jacobi") else 1,
+    return {"method": result.method, "block_size": job.params.engine.block_size if result.method.startswith("jacobi") else 1,
             "forward_passes": result.forward_passes, "tokens_per_forward": result.tokens_per_forward,
             "decode_seconds": round(result.seconds, 6),
             "queue_seconds": round(max(0.0, job.started_at - job.queued_at), 6)}
@@ -263,9 +258,7 @@ class Service:
 
     async def respond(self, request: Request, body: dict, prompt_ids: list[int], chat: bool):
         cfg = self.cfg
-        params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, block_size=cfg.block_size,
-                              recycle=cfg.recycle, recycle_budget=cfg.recycle_budget,
-                              blocks_in_flight=cfg.blocks_in_flight,
+        params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, engine=cfg.engine,
                               max_tokens_key="max_completion_tokens" if chat else "max_tokens")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -505,7 +498,7 @@ def serve(config: ServeConfig) -> int:
         print(f"cllm serve: warning: {warning}", file=sys.stderr, flush=True)
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{port}/v1 "
-          f"(greedy: {config.method}, n = {config.block_size}{drafts}; batches up to {config.max_batch_size} "
+          f"(greedy: {config.method}, n = {config.engine.block_size}{drafts}; batches up to {config.max_batch_size} "
           f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(

@@ -85,7 +85,9 @@ def test_changing_the_recycling_budget_between_steps_keeps_every_row_greedy(arch
         expected = greedy_decode(model, prompt, max_new_tokens=budget).new_tokens[0]
         assert_same_tokens(model, prompt[0].tolist(), expected, decoder.tokens(ids[k]), f"{arch} row {k}")
     with pytest.raises(ValueError, match="recycle_budget"):
-        decoder.set_recycle_budget(0)
+        decoder.set_recycle_budget(-1)
+    decoder.set_recycle_budget(0)  # 0 means no limit, as on the command line
+    assert decoder.cfg.recycle_budget is None
 
 
 def test_a_removed_row_stops_and_leaves_the_others_unchanged():

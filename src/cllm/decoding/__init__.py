@@ -6,17 +6,20 @@ Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
-from cllm.decoding.jacobi import RECOMMENDED, BatchDecoder, IterationEvent, jacobi_decode
+from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
 from cllm.decoding.sampling import sample_decode
+from cllm.decoding.settings import RECOMMENDED, RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.speculative import speculative_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 __all__ = [
     "RECOMMENDED",
+    "RECOMMENDED_CONFIG",
     "BatchDecoder",
     "DecodeOutput",
     "DecodeStats",
     "IterationEvent",
+    "JacobiConfig",
     "greedy_decode",
     "jacobi_decode",
     "sample_decode",

@@ -25,9 +25,9 @@ Token ids only: the engine knows nothing of tokenizers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -41,17 +41,9 @@ from cllm.decoding.inputs import (
 )
 from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
+from cllm.decoding.settings import GUESSES, LOOKUP_NGRAM, JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-GUESSES = ("prompt", "repeat", "random", "lookup")
-# The setting `cllm generate / chat / serve / bench` decode with by default: the fastest measured
-# on the 2-core CPU here (benchmarks/). `jacobi_decode`'s own defaults are the paper's plain
-# Jacobi (n = 16, no drafts); `jacobi_decode(model, ids, **RECOMMENDED, draft_table=table)` is the
-# CLI's (`cllm.models.load_for_decoding` brings the table too). On a GPU, where a wide step costs
-# about a narrow one, a larger block and no budget may pay (block_size=16, recycle_budget=None).
-RECOMMENDED: Mapping[str, int | None] = MappingProxyType(dict(
-    block_size=4, recycle=8, recycle_width=16, recycle_min_ngram=2, recycle_budget=24, blocks_in_flight=1))
-LOOKUP_NGRAM = 3  # the "lookup" guess matches the last 3, else 2, else 1 tokens
 RECENT_STATES = 8  # recycling: the n-gram pool remembers this many recent Jacobi states
 
 
@@ -197,19 +189,14 @@ class _Row:
 
 
 @dataclass(frozen=True)
-class _Settings:
-    block_size: int
-    eos: frozenset[int]
-    guess: str
-    vocab_size: int
-    device: torch.device
-    on_iteration: Callable[[IterationEvent], None] | None
+class _Settings(JacobiConfig):
+    """The engine's settings (`JacobiConfig`, validated) plus what a run knows of its model."""
+
+    eos: frozenset[int] = frozenset()
+    vocab_size: int = 0  # known from the first prefill's logits
+    device: torch.device = torch.device("cpu")
+    on_iteration: Callable[[IterationEvent], None] | None = None
     sampling: Sampling | None = None  # None: greedy
-    recycle: int = 0  # n-gram pool drafts verified beside the Jacobi tail per iteration
-    recycle_width: int = 16  # tokens per pool draft at most
-    recycle_min_ngram: int = 2  # a pool draft needs a match of at least this many tokens
-    recycle_budget: int | None = 24  # tokens fed per row per forward at most (tail + drafts)
-    blocks_in_flight: int = 1  # > 1: the next blocks' drafts ride behind the current block
     draft_table: NgramTable | None = None  # the model's own n-gram continuations (guesses, drafts)
 
 
@@ -540,21 +527,16 @@ def jacobi_decode(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    block_size: int = 16,
+    config: JacobiConfig | None = None,
     max_new_tokens: int = 128,
     eos_token_id: int | Iterable[int] | None = None,
-    guess: str = "prompt",
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     on_iteration: Callable[[IterationEvent], None] | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    recycle: int = 0,
-    recycle_width: int = 16,
-    recycle_min_ngram: int = 2,
-    recycle_budget: int | None = 24,
-    blocks_in_flight: int = 1,
     draft_table: NgramTable | None = None,
+    **settings: Any,
 ) -> DecodeOutput:
     """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
     `temperature` > 0, lossless Jacobi sampling: the output is distributed exactly as
@@ -564,44 +546,23 @@ def jacobi_decode(
         model: a causal LM (any transformers `*ForCausalLM`), on its own device and dtype.
         input_ids: (B, T) prompt token ids, left-padded when rows differ in length.
         attention_mask: (B, T), 0 on the left padding; None means no padding.
-        block_size: n, the tokens solved together (>= 1; 1 is greedy decoding).
+        config, **settings: the engine's settings, a `JacobiConfig` (block_size, guess,
+            recycle, recycle_width, recycle_min_ngram, recycle_budget, blocks_in_flight; see
+            it for what each does) and/or its fields as keywords, which override the config's.
         max_new_tokens: at most this many new tokens per row (the last block may be shorter).
         eos_token_id: a row stops after producing it (or any of them); it is included.
-        guess: how a block's unknown tokens start: "prompt" (uniform over the row's own prompt
-            tokens, the reference's default), "repeat" (the block's first token), "random"
-            (uniform over the vocabulary), "lookup" (what followed the last 1-3 tokens where
-            they occurred before in the prompt or output, the rest as "prompt").
         generator: seeds the guesses: None (torch's global RNG), one torch.Generator, or one
             per row (a row's guesses then do not depend on its batch mates).
         on_iteration: called with every state of every block of every row (IterationEvent).
         temperature: 0 (greedy, the default) or > 0 to sample; `top_k` / `top_p` restrict the
             sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
             the same seed gives the same output.
-        recycle: n-gram recycling: per iteration, verify up to this many drafts from an n-gram
-            pool (the prompt, the output so far, earlier Jacobi states) beside the Jacobi tail in
-            the same forward, as branches of a tree attention mask; the furthest reaching branch
-            is kept. 0 = off. The output stays greedy's. When sampling, the first pool draft
-            replaces the Jacobi drafts instead (one branch; the law stays exact).
-        recycle_width: tokens per pool draft at most. Greedy recycling allows that many after
-            a 3-token match, half as many after a 2-token match, a quarter after a 1-token one
-            (a forward's cost grows with its tokens, and shorter matches are right less often).
-        recycle_min_ngram: a pool draft must continue a match of at least this many tokens
-            (1-3). 2, the default, skips drafts found from the last token alone: on a CPU, where
-            every fed token costs, they were accepted too rarely to pay for themselves.
-        recycle_budget: tokens a row feeds per forward at most when recycling: the tail whole,
-            then the drafts' new tokens until the budget is spent (a draft is cut there); None:
-            no limit. 24 suits a CPU, where the last drafts of a large trie rarely pay for
-            their tokens; a GPU affords more.
-        blocks_in_flight: multi-block decoding (greedy only): with k > 1, the drafts of the
-            next k - 1 blocks are fed behind the current block's tail and refined by the same
-            forwards, so a block starts from refined drafts, and tokens can become final across
-            the block boundary. 1 = one block at a time (the paper).
         draft_table: an n-gram table of the model's own greedy continuations
             (`cllm.decoding.ngram`, built by `cllm drafts`): a block's unknown tokens start from
             its chained continuation (then `guess`), and with recycling its continuation (up
             to a block long) is verified as one more draft. Speed only: the output is unchanged.
 
-    The defaults are the paper's plain Jacobi decoding. The CLI's faster setting (n = 4, 8
+    `JacobiConfig()`'s defaults are the paper's plain Jacobi decoding. The CLI's faster setting (n = 4, 8
     recycled drafts, the model's draft table) is `jacobi_decode(model, ids, **RECOMMENDED,
     draft_table=table)`, or in one call from a model's name, `fast = load_for_decoding(name)`
     then `jacobi_decode(fast.model, ids, **fast.settings)` (`cllm.models`).
@@ -611,10 +572,8 @@ def jacobi_decode(
         fast-forwarded and stationary tokens, where the tokens came from).
     """
     decoder = BatchDecoder(
-        model, block_size=block_size, eos_token_id=eos_token_id, guess=guess,
-        on_iteration=on_iteration, temperature=temperature, top_k=top_k, top_p=top_p,
-        recycle=recycle, recycle_width=recycle_width, recycle_min_ngram=recycle_min_ngram,
-        recycle_budget=recycle_budget, blocks_in_flight=blocks_in_flight, draft_table=draft_table,
+        model, config, eos_token_id=eos_token_id, on_iteration=on_iteration, temperature=temperature,
+        top_k=top_k, top_p=top_p, draft_table=draft_table, **settings,
     )
     prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
     if max_new_tokens == 0:  # nothing to decode: no prefill
@@ -639,7 +598,8 @@ class BatchDecoder:
     so its tokens are the ones it gets decoded alone (greedy: `greedy_decode`'s; sampling: the
     same draws from the same seed). `jacobi_decode` is this object with every row added at once.
 
-    The settings are `jacobi_decode`'s (see its Args) and hold for every row: a server groups
+    The settings are `jacobi_decode`'s (a `JacobiConfig` and/or its fields as keywords, then
+    EOS, the hook, sampling and the draft table) and hold for every row: a server groups
     requests that differ in them (greedy vs sampled, block size) into separate decoders.
 
         decoder = BatchDecoder(model, block_size=4, eos_token_id=eos)
@@ -653,54 +613,23 @@ class BatchDecoder:
     def __init__(
         self,
         model: torch.nn.Module,
+        config: JacobiConfig | None = None,
         *,
-        block_size: int = 16,
         eos_token_id: int | Iterable[int] | None = None,
-        guess: str = "prompt",
         on_iteration: Callable[[IterationEvent], None] | None = None,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        recycle: int = 0,
-        recycle_width: int = 16,
-        recycle_min_ngram: int = 2,
-        recycle_budget: int | None = 24,
-        blocks_in_flight: int = 1,
         draft_table: NgramTable | None = None,
+        **settings: Any,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if guess not in GUESSES:
-            raise ValueError(f"unknown guess {guess!r}; expected one of {', '.join(GUESSES)}")
+        engine = replace(config or JacobiConfig(), **settings)  # validated by JacobiConfig
         sampling = make_sampling(temperature, top_k, top_p)
-        if not isinstance(recycle, int) or recycle < 0:
-            raise ValueError(f"recycle must be an int >= 0, got {recycle!r}")
-        if not isinstance(recycle_width, int) or recycle_width < 1:
-            raise ValueError(f"recycle_width must be an int >= 1, got {recycle_width!r}")
-        if not isinstance(recycle_min_ngram, int) or not 1 <= recycle_min_ngram <= LOOKUP_NGRAM:
-            raise ValueError(f"recycle_min_ngram must be an int from 1 to {LOOKUP_NGRAM}, got {recycle_min_ngram!r}")
-        if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
-            raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
-        if not isinstance(blocks_in_flight, int) or blocks_in_flight < 1:
-            raise ValueError(f"blocks_in_flight must be an int >= 1, got {blocks_in_flight!r}")
-        if blocks_in_flight > 1 and sampling is not None:
+        if engine.blocks_in_flight > 1 and sampling is not None:
             raise ValueError("blocks_in_flight is for greedy decoding")
         self.model = model
-        self.cfg = _Settings(
-            block_size=block_size,
-            eos=eos_set(eos_token_id),
-            guess=guess,
-            vocab_size=0,  # known from the first prefill's logits
-            device=model_device(model),
-            on_iteration=on_iteration,
-            sampling=sampling,
-            recycle=recycle,
-            recycle_width=recycle_width,
-            recycle_min_ngram=recycle_min_ngram,
-            recycle_budget=recycle_budget,
-            blocks_in_flight=blocks_in_flight,
-            draft_table=draft_table,
-        )
+        self.cfg = _Settings(**engine.as_kwargs(), eos=eos_set(eos_token_id), device=model_device(model),
+                             on_iteration=on_iteration, sampling=sampling, draft_table=draft_table)
         self.stats = DecodeStats()  # the counters since the last `take_stats`
         self._rc: kv.RowCache | None = None  # the running batch's cache, rows as in `_active`
         self._active: list[_Row] = []
@@ -779,9 +708,7 @@ class BatchDecoder:
         whole, then drafts until spent; None: no limit), from the next step on. Speed only: the
         output is unchanged. A server shrinks it as its batch grows, so that a forward stays
         about as wide (on a CPU its cost grows with every token fed)."""
-        if recycle_budget is not None and (not isinstance(recycle_budget, int) or recycle_budget < 1):
-            raise ValueError(f"recycle_budget must be None or an int >= 1, got {recycle_budget!r}")
-        self.cfg = replace(self.cfg, recycle_budget=recycle_budget)
+        self.cfg = replace(self.cfg, recycle_budget=recycle_budget)  # validated by JacobiConfig
 
     # -- what a caller reads between steps
 
