@@ -435,8 +435,9 @@ def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None 
         f"# {name}",
         "",
         f"A {evaluation.parameters / 1e6:.2f}M-parameter Llama-architecture causal LM trained from",
-        "scratch by `cllm pretrain` on the Python standard library, with its own byte-level BPE",
-        "tokenizer.",
+        "scratch by `cllm pretrain` on the Python standard library, with "
+        + (f"the byte-level BPE tokenizer of `{cfg['tokenizer']}`." if cfg.get("tokenizer")
+           else "its own byte-level BPE tokenizer."),
         role,
         "It completes Python code in stdlib style; it is not a useful assistant.",
         "",
