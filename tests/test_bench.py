@@ -108,6 +108,12 @@ def test_bench_json_matches_the_design_contract(report):
         assert key in data["machine"]
     assert data["machine"]["threads"] == 1 and data["config"]["block_size"] == BLOCK
     assert set(data["models"]) == {"target", "cllm", "draft"}
+    # memory beside the model: the draft's parameters for the draft methods, the table for cllm_jacobi
+    draft_params = data["models"]["draft"]["parameters"]
+    added = {name: m["added_parameters"] for name, m in data["methods"].items()}
+    assert added["speculative"] == added["assisted"] == added["cllm_speculative"] == draft_params > 0
+    assert data["methods"]["speculative"]["added_mb"] == pytest.approx(4 * draft_params / 2**20)  # float32
+    assert data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"] == data["methods"]["target_lookahead"]["added_mb"]
     # cllm_jacobi drafted from the CLLM's table (`tiny`); the target has none
     assert data["models"]["cllm"]["draft_table"]["contexts"] > 0 and "draft_table" not in data["models"]["target"]
     assert all(isinstance(m["val_loss"], float) for m in data["models"].values())

@@ -288,6 +288,18 @@ class Method:
     model: torch.nn.Module  # whose greedy output is this method's own AR
     run: Callable[[EncodedPrompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
+    # what the method keeps in memory beyond its model: a draft model, heads, a draft table
+    added: dict[str, float] = field(default_factory=dict)
+
+
+def added_memory(module: torch.nn.Module | None = None, table: NgramTable | None = None) -> dict[str, float]:
+    """`added_parameters` (a draft model's or heads') and `added_mb`: their weights at their
+    dtype, plus a draft table's entries as stored (int32 context and next token)."""
+    params = sum(p.numel() for p in module.parameters()) if module is not None else 0
+    size = sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+    if table is not None:
+        size += 4 * sum(len(context) + 1 for context in table.next_token)
+    return {"added_parameters": params, "added_mb": size / 2**20}
 
 
 def _ids(prompt: EncodedPrompt, model) -> torch.Tensor:
@@ -373,12 +385,14 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     }
     more = {k: v for k, v in engine_settings(config).items() if k != "block_size"}
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(
-        target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct])
+        target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct],
+        added_memory(table=models.tables.get("target")))
     if models.cllm is not None:
         cc = counters["cllm"]
         candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
         candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(
-            models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc])
+            models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc],
+            added_memory(table=models.tables.get("cllm")))
         candidates["cllm_jacobi_plain"] = Method("cllm_jacobi_plain", models.cllm, ours(
             models.cllm, cc, jacobi=True, **jac, **common), [cc])
         hot = dict(temperature=config.temperature, **common)
@@ -388,15 +402,16 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             models.cllm, cc, jacobi=True, **jac, **hot), [cc])
     if models.draft is not None:
         cd = counters["draft"]
+        drafted = added_memory(models.draft)
         candidates["assisted"] = Method("assisted", target, hf_generate(
-            target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd])
+            target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd], drafted)
         spec = dict(draft_tokens=config.draft_tokens, **common)
         candidates["speculative"] = Method("speculative", target, speculative(
-            target, models.draft, ct, cd, **spec), [ct, cd])
+            target, models.draft, ct, cd, **spec), [ct, cd], drafted)
         if models.cllm is not None:
             cc = counters["cllm"]
             candidates["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
-                models.cllm, models.draft, cc, cd, **spec), [cc, cd])
+                models.cllm, models.draft, cc, cd, **spec), [cc, cd], drafted)
     wanted = config.methods or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
@@ -689,6 +704,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
                                          target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
+        results[m.name].update(m.added or {"added_parameters": 0, "added_mb": 0.0})
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
