@@ -137,3 +137,30 @@ def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tm
         code, _, err = run(capsys, "medusa", "--model", directory, "--out", out)
         assert code == 2 and err.count("\n") == 1
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------ cllm generate --medusa
+
+
+@pytest.mark.parametrize("spec", ["auto", "folder"])
+def test_generate_with_the_heads_writes_greedy_text(trained, capsys, spec):
+    from tests.test_generate import PROMPTS, Oracle
+
+    directory, _ = trained
+    oracle = Oracle(directory)
+    medusa = directory / HEADS_DIR if spec == "folder" else spec
+    for prompt in PROMPTS:
+        code, out, err = run(capsys, "generate", "--model", directory, "--prompt", prompt, "--max-new-tokens", 24,
+                             "--medusa", medusa)
+        assert code == 0 and out == oracle.text(prompt) + "\n", (spec, prompt)
+        assert err.strip().splitlines()[-1].startswith("[medusa]")
+
+
+def test_generate_medusa_errors_are_one_line(trained, tmp_path, capsys):
+    directory, _ = trained
+    bare = save_tiny_model(tmp_path / "bare")
+    for args, message in ((["--medusa", bare], "no Medusa heads"), (["--medusa", tmp_path / "missing"], "not found"),
+                          (["--medusa", "auto", "--temperature", "0.5"], "decodes greedily")):
+        code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", *args)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.startswith("cllm generate: error:") and message in last, err

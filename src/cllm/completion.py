@@ -6,6 +6,8 @@ scheduler all decode through it, so that they produce the same text:
   point (the `on_iteration` hook's converged event);
 - "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
   greedy decoding exactly (one token per forward);
+- Medusa heads (`heads=`, `cllm medusa`): greedy Medusa decoding, each forward's final tokens
+  emitted as they come;
 - temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
   verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
   autoregressive sampling ("ar" = n = 1); reproducible with a seed.
@@ -166,6 +168,7 @@ def complete(
     on_iteration: Callable[[IterationEvent], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     draft_table: NgramTable | None = None,
+    heads: torch.nn.Module | None = None,
 ) -> Completion:
     """Decode one prompt, calling `on_text` with each final chunk of text.
 
@@ -178,6 +181,8 @@ def complete(
         on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
         cancelled: polled after every step; True stops decoding (e.g. the client went away).
         draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
+        heads: Medusa heads (`cllm.heads.load_heads`): greedy Medusa decoding instead of
+            `params.method` (its default tree; `on_iteration` is not called).
     """
     stream = TextStream(codec, params.stop, on_text)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
@@ -185,7 +190,10 @@ def complete(
     handle = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     start = time.perf_counter()
     try:
-        _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled, draft_table)
+        if heads is not None:
+            _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
+        else:
+            _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration, cancelled, draft_table)
     except _Halt:
         pass
     finally:
@@ -196,7 +204,7 @@ def complete(
     return Completion(
         text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
         forward_passes=forwards[0], seconds=seconds,
-        finish_reason="stop" if ended else "length", method=params.label,
+        finish_reason="stop" if ended else "length", method="medusa" if heads is not None else params.label,
     )
 
 
@@ -215,6 +223,22 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
         generator=torch.Generator(device=device).manual_seed(params.seed or 0), on_iteration=hook,
         **engine_settings(params, draft_table),
     )
+
+
+@torch.inference_mode()
+def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> None:
+    """Greedy Medusa decoding, each forward's final tokens streamed as they come."""
+    from cllm.decoding.inputs import eos_set
+    from cllm.decoding.medusa import medusa_steps, resolve_tree
+    from cllm.decoding.stats import DecodeStats
+
+    device = next(model.parameters()).device
+    steps = medusa_steps(model, heads, input_ids.to(device), None, resolve_tree(heads, None),
+                         max_new_tokens=params.max_new_tokens, eos=eos_set(eos), stats=DecodeStats())
+    for tokens in steps:
+        stream.feed(tokens)
+        if stream.stopped or (cancelled is not None and cancelled()):
+            break
 
 
 def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:
