@@ -164,3 +164,27 @@ def test_generate_medusa_errors_are_one_line(trained, tmp_path, capsys):
         code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", *args)
         last = err.strip().splitlines()[-1]
         assert code == 2 and last.startswith("cllm generate: error:") and message in last, err
+
+
+def test_heads_train_on_collected_trajectories_of_the_same_model(trained, prompt_file, tmp_path, capsys):
+    """`--data`: the fixed points of `cllm collect` are the model's greedy text (the same texts
+    `greedy_texts` decodes); trajectories of another model are refused."""
+    from cllm.data.trajectories import read_records
+    from cllm.headtrain import greedy_texts, texts_from_trajectories
+    from cllm.models import load_tokenizer
+
+    directory, _ = trained
+    data = tmp_path / "trajectories"
+    assert main(["collect", "--model", str(directory), "--prompts", str(prompt_file), "--out", str(data),
+                 "--block-size", "4", "--max-new-tokens", "16"]) == 0
+    model, tokenizer = load_model(directory), load_tokenizer(directory)
+    collected = texts_from_trajectories(read_records(data))
+    prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in prompt_file.read_text().splitlines()]
+    assert collected == greedy_texts(model, prompts, max_new_tokens=16, batch_size=8,
+                                     eos_token_id=tokenizer.eos_token_id, pad_id=0)
+    out = tmp_path / "heads"
+    code, _, _ = run(capsys, "medusa", "--model", directory, "--data", data, *TINY, "--eval-count", "0", "--out", out)
+    assert code == 0 and json.loads((out / CONFIG_FILE).read_text())["training"]["texts"] == 6
+    other = save_tiny_model(tmp_path / "other", seed=3)
+    code, _, err = run(capsys, "medusa", "--model", other, "--data", data, "--out", tmp_path / "o", *TINY)
+    assert code == 2 and "another model" in err.strip().splitlines()[-1]
