@@ -177,9 +177,10 @@ def medusa_steps(
         # 2. candidates: head k's top-r tokens at the last verified position fill depth k; the
         #    tree is cut where its tokens could only pass the budget (so positions stay in range)
         L = layout.nodes_within(max_new_tokens - written - 1)
-        top = heads(hidden)[:, 0].topk(layout.max_rank, dim=-1).indices  # (K, R)
-        tokens = top[(layout.depth[:L] - 1).clamp(min=0), layout.rank[:L]]  # (L,)
-        tokens[0] = root
+        tokens = torch.tensor([root], device=layout.depth.device)  # (L,), the root alone for now
+        if L > 1:
+            top = heads(hidden)[:, 0].topk(layout.max_rank, dim=-1).indices  # (K, R)
+            tokens = torch.cat([tokens, top[layout.depth[1:L] - 1, layout.rank[1:L]]])
         # 3. one forward over root + tree, each node seeing its ancestors; argmax everywhere
         out = kv.feed_tree_hidden(model, rc, tokens[None], layout.depth[None, :L], layout.ancestors[None, :L, :L])
         stats.forward_passes += 1
