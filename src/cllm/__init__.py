@@ -4,6 +4,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
 
     from cllm import greedy_decode, jacobi_decode, sample_decode, DecodeOutput, RECOMMENDED
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
+    from cllm import medusa_decode  # with Medusa heads: cllm.heads.load_heads (cllm medusa)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -23,6 +24,7 @@ __all__ = [
     "__version__",
     "greedy_decode",
     "jacobi_decode",
+    "medusa_decode",
     "sample_decode",
 ]
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
         IterationEvent,
         greedy_decode,
         jacobi_decode,
+        medusa_decode,
         sample_decode,
     )
 

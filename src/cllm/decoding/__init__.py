@@ -1,12 +1,13 @@
 """Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
-or lossless sampling), and plain autoregressive sampling.
+or lossless sampling), Medusa tree verification (greedy), and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import RECOMMENDED, BatchDecoder, IterationEvent, jacobi_decode
+from cllm.decoding.medusa import medusa_decode
 from cllm.decoding.sampling import sample_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
-__all__ = ["RECOMMENDED", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "sample_decode"]
+__all__ = ["RECOMMENDED", "BatchDecoder", "DecodeOutput", "DecodeStats", "IterationEvent", "greedy_decode", "jacobi_decode", "medusa_decode", "sample_decode"]
