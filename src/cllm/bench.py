@@ -89,13 +89,14 @@ log = logging.getLogger(__name__)
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
-           "cllm_speculative")
+           "cllm_speculative", "medusa")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
 ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar"}
+                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
+                 "medusa": "target_ar"}
 # the methods that decode with the draft model (skipped when there is none)
 DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
 
@@ -109,6 +110,7 @@ class BenchConfig:
     target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
     cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing shipped CLLM is skipped with a note)"})
     draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
+    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
     draft_tokens: int = field(default=4, metadata={"help": "tokens the draft model proposes per step in speculative and cllm_speculative"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
@@ -177,6 +179,8 @@ class BenchConfig:
             self.cllm = None
         if is_off(self.draft_model):
             self.draft_model = None
+        if is_off(self.medusa):
+            self.medusa = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,6 +195,7 @@ class BenchModels:
     tokenizer: Any
     cllm: torch.nn.Module | None = None
     draft: torch.nn.Module | None = None
+    heads: torch.nn.Module | None = None  # the target's Medusa heads (`cllm.heads`)
     names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
     tables: dict[str, NgramTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
@@ -226,6 +231,16 @@ def load_models(config: BenchConfig) -> BenchModels:
             pass
         else:
             models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    if config.medusa is not None:
+        from cllm.heads import load_heads
+        from cllm.models import resolve_model_path
+
+        source = resolve_model_path(config.target) if config.medusa == "auto" else config.medusa
+        models.heads = load_heads(source, models.target, model_path=resolve_model_path(config.target))
+        if models.heads is not None:
+            models.names["medusa"] = str(source)
+        elif config.medusa != "auto":
+            raise UserError(f"--medusa {config.medusa}: no Medusa heads there (`cllm medusa` trains them)")
     for role in ("target", "cllm"):
         table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
         if table is not None:
@@ -367,6 +382,20 @@ def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCou
     return run
 
 
+def medusa(model, heads, counter: ForwardCounter, *, max_new_tokens: int, eos) -> Callable[[EncodedPrompt], Decoded]:
+    """Greedy Medusa decoding: the heads' candidate tree (their saved default) verified by
+    `model` in one forward per step."""
+    from cllm.decoding import medusa_decode
+
+    def run(prompt: EncodedPrompt) -> Decoded:
+        out = medusa_decode(model, heads, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
+        if counter.calls != out.forward_passes:  # the decoder's count and the hook's must agree
+            raise RuntimeError(f"forward count mismatch: decoder {out.forward_passes}, hook {counter.calls}")
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
+
+    return run
+
+
 def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter]) -> list[Method]:
     from cllm.models import pad_token_id
 
@@ -412,11 +441,15 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             cc = counters["cllm"]
             candidates["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
                 models.cllm, models.draft, cc, cd, **spec), [cc, cd], drafted)
+    if models.heads is not None:
+        candidates["medusa"] = Method("medusa", target, medusa(target, models.heads, ct, **common), [ct],
+                                      added_memory(models.heads))
     wanted = config.methods or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
         raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
-                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model)")
+                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
+                        "medusa needs heads: --medusa)")
     return [candidates[m] for m in METHODS if m in wanted]
 
 
