@@ -149,7 +149,7 @@ class HeadsTrainer:
     warm-up then cosine decay; batches drawn from `states` by a seeded generator."""
 
     def __init__(self, heads: MedusaHeads, states: Sequence[torch.Tensor], *, steps: int, batch_size: int = 8,
-                 lr: float = 1e-3, weight_decay: float = 0.0, warmup: int = 0, distance: losses.Distance = "fkl",
+                 lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 0, distance: losses.Distance = "fkl",
                  head_decay: float = 0.8, seed: int = 0) -> None:
         if not states:
             raise UserError("no training texts for the Medusa heads")
@@ -220,7 +220,7 @@ class HeadsTrainer:
 
 
 def train_heads(model: torch.nn.Module, texts: Sequence[Text], *, num_heads: int = 4, own_projection: bool = False,
-                steps: int = 200, batch_size: int = 8, lr: float = 1e-3, distance: losses.Distance = "fkl",
+                steps: int = 200, batch_size: int = 8, lr: float = 3e-3, distance: losses.Distance = "fkl",
                 eos_token_id: int | Iterable[int] | None = None, pad_id: int = 0, top_k: int = 8,
                 seed: int = 0) -> MedusaHeads:
     """Fresh heads for `model` trained on `texts` (its greedy output), with their accuracies

@@ -52,7 +52,7 @@ class MedusaConfig:
     holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: held-out loss and the accuracies that shape the tree"})
     steps: int = field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "texts per step (every position of each counts)"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to 0"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to 0 (3e-3 beat 1e-3 on stdlib-coder: held-out head-1 agreement 0.48 vs 0.38 after 300 steps)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     loss: Literal["soft", "hard"] = field(default="soft", metadata={"help": "soft: KL to the model's own distribution k positions on (Medusa's self-distillation); hard: cross-entropy on its greedy token there"})
