@@ -30,7 +30,8 @@ CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs
             "exact_match_own_ar": float, "agreement_with_target": float, "n_prompts": int, "new_tokens": int}
 EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
          "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-         "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar"}
+         "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
+         "medusa": "target_ar"}
 
 
 def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
@@ -75,6 +76,10 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     paths = make_tiny_setup(tmp_path_factory.mktemp("bench"))
     assert main(["drafts", "--model", str(paths["cllm"]), "--prompts", str(paths["val"]), "--max-new-tokens", "24",
                  "--min-count", "1", "--min-share", "0.1"]) == 0
+    # the target's Medusa heads (in its medusa/ folder, where `cllm bench` finds them)
+    assert main(["medusa", "--model", str(paths["target"]), "--prompts", str(paths["val"]), "--heads", "2",
+                 "--max-new-tokens", "16", "--holdout", "2", "--steps", "3", "--batch-size", "2",
+                 "--eval-count", "0", "--tree-nodes", "4", "--threads", "1"]) == 0
     return paths
 
 
@@ -98,7 +103,7 @@ def test_bench_json_matches_the_design_contract(report):
     assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
                                      "hf_generate", "prompt_lookup", "assisted", "target_lookahead",
                                      "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling",
-                                     "speculative", "cllm_speculative"]
+                                     "speculative", "cllm_speculative", "medusa"]
     for name, m in data["methods"].items():
         for key, kind in CONTRACT.items():
             assert isinstance(m[key], kind), (name, key, m[key])
@@ -108,6 +113,13 @@ def test_bench_json_matches_the_design_contract(report):
         assert key in data["machine"]
     assert data["machine"]["threads"] == 1 and data["config"]["block_size"] == BLOCK
     assert set(data["models"]) == {"target", "cllm", "draft"}
+    # memory beside the model: the draft's parameters for the draft methods, the table for cllm_jacobi
+    draft_params = data["models"]["draft"]["parameters"]
+    added = {name: m["added_parameters"] for name, m in data["methods"].items()}
+    assert added["speculative"] == added["assisted"] == added["cllm_speculative"] == draft_params > 0
+    assert data["methods"]["speculative"]["added_mb"] == pytest.approx(4 * draft_params / 2**20)  # float32
+    assert 0 < added["medusa"] < draft_params  # the heads' residual blocks (the LM head is shared)
+    assert data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"] == data["methods"]["target_lookahead"]["added_mb"]
     # cllm_jacobi drafted from the CLLM's table (`tiny`); the target has none
     assert data["models"]["cllm"]["draft_table"]["contexts"] > 0 and "draft_table" not in data["models"]["target"]
     assert all(isinstance(m["val_loss"], float) for m in data["models"].values())

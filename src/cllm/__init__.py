@@ -6,6 +6,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
     from cllm import JacobiConfig, RECOMMENDED_CONFIG   # the engine's settings, validated once
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
     from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
+    from cllm import medusa_decode  # with Medusa heads: cllm.heads.load_heads (cllm medusa)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "__version__",
     "greedy_decode",
     "jacobi_decode",
+    "medusa_decode",
     "sample_decode",
     "speculative_decode",
 ]
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
         JacobiConfig,
         greedy_decode,
         jacobi_decode,
+        medusa_decode,
         sample_decode,
         speculative_decode,
     )

@@ -89,13 +89,14 @@ log = logging.getLogger(__name__)
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
-           "cllm_speculative")
+           "cllm_speculative", "medusa")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
 ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
-                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar"}
+                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
+                 "medusa": "target_ar"}
 # the methods that decode with the draft model (skipped when there is none)
 DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
 
@@ -109,6 +110,7 @@ class BenchConfig:
     target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
     cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing shipped CLLM is skipped with a note)"})
     draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
+    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
     draft_tokens: int = field(default=4, metadata={"help": "tokens the draft model proposes per step in speculative and cllm_speculative"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
@@ -177,6 +179,8 @@ class BenchConfig:
             self.cllm = None
         if is_off(self.draft_model):
             self.draft_model = None
+        if is_off(self.medusa):
+            self.medusa = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,6 +195,7 @@ class BenchModels:
     tokenizer: Any
     cllm: torch.nn.Module | None = None
     draft: torch.nn.Module | None = None
+    heads: torch.nn.Module | None = None  # the target's Medusa heads (`cllm.heads`)
     names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
     tables: dict[str, NgramTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
@@ -226,6 +231,16 @@ def load_models(config: BenchConfig) -> BenchModels:
             pass
         else:
             models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    if config.medusa is not None:
+        from cllm.heads import load_heads
+        from cllm.models import resolve_model_path
+
+        source = resolve_model_path(config.target) if config.medusa == "auto" else config.medusa
+        models.heads = load_heads(source, models.target, model_path=resolve_model_path(config.target))
+        if models.heads is not None:
+            models.names["medusa"] = str(source)
+        elif config.medusa != "auto":
+            raise UserError(f"--medusa {config.medusa}: no Medusa heads there (`cllm medusa` trains them)")
     for role in ("target", "cllm"):
         table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
         if table is not None:
@@ -288,6 +303,18 @@ class Method:
     model: torch.nn.Module  # whose greedy output is this method's own AR
     run: Callable[[EncodedPrompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
+    # what the method keeps in memory beyond its model: a draft model, heads, a draft table
+    added: dict[str, float] = field(default_factory=dict)
+
+
+def added_memory(module: torch.nn.Module | None = None, table: NgramTable | None = None) -> dict[str, float]:
+    """`added_parameters` (a draft model's or heads') and `added_mb`: their weights at their
+    dtype, plus a draft table's entries as stored (int32 context and next token)."""
+    params = sum(p.numel() for p in module.parameters()) if module is not None else 0
+    size = sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+    if table is not None:
+        size += 4 * sum(len(context) + 1 for context in table.next_token)
+    return {"added_parameters": params, "added_mb": size / 2**20}
 
 
 def _ids(prompt: EncodedPrompt, model) -> torch.Tensor:
@@ -355,6 +382,20 @@ def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCou
     return run
 
 
+def medusa(model, heads, counter: ForwardCounter, *, max_new_tokens: int, eos) -> Callable[[EncodedPrompt], Decoded]:
+    """Greedy Medusa decoding: the heads' candidate tree (their saved default) verified by
+    `model` in one forward per step."""
+    from cllm.decoding import medusa_decode
+
+    def run(prompt: EncodedPrompt) -> Decoded:
+        out = medusa_decode(model, heads, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
+        if counter.calls != out.forward_passes:  # the decoder's count and the hook's must agree
+            raise RuntimeError(f"forward count mismatch: decoder {out.forward_passes}, hook {counter.calls}")
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
+
+    return run
+
+
 def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter]) -> list[Method]:
     from cllm.models import pad_token_id
 
@@ -373,12 +414,14 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     }
     more = {k: v for k, v in engine_settings(config).items() if k != "block_size"}
     candidates["target_lookahead"] = Method("target_lookahead", target, ours(
-        target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct])
+        target, ct, jacobi=True, **jac, **more, draft_table=models.tables.get("target"), **common), [ct],
+        added_memory(table=models.tables.get("target")))
     if models.cllm is not None:
         cc = counters["cllm"]
         candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
         candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(
-            models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc])
+            models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc],
+            added_memory(table=models.tables.get("cllm")))
         candidates["cllm_jacobi_plain"] = Method("cllm_jacobi_plain", models.cllm, ours(
             models.cllm, cc, jacobi=True, **jac, **common), [cc])
         hot = dict(temperature=config.temperature, **common)
@@ -388,20 +431,25 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             models.cllm, cc, jacobi=True, **jac, **hot), [cc])
     if models.draft is not None:
         cd = counters["draft"]
+        drafted = added_memory(models.draft)
         candidates["assisted"] = Method("assisted", target, hf_generate(
-            target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd])
+            target, ct, pad_id=pad_id, draft=models.draft, draft_counter=cd, **common), [ct, cd], drafted)
         spec = dict(draft_tokens=config.draft_tokens, **common)
         candidates["speculative"] = Method("speculative", target, speculative(
-            target, models.draft, ct, cd, **spec), [ct, cd])
+            target, models.draft, ct, cd, **spec), [ct, cd], drafted)
         if models.cllm is not None:
             cc = counters["cllm"]
             candidates["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
-                models.cllm, models.draft, cc, cd, **spec), [cc, cd])
+                models.cllm, models.draft, cc, cd, **spec), [cc, cd], drafted)
+    if models.heads is not None:
+        candidates["medusa"] = Method("medusa", target, medusa(target, models.heads, ct, **common), [ct],
+                                      added_memory(models.heads))
     wanted = config.methods or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
         raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
-                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model)")
+                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
+                        "medusa needs heads: --medusa)")
     return [candidates[m] for m in METHODS if m in wanted]
 
 
@@ -689,6 +737,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
                                          target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
+        results[m.name].update(m.added or {"added_parameters": 0, "added_mb": 0.0})
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)

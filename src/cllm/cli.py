@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("cllm.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
     "distill": ("cllm.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
     "drafts": ("cllm.drafts", "DraftsConfig", "drafts", "build a model's draft table from its own greedy completions (faster Jacobi, same output)"),
+    "medusa": ("cllm.medusa", "MedusaConfig", "medusa", "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact"),
     "generate": ("cllm.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
     "chat": ("cllm.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
     "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),

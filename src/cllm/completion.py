@@ -6,6 +6,8 @@ scheduler all decode through it, so that they produce the same text:
   every step of the engine's `BatchDecoder`);
 - "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
   greedy decoding exactly (one token per forward);
+- Medusa heads (`heads=`, `cllm medusa`): greedy Medusa decoding, each forward's final tokens
+  emitted as they come;
 - temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
   verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
   autoregressive sampling ("ar" = n = 1); reproducible with a seed.
@@ -159,6 +161,7 @@ def complete(
     on_iteration: Callable[[IterationEvent], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     draft_table: NgramTable | None = None,
+    heads: torch.nn.Module | None = None,
 ) -> Completion:
     """Decode one prompt, calling `on_text` with each final chunk of text.
 
@@ -171,32 +174,62 @@ def complete(
         on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
         cancelled: polled after every step; True stops decoding (e.g. the client went away).
         draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
+        heads: Medusa heads (`cllm.heads.load_heads`): greedy Medusa decoding instead of
+            `params.method` (its default tree; `on_iteration` is not called).
     """
     stream = TextStream(codec, params.stop, on_text)
     device = next(model.parameters()).device
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
     start = time.perf_counter()
-    decoder = BatchDecoder(model, eos_token_id=codec.eos_token_id, on_iteration=on_iteration,
-                           **engine_settings(params, draft_table))
+    if heads is not None:
+        forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
+    else:
+        forward_passes = _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration,
+                                 cancelled, draft_table)
+    seconds = time.perf_counter() - start
+    stream.finish()
+    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
+    return Completion(
+        text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
+        forward_passes=forward_passes, seconds=seconds,
+        finish_reason="stop" if ended else "length", method="medusa" if heads is not None else params.label,
+    )
+
+
+def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> int:
+    """Jacobi (or AR: n = 1) on the engine, one step at a time; the tokens each step made final
+    go to the text stream at once. Returns the forward passes, the prefill included."""
+    decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **engine_settings(params, draft_table))
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        (row,) = decoder.add(input_ids, max_new_tokens=params.max_new_tokens,
+        (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
                              generator=torch.Generator(device=device).manual_seed(params.seed or 0))
-        # 1. one step at a time; the tokens it made final go to the text stream at once
         while True:
             final = decoder.tokens(row)
             stream.feed(final[len(stream.tokens):])
             if decoder.done(row) or stream.stopped or (cancelled is not None and cancelled()):
                 break
             decoder.step()
-    seconds = time.perf_counter() - start
-    forward_passes = decoder.forward_passes(row)
-    stream.finish()
-    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
-    return Completion(
-        text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
-        forward_passes=forward_passes, seconds=seconds,
-        finish_reason="stop" if ended else "length", method=params.label,
-    )
+    return decoder.forward_passes(row)
+
+
+@torch.inference_mode()
+def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> int:
+    """Greedy Medusa decoding, each forward's final tokens streamed as they come. Returns the
+    forward passes, the prefill included."""
+    from cllm.decoding.inputs import eos_set
+    from cllm.decoding.medusa import medusa_steps, resolve_tree
+    from cllm.decoding.stats import DecodeStats
+
+    device = next(model.parameters()).device
+    stats = DecodeStats()
+    steps = medusa_steps(model, heads, input_ids.to(device), None, resolve_tree(heads, None),
+                         max_new_tokens=params.max_new_tokens, eos=eos_set(eos), stats=stats)
+    for tokens in steps:
+        stream.feed(tokens)
+        if stream.stopped or (cancelled is not None and cancelled()):
+            break
+    return stats.forward_passes
 
 
 def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:

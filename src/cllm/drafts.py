@@ -47,32 +47,12 @@ class DraftsConfig:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
 
 
-def completions(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int, eos_token_id,
-                pad_id: int, progress=None) -> list[list[int]]:
-    """Each prompt's greedy continuation (batches of similar length, left-padded)."""
-    from cllm.decoding import greedy_decode
-    from cllm.decoding.inputs import left_pad
-
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    out: list[list[int]] = [[] for _ in prompt_ids]
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        input_ids, mask = left_pad([prompt_ids[i] for i in batch], pad_id)  # (B, T)
-        result = greedy_decode(model, input_ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
-                               eos_token_id=eos_token_id)
-        for i, tokens in zip(batch, result.new_tokens, strict=True):
-            out[i] = tokens
-        if progress is not None:
-            progress(len(batch))
-    return out
-
-
 def drafts(config: DraftsConfig) -> int:
     from tqdm.auto import tqdm
 
     from cllm import __version__
     from cllm.data.prompts import encode_prompts
+    from cllm.decoding.autoregressive import greedy_completions
     from cllm.decoding.inputs import position_limit
     from cllm.decoding.ngram import ORDERS, NgramTable
     from cllm.models import (
@@ -103,9 +83,9 @@ def drafts(config: DraftsConfig) -> int:
 
     started = time.perf_counter()
     with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
-        outputs = completions(model, [p.ids for p in prompts], max_new_tokens=new,
-                              batch_size=config.batch_size, eos_token_id=eos, pad_id=pad_token_id(tokenizer),
-                              progress=bar.update)
+        outputs = greedy_completions(model, [p.ids for p in prompts], max_new_tokens=new,
+                                     batch_size=config.batch_size, eos_token_id=eos,
+                                     pad_id=pad_token_id(tokenizer), progress=bar.update)
     seconds = time.perf_counter() - started
     # each completion with the prompt's last tokens before it: what the model writes after them
     context = max(ORDERS)

@@ -21,6 +21,7 @@ from cllm.completion import (
 )
 from cllm.config import UserError
 from cllm.decoding import RECOMMENDED_CONFIG, IterationEvent, JacobiConfig
+from cllm.options import is_off
 
 
 def unescape(text: str) -> str:
@@ -49,6 +50,7 @@ class _DecodeOptions:
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
     engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings (flags --block-size, --recycle, ...)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+    medusa: str = field(default="none", metadata={"help": "decode with Medusa heads (cllm medusa) instead of --method: auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -69,6 +71,8 @@ class _DecodeOptions:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        if not is_off(self.medusa) and self.temperature > 0:
+            raise ValueError("--medusa decodes greedily: use --temperature 0 (or --medusa none)")
 
     def params(self) -> DecodeParams:
         return DecodeParams(method=self.method, engine=self.engine,
@@ -77,7 +81,8 @@ class _DecodeOptions:
                             seed=self.seed)
 
     def load(self):
-        """The model, its tokenizer (as a TextCodec) and its draft table (or None)."""
+        """The model, its tokenizer (as a TextCodec), its draft table and its Medusa heads (each
+        None when not used)."""
         from transformers.utils import logging as hf_logging
 
         from cllm.models import load_draft_table, load_model, load_tokenizer
@@ -87,7 +92,22 @@ class _DecodeOptions:
             torch.set_num_threads(self.threads)
         tokenizer = load_tokenizer(self.model)
         table = load_draft_table(self.model, self.draft_table)
-        return load_model(self.model, dtype=self.dtype, device=self.device), TextCodec(tokenizer), table
+        model = load_model(self.model, dtype=self.dtype, device=self.device)
+        return model, TextCodec(tokenizer), table, self._heads(model)
+
+    def _heads(self, model):
+        from cllm.heads import load_heads
+        from cllm.models import resolve_model_path
+
+        if is_off(self.medusa):
+            return None
+        path = Path(resolve_model_path(self.model))
+        if self.medusa == "auto":
+            return load_heads(path, model) if path.is_dir() else None
+        heads = load_heads(self.medusa, model, model_path=path if path.is_dir() else None)
+        if heads is None:
+            raise UserError(f"no Medusa heads in {self.medusa} (cllm medusa writes them)")
+        return heads
 
 
 @dataclass
@@ -100,7 +120,7 @@ class GenerateConfig(_DecodeOptions):
         super().__post_init__()
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError("give either --prompt or --prompt-file, not both")
-        if self.show_trajectory and (self.method != "jacobi" or self.temperature > 0):
+        if self.show_trajectory and (self.method != "jacobi" or self.temperature > 0 or not is_off(self.medusa)):
             raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
 
 
@@ -138,7 +158,7 @@ def generate(config: GenerateConfig) -> int:
     )
 
     prompt = read_prompt(config)
-    model, codec, table = config.load()
+    model, codec, table, heads = config.load()
     prompt_ids = codec.encode(prompt)
     if not prompt_ids:
         raise UserError("the prompt encodes to no tokens")
@@ -159,7 +179,7 @@ def generate(config: GenerateConfig) -> int:
                     console.print(line)
 
     result = complete(model, codec, prompt_ids, config.params(),
-                      on_text=on_text, on_iteration=on_iteration, draft_table=table)
+                      on_text=on_text, on_iteration=on_iteration, draft_table=table, heads=heads)
     if config.show_trajectory:
         console.rule("text")
         _write(result.text)
@@ -213,7 +233,7 @@ def chat(config: ChatConfig) -> int:
     """
     from cllm.decoding.inputs import position_limit
 
-    model, codec, table = config.load()
+    model, codec, table, heads = config.load()
     interactive = sys.stdin.isatty()
     if not codec.has_chat_template:
         print("(this tokenizer has no chat template: the model continues the conversation's "
@@ -260,7 +280,7 @@ def chat(config: ChatConfig) -> int:
         shown: list[str] = []
         try:
             result = complete(model, codec, codec.chat_ids(messages), config.params(),
-                              on_text=functools.partial(_show, shown), draft_table=table)
+                              on_text=functools.partial(_show, shown), draft_table=table, heads=heads)
         except KeyboardInterrupt:  # stop this reply; what was shown stays in the conversation
             _write("\n")
             print("(reply stopped; the chat goes on)", file=sys.stderr)

@@ -307,6 +307,7 @@ COLUMNS = [  # (JSON key, header, format)
     ("stationary_tokens", "stationary", "{}"),
     ("mean_fed_tokens", "fed tokens/forward", "{:.1f}"),
     ("ms_per_forward", "ms/forward", "{:.1f}"),
+    ("added_mb", "added MB", "{:.1f}"),
     ("pass_at_1", "pass@1", "{:.0%}"),  # only with --quality humaneval-exec
 ]
 
@@ -314,7 +315,7 @@ COLUMNS = [  # (JSON key, header, format)
 SHORT = {"tokens/s": "tok/s", "speedup vs target AR": "×AR", "tokens/forward": "tok/fwd", "= own AR": "=AR",
          "tokens/forward, not looping": "¬loop", "looping": "loop", "degenerate": "degen",
          "agreement w/ target": "agree", "mean fast-fwd": "ff", "stationary": "stat", "ms/forward": "ms/fwd",
-         "fed tokens/forward": "fed"}
+         "fed tokens/forward": "fed", "added MB": "+MB"}
 
 
 def _shown(data: dict[str, Any], keys: Sequence[str]) -> list[tuple[str, str, str]]:
@@ -328,13 +329,13 @@ def _cell(value: Any, fmt: str) -> str:
 
 # when one table is wider than the terminal: speed first, then what the text is like
 SPEED = ("tokens_per_second", "speedup_vs_ar", "tokens_per_forward", "mean_fed_tokens", "ms_per_forward",
-         "exact_match_own_ar")
+         "added_mb", "exact_match_own_ar")
 CAPTION = {"tok/s": "tokens/s", "×AR": "speedup over target AR", "tok/fwd": "tokens per forward",
            "=AR": "outputs equal to own greedy", "¬loop": "tok/fwd over completions that do not end in a loop",
            "loop": "completions ending in a loop", "degen": "completions repeating one token 10+ times",
            "agree": "token agreement with target greedy", "ff": "mean fast-forwarded", "stat": "stationary tokens",
            "fed": "tokens fed per forward (a step's cost grows with it)", "ms/fwd": "milliseconds per forward",
-           "pass@1": "HumanEval tests passed"}
+           "+MB": "memory beside the model (draft model, heads, draft table)", "pass@1": "HumanEval tests passed"}
 
 
 def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):

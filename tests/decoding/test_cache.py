@@ -110,3 +110,31 @@ def test_attention_mask_hides_holes_and_tail_padding():
     assert mask.int().tolist() == [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]]
     rc.valid = None
     assert cache.attention_mask_for(rc, fed=[2, 2], width=2) is None
+
+
+# ------------------------------------------------------------------ the last hidden state
+
+
+def test_the_last_hidden_state_is_what_the_lm_head_reads(arch):
+    """hidden_states[-1] of transformers is the final norm's output, on every architecture the
+    tests build: the LM head applied to it gives the logits, in the prefill, a tree forward and
+    a plain forward; and asking for it changes no logit."""
+    from tests.decoding.conftest import random_prompt, tiny_model
+
+    model = tiny_model(arch)
+    lm_head = model.get_output_embeddings()
+    prompt = random_prompt(5, 9)
+    with torch.inference_mode():
+        plain = cache.forward_hidden(model, prompt)
+        assert torch.allclose(lm_head(plain.hidden), plain.logits, atol=1e-5)
+        assert torch.allclose(plain.logits, model(input_ids=prompt).logits, atol=1e-5)
+        rc, first = cache.prefill_hidden(model, prompt, torch.ones_like(prompt))
+        assert first.hidden.shape == (1, 1, model.config.hidden_size)
+        assert torch.allclose(lm_head(first.hidden), first.logits, atol=1e-5)
+        assert torch.allclose(first.logits[0, -1], plain.logits[0, -1], atol=1e-4)
+        tokens, offsets = torch.tensor([[3, 4, 5]]), torch.tensor([[0, 1, 1]])
+        tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]])  # 4 and 5 both follow 3
+        out = cache.feed_tree_hidden(model, rc, tokens, offsets, tree)
+        assert torch.allclose(lm_head(out.hidden), out.logits, atol=1e-5)
+        cache.commit_kept(rc, [[]], fed=3)
+        assert torch.allclose(cache.feed_tree(model, rc, tokens, offsets, tree), out.logits, atol=1e-5)

@@ -1,12 +1,13 @@
 """Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
 or lossless sampling), speculative decoding with a draft model (greedy, or lossless sampling),
-and plain autoregressive sampling.
+Medusa tree verification (greedy), and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
+from cllm.decoding.medusa import medusa_decode
 from cllm.decoding.sampling import sample_decode
 from cllm.decoding.settings import RECOMMENDED, RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.speculative import speculative_decode
@@ -22,6 +23,7 @@ __all__ = [
     "JacobiConfig",
     "greedy_decode",
     "jacobi_decode",
+    "medusa_decode",
     "sample_decode",
     "speculative_decode",
 ]

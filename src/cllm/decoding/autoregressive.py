@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 
@@ -83,3 +83,31 @@ def autoregressive(
 
     stats.new_tokens = sum(len(t) for t in new_tokens)
     return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)
+
+
+def greedy_completions(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    eos_token_id: int | Iterable[int] | None,
+    pad_id: int,
+    progress: Callable[[int], object] | None = None,
+) -> list[list[int]]:
+    """Each prompt's greedy continuation, decoded in left-padded batches of similar length
+    (the model's own text: draft tables and Medusa heads are built from it). `progress` is
+    called with each batch's size."""
+    device = model_device(model)
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    out: list[list[int]] = [[] for _ in prompt_ids]
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        input_ids, mask = left_pad([prompt_ids[i] for i in batch], pad_id)  # (B, T)
+        result = greedy_decode(model, input_ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id)
+        for i, tokens in zip(batch, result.new_tokens, strict=True):
+            out[i] = tokens
+        if progress is not None:
+            progress(len(batch))
+    return out

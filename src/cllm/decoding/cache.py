@@ -53,20 +53,44 @@ class RowCache:
         return self.kv.get_seq_length()
 
 
+@dataclass
+class Forward:
+    """The logits of a forward and, when asked for, the last hidden state: the output of the
+    final norm, which is what the LM head reads (``lm_head(hidden) == logits`` for the models
+    the tests build; `tests/decoding/test_cache.py` checks it)."""
+
+    logits: torch.Tensor  # (B, L, V)
+    hidden: torch.Tensor | None = None  # (B, L, H)
+
+
 def prefill(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[RowCache, torch.Tensor]:
     """One forward over a left-padded prompt batch (B, T): its cache and the last logits (B, V)."""
+    rc, out = _prefill(model, input_ids, attention_mask, hidden=False)
+    return rc, out.logits[:, -1]
+
+
+def prefill_hidden(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[RowCache, Forward]:
+    """`prefill` that also returns the last hidden state: logits (B, 1, V), hidden (B, 1, H) at
+    every row's last prompt position (Medusa heads read it)."""
+    rc, out = _prefill(model, input_ids, attention_mask, hidden=True)
+    return rc, Forward(logits=out.logits[:, -1:], hidden=out.hidden[:, -1:])
+
+
+def _prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, hidden: bool
+) -> tuple[RowCache, Forward]:
     valid = attention_mask.bool()
     dense = bool(valid.all())
     # positions count real tokens only, so a left-padded row reads exactly like an unpadded one
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     kv = DynamicCache()
-    logits = model_forward(
-        model, kv, input_ids, position_ids, None if dense else valid, last_only=True
-    )
+    out = _call(model, kv, input_ids, position_ids, None if dense else valid, last_only=True, hidden=hidden)
     rc = RowCache(kv=kv, lengths=valid.sum(dim=1).tolist(), valid=None if dense else valid)
-    return rc, logits[:, -1]
+    return rc, out
 
 
 def feed(
@@ -97,13 +121,42 @@ def model_forward(
     last_only: bool = False,
 ) -> torch.Tensor:
     """Call a transformers causal LM with our cache, whatever its version calls the argument."""
+    return _call(model, kv, input_ids, position_ids, attention_mask, last_only=last_only, hidden=False).logits
+
+
+def forward_hidden(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> Forward:
+    """One forward without a cache over (B, T) (left padding allowed): logits and last hidden
+    state at every position. For training on the frozen model's own states."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, output_hidden_states=True)
+    return Forward(logits=out.logits, hidden=out.hidden_states[-1])
+
+
+def _call(
+    model: torch.nn.Module,
+    kv: DynamicCache,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    last_only: bool,
+    hidden: bool,
+) -> Forward:
     kwargs = {_cache_kwarg(model): kv, "use_cache": True}
     if last_only and accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefill needs the last position's logits only
+    if hidden:
+        # transformers 5.x returns the final norm's output as the last entry (checked in tests)
+        kwargs["output_hidden_states"] = True
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     )
-    return out.logits
+    return Forward(logits=out.logits, hidden=out.hidden_states[-1] if hidden else None)
 
 
 def attention_mask_for(rc: RowCache, fed: list[int], width: int) -> torch.Tensor | None:
@@ -130,6 +183,24 @@ def feed_tree(
     share a first token are verified in one forward this way (n-gram recycling). All L entries
     are appended; `commit_kept` then says which of them each row keeps. Returns logits (B, L, V).
     """
+    position_ids, mask = _tree_inputs(model, rc, input_ids, offsets, tree)
+    return model_forward(model, rc.kv, input_ids, position_ids, mask)
+
+
+def feed_tree_hidden(
+    model: torch.nn.Module, rc: RowCache, input_ids: torch.Tensor, offsets: torch.Tensor,
+    tree: torch.Tensor,
+) -> Forward:
+    """`feed_tree` that also returns the last hidden state (B, L, H) of every fed token."""
+    position_ids, mask = _tree_inputs(model, rc, input_ids, offsets, tree)
+    return _call(model, rc.kv, input_ids, position_ids, mask, last_only=False, hidden=True)
+
+
+def _tree_inputs(
+    model: torch.nn.Module, rc: RowCache, input_ids: torch.Tensor, offsets: torch.Tensor,
+    tree: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids (B, L) and the 4D mask (B, 1, L, S + L) of a tree forward."""
     B, L = input_ids.shape
     device = input_ids.device
     lengths = torch.tensor(rc.lengths, device=device)
@@ -141,7 +212,7 @@ def feed_tree(
     if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-    return model_forward(model, rc.kv, input_ids, position_ids, mask)
+    return position_ids, mask
 
 
 def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:

@@ -1,0 +1,211 @@
+"""Medusa heads (`cllm.heads`) and their training (`cllm.headtrain`) on tiny in-process models:
+a fresh head is the LM head, training lowers the loss and raises the heads' agreement with the
+model's greedy tokens k + 1 ahead, heads survive a save and load (same decoding), and a load for
+another model or with damaged files is a one-line UserError."""
+
+import json
+
+import pytest
+import torch
+
+from cllm.config import UserError
+from cllm.decoding import greedy_decode
+from cllm.decoding.medusa import medusa_decode
+from cllm.heads import (
+    CONFIG_FILE,
+    HEADS_DIR,
+    WEIGHTS_FILE,
+    MedusaHeads,
+    base_model_meta,
+    load_heads,
+    save_heads,
+)
+from cllm.headtrain import (
+    HeadsTrainer,
+    Text,
+    greedy_texts,
+    hidden_states,
+    measure_accuracies,
+    texts_from_trajectories,
+    train_heads,
+)
+from cllm.models import load_model
+from tests.decoding.conftest import ARCHS, VOCAB, random_prompt, tiny_model
+from tests.test_generate import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def texts():
+    """Eight prompts of the tiny Llama with its greedy continuations."""
+    model = tiny_model("llama")
+    prompts = [random_prompt(s, 5)[0].tolist() for s in range(8)]
+    return greedy_texts(model, prompts, max_new_tokens=24, batch_size=4, eos_token_id=None, pad_id=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fresh_head_is_the_lm_head(arch):
+    model = tiny_model(arch)
+    hidden = torch.randn(2, 3, model.config.hidden_size)
+    for own in (False, True):
+        heads = MedusaHeads.for_model(model, num_heads=3, own_projection=own)
+        logits = heads(hidden)
+        assert logits.shape == (3, 2, 3, VOCAB)
+        for k in range(3):
+            assert torch.allclose(logits[k], model.get_output_embeddings()(hidden), atol=1e-6)
+
+
+def test_parameters_added_count_the_heads_own_weights_only():
+    model = tiny_model("llama")
+    H = model.config.hidden_size
+    assert MedusaHeads.for_model(model, num_heads=4).parameters_added() == 4 * (H * H + H)
+    assert MedusaHeads.for_model(model, num_heads=2, own_projection=True).parameters_added() == 2 * (H * H + H + VOCAB * H)
+    assert not any(p is model.get_output_embeddings().weight for p in MedusaHeads.for_model(model).parameters())
+
+
+def test_hidden_states_cover_the_greedy_part_of_each_text(texts):
+    model = tiny_model("llama")
+    states = hidden_states(model, texts, batch_size=3)
+    lm_head = model.get_output_embeddings()
+    for text, s in zip(texts, states, strict=True):
+        assert s.shape == (len(text.completion) + 1, model.config.hidden_size)
+        # the state at the prompt's last token predicts the first greedy token, and so on
+        assert lm_head(s[:-1]).argmax(-1).tolist() == text.completion
+    eos = texts[0].completion[-1]  # a text ending in EOS: nothing after it is learnt
+    assert hidden_states(model, texts[:1], eos_token_id=eos)[0].shape[0] == len(texts[0].completion)
+
+
+def test_training_lowers_the_loss_and_raises_agreement(texts):
+    model = tiny_model("llama").requires_grad_(False)
+    states = hidden_states(model, texts)
+    for own in (False, True):
+        torch.manual_seed(0)
+        heads = MedusaHeads.for_model(model, num_heads=3, own_projection=own)
+        trainer = HeadsTrainer(heads, states, steps=40, batch_size=8, lr=1e-2)
+        before = trainer.evaluate(states)
+        for _ in range(40):
+            trainer.step()
+        after = trainer.evaluate(states)
+        assert after["loss"] < 0.7 * before["loss"], (own, before, after)
+        assert sum(after["agreement"]) > sum(before["agreement"]) + 0.2, (own, before, after)
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_a_resumed_trainer_takes_the_same_steps(texts):
+    model = tiny_model("gpt2").requires_grad_(False)
+    states = hidden_states(model, texts)
+
+    def trainer():
+        torch.manual_seed(0)
+        return HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, steps=6, batch_size=3, lr=1e-2, seed=5)
+
+    straight = trainer()
+    logs = [straight.step() for _ in range(6)]
+    first = trainer()
+    for _ in range(3):
+        first.step()
+    saved = first.state_dict()
+    second = trainer()
+    second.load_state_dict(saved)
+    assert [second.step() for _ in range(3)] == logs[3:]
+    for a, b in zip(straight.heads.parameters(), second.heads.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_trained_heads_decode_exactly_and_faster(texts):
+    model = tiny_model("llama")
+    heads = train_heads(model, texts, num_heads=3, steps=60, lr=1e-2)
+    assert len(heads.accuracies) == 3 and all(0 <= a <= 1 for row in heads.accuracies for a in row)
+    forwards = tokens = 0
+    for text in texts:
+        prompt = torch.tensor([text.prompt])
+        out = medusa_decode(model, heads, prompt, max_new_tokens=24)
+        assert out.new_tokens[0] == greedy_decode(model, prompt, max_new_tokens=24).new_tokens[0] == text.completion
+        forwards, tokens = forwards + out.forward_passes, tokens + len(text.completion)
+    assert tokens / forwards > 1.2  # the training texts themselves: the heads fit them
+
+
+def test_accuracies_of_fresh_heads_rank_the_token_one_ahead_first():
+    """A fresh head k guesses the next token, not the one k + 1 ahead: on a text that repeats
+    one token, both are the same and every head is right at rank 0."""
+    model = tiny_model("llama")
+    state = hidden_states(model, [Text([5], [7] * 6)])  # the model need not write it: states only
+    heads = MedusaHeads.for_model(model, num_heads=2)
+    acc = measure_accuracies(heads, state, top_k=3)
+    greedy = model.get_output_embeddings()(state[0]).argmax(-1)
+    expected = [float((greedy[:-k] == greedy[k:]).float().mean()) for k in (1, 2)]
+    assert [row[0] for row in acc] == pytest.approx(expected)
+
+
+def test_texts_from_trajectories_join_each_prompts_blocks():
+    class R:
+        def __init__(self, pid, index, block, prefix, fixed):
+            self.prompt_id, self.prompt_index, self.block_index = pid, index, block
+            self.prompt_len, self.prefix_ids, self.fixed_point = 2, prefix, fixed
+
+    records = [R("b", 1, 0, [9, 9], [5]), R("a", 0, 1, [1, 2, 3, 4], [5, 6]), R("a", 0, 0, [1, 2], [3, 4])]
+    assert texts_from_trajectories(records) == [Text([1, 2], [3, 4, 5, 6]), Text([9, 9], [5])]
+
+
+# ------------------------------------------------------------------------------ save and load
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama saved as a checkpoint, with trained heads in its medusa/ folder."""
+    directory = save_tiny_model(tmp_path_factory.mktemp("medusa-ckpt"))
+    model = load_model(directory)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    texts = greedy_texts(model, prompts, max_new_tokens=16, batch_size=2, eos_token_id=None, pad_id=0)
+    heads = train_heads(model, texts, num_heads=2, steps=10, lr=1e-2)
+    heads.meta = base_model_meta(model, directory)
+    save_heads(heads, directory / HEADS_DIR)
+    return directory, heads, texts
+
+
+def test_save_and_load_give_the_same_heads_and_output(checkpoint):
+    directory, heads, texts = checkpoint
+    model = load_model(directory)
+    loaded = load_heads(directory, model)  # the checkpoint: its medusa/ folder
+    assert loaded is not None and loaded.accuracies == heads.accuracies  # JSON keeps Python floats exactly
+    again = load_heads(directory / HEADS_DIR, model)  # the heads folder itself
+    hidden = torch.randn(4, model.config.hidden_size)
+    assert torch.equal(loaded(hidden), heads(hidden)) and torch.equal(again(hidden), heads(hidden))
+    prompt = torch.tensor([texts[0].prompt])
+    a = medusa_decode(model, heads, prompt, max_new_tokens=16)
+    b = medusa_decode(model, loaded, prompt, max_new_tokens=16)
+    assert a.new_tokens == b.new_tokens and a.forward_passes == b.forward_passes
+    record = json.loads((directory / HEADS_DIR / CONFIG_FILE).read_text())
+    assert record["num_heads"] == 2 and record["model_fingerprint"] and record["parameters_added"] > 0
+
+
+def test_a_checkpoint_without_heads_gives_none(tmp_path):
+    directory = save_tiny_model(tmp_path / "bare")
+    assert load_heads(directory, load_model(directory)) is None
+    with pytest.raises(UserError, match="not found"):
+        load_heads(tmp_path / "nothing", load_model(directory))
+
+
+def test_heads_of_another_model_are_a_one_line_error(checkpoint, tmp_path):
+    directory, heads, _ = checkpoint
+    other_dir = save_tiny_model(tmp_path / "other", seed=1)
+    other = load_model(other_dir)
+    for source, kwargs in ((directory / HEADS_DIR, {"model_path": other_dir}), (directory / HEADS_DIR, {})):
+        with pytest.raises(UserError, match="trained on another model") as info:
+            load_heads(source, other, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(UserError, match="vocabulary x hidden size"):
+        load_heads(directory / HEADS_DIR, tiny_model("llama"))
+
+
+def test_damaged_heads_are_a_one_line_error(checkpoint, tmp_path):
+    directory, heads, _ = checkpoint
+    model = load_model(directory)
+    folder = tmp_path / "damaged"
+    heads.meta = {}
+    save_heads(heads, folder)
+    (folder / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="cannot load"):
+        load_heads(folder, model)
+    (folder / CONFIG_FILE).write_text("{")
+    with pytest.raises(UserError, match="cannot read"):
+        load_heads(folder, model)
