@@ -13,7 +13,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from cllm.batches import pick_states
-from cllm.rows import BlockGroup, forward_blocks, forward_shared_prefix, rows_from_lists
+from cllm.rows import (
+    BlockGroup,
+    enable_checkpointing,
+    forward_blocks,
+    forward_shared_prefix,
+    rows_from_lists,
+)
 from tests.chisquare import chi_square
 
 
@@ -35,7 +41,7 @@ def test_shared_prefix_forward_equals_separate_rows_in_values_and_gradients(chec
     # checkpointed layers cannot keep the cache (transformers drops it; torch's wrapper, FSDP's
     # activation checkpointing, would replay its writes): every block gets its own prefix row
     if checkpointing == "transformers":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     elif checkpointing == "torch-wrapper":
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
     separate = rows_from_lists([prefixes[o] for o in owner], blocks, pad_id=0)

@@ -38,6 +38,7 @@ from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.evaluate import decode_prompts, load_eval_prompts
 from cllm.objective import micro_batch_loss
+from cllm.rows import enable_checkpointing
 from cllm.train import CHECKPOINT, TrainConfig, train
 
 FILLER = [f"r{i}" for i in range(16)]
@@ -254,7 +255,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(world):
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     plain = gradient()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     assert torch.allclose(gradient(), plain, atol=1e-6, rtol=1e-4)
 
 

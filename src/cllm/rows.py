@@ -108,6 +108,16 @@ def forward_prefix_per_block(model, prefix_ids: torch.Tensor, prefix_mask: torch
     return out
 
 
+def enable_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing on every layer, non-reentrant (no inputs that require
+    grad needed: LoRA), by whichever name the installed transformers gives it."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def checkpointed(model) -> bool:
     """Whether any layer of `model` (possibly wrapped: DDP, FSDP, peft) recomputes its activations
     in backward in this forward (training mode, gradients on): transformers'

@@ -74,6 +74,7 @@ from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.evaluate import evaluate, load_eval_prompts
 from cllm.objective import load_teacher, micro_batch_loss
 from cllm.quality import passes_text_gates
+from cllm.rows import enable_checkpointing
 from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
 from cllm.seeds import derived_seed
 
@@ -421,7 +422,7 @@ def train(config: TrainConfig) -> TrainSummary:
     torch.manual_seed(config.seed)
     model = load_model(config.model, dtype="float32")
     if config.gradient_checkpointing:  # non-reentrant: no inputs that require grad needed (LoRA)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if config.lora:
         model = add_lora(model, config)
     model.train()
