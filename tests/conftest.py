@@ -7,6 +7,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
+
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    """Eight short code openings as a JSONL prompt file (the CLI commands' tiny runs)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    texts = ["def g(y):", "class B:", "import os", "while x:", "return", "if a:", "x = [", "for i in"]
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    return path

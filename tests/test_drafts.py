@@ -21,14 +21,6 @@ def run(capsys, *args):
 
 
 @pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    texts = ["def g(y):", "class B:", "import os", "while x:", "return", "if a:", "x = [", "for i in"]
-    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def drafted(tmp_path_factory, prompt_file):
     """A tiny model with its table built by the CLI, and the fingerprint it had before."""
     directory = save_tiny_model(tmp_path_factory.mktemp("drafted"))

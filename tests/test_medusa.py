@@ -13,24 +13,11 @@ from cllm.decoding import greedy_decode
 from cllm.decoding.medusa import medusa_decode
 from cllm.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, load_heads
 from cllm.models import fingerprint, load_model
+from tests.test_drafts import run
 from tests.test_generate import save_tiny_model
 
 TINY = ["--heads", "2", "--max-new-tokens", "16", "--holdout", "2", "--steps", "6", "--batch-size", "3",
         "--eval-every", "3", "--eval-count", "2", "--eval-max-new-tokens", "12", "--top-k", "3", "--tree-nodes", "5"]
-
-
-def run(capsys, *args):
-    code = main([*map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    texts = ["def g(y):", "class B:", "import os", "while x:", "return", "if a:", "x = [", "for i in"]
-    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
-    return path
 
 
 @pytest.fixture(scope="module")

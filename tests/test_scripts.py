@@ -14,10 +14,8 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.cli import COMMANDS, build_parser
 from cllm.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
+from tests.test_server import wait_until_up
 from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,17 +121,7 @@ def test_load_test_against_a_tiny_server_reports_every_level_without_mismatches(
                               cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server did not start:\n{log.read()}")
-            time.sleep(0.2)
+        wait_until_up(url, server, log)
         out = tmp_path / "load.json"
         done = run(sys.executable, SCRIPTS / "load_test.py", "--url", url, "--concurrency", "1,2",
                    "--methods", "jacobi,ar", "--max-tokens", str(NEW), "--rounds", "1", "--min-requests", "2",

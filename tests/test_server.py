@@ -75,17 +75,7 @@ def server(model_dir, tmp_path_factory):
     proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server did not start:\n{log.read()}")
-            time.sleep(0.2)
+        wait_until_up(url, proc, log)
         yield url
     finally:
         proc.terminate()
@@ -396,6 +386,22 @@ def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_d
 
 def _settings(model_dir, **kwargs) -> ServeConfig:
     return ServeConfig(model=str(model_dir), served_model_name=NAME, **kwargs)
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, log) -> None:
+    """Poll a `cllm serve` subprocess's /health until it answers (90 s at most); on failure,
+    the test fails with the server's log."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"server did not start:\n{log.read()}")
+        time.sleep(0.2)
 
 
 @contextmanager
