@@ -29,12 +29,14 @@ from cllm.models import load_draft_table, load_model, load_tokenizer
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--prompts", default="humaneval", help="prompt set: humaneval, stdlib-val, stdlib-train or a JSONL file")
+    ap.add_argument("--prompts", default="humaneval",
+                    help="prompt set: humaneval, stdlib-val, stdlib-train or a JSONL file")
     ap.add_argument("--count", type=int, default=32, help="first N prompts of the set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", nargs="+", required=True, metavar="N,R,W,M[,B]")
-    ap.add_argument("--draft-table", default="none", help="auto (the model's own table, `cllm drafts`), none, or a file")
+    ap.add_argument("--draft-table", default="none",
+                    help="auto (the model's own table, `cllm drafts`), none, or a file")
     ap.add_argument("--cost", default=",".join(map(str, COST_2_THREADS)),
                     help=f"t(k)/t(1) at k = {', '.join(map(str, COST_K))} (default: the development CPU's, 2 threads)")
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main() -> None:
             tokens += len(out.new_tokens[0])
             fed += out.stats.fed
         cost = sum(step_cost(k, ratios) for k in fed)
-        print(f"| {n} | {recycle} | {width} | {min_ngram} | {(budget[0] or 'none') if budget else 'default'} | {tokens / len(fed):.2f} | "
+        print(f"| {n} | {recycle} | {width} | {min_ngram} | {(budget[0] or 'none') if budget else 'default'} | "
+              f"{tokens / len(fed):.2f} | "
               f"{sum(fed) / len(fed):.1f} | {tokens / cost:.2f}x |", flush=True)
 
 

@@ -67,7 +67,8 @@ def main() -> None:
              + "; models: " + ", ".join(f"`{n}` = `{p}`" for n, p in result["models"].items()) + ".", "",
              gates_table(result, list(models)), ""]
     for name, rows in result["gates"].items():
-        lines += [f"Gates for `{name}` (pooled over the prompt sets):", "", "| gate | value | bar | |", "|---|---|---|---|"]
+        lines += [f"Gates for `{name}` (pooled over the prompt sets):", "", "| gate | value | bar | |",
+                  "|---|---|---|---|"]
         lines += [f"| {g['name']} | {g['value']:.4f} | {g['bar']} | {'pass' if g['passed'] else 'FAIL'} |"
                   for g in rows]
         lines.append("")

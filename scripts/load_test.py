@@ -126,7 +126,8 @@ async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, 
 
 
 async def run(args) -> dict:
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 2, max_keepalive_connections=max(args.concurrency) + 2)
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 2,
+                          max_keepalive_connections=max(args.concurrency) + 2)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout, limits=limits) as client:
         server = (await client.get("/health")).json()
         deadline = time.monotonic() + args.time_limit

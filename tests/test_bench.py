@@ -119,7 +119,8 @@ def test_bench_json_matches_the_design_contract(report):
     assert added["speculative"] == added["assisted"] == added["cllm_speculative"] == draft_params > 0
     assert data["methods"]["speculative"]["added_mb"] == pytest.approx(4 * draft_params / 2**20)  # float32
     assert 0 < added["medusa"] < draft_params  # the heads' residual blocks (the LM head is shared)
-    assert data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"] == data["methods"]["target_lookahead"]["added_mb"]
+    assert (data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"]
+            == data["methods"]["target_lookahead"]["added_mb"])
     # cllm_jacobi drafted from the CLLM's table (`tiny`); the target has none
     assert data["models"]["cllm"]["draft_table"]["contexts"] > 0 and "draft_table" not in data["models"]["target"]
     assert all(isinstance(m["val_loss"], float) for m in data["models"].values())
@@ -133,7 +134,8 @@ def test_every_promised_method_reproduces_greedy_on_every_prompt(report, tiny):
     eos = 0  # <|endoftext|>
     for row in rows:
         for role in ("target", "cllm"):  # the bench's AR outputs are greedy decoding's own
-            oracle = greedy_decode(models[role], torch.tensor([row["prompt_ids"]]), max_new_tokens=NEW, eos_token_id=eos)
+            oracle = greedy_decode(models[role], torch.tensor([row["prompt_ids"]]), max_new_tokens=NEW,
+                                   eos_token_id=eos)
             assert row[f"{role}_ar"] == oracle.new_tokens[0]
         for method, reference in EXACT.items():
             assert row[method] == row[reference], (method, row["prompt_id"])
@@ -177,7 +179,8 @@ def test_counts_follow_the_reference_definitions(report):
         assert data["methods"][name]["draft_forward_passes"] > 0, name
     for name in ("speculative", "cllm_speculative"):  # one verify forward makes 1 .. k + 1 tokens final
         m = data["methods"][name]
-        assert 1.0 <= m["tokens_per_forward"] and max(map(int, m["accepted_histogram"])) <= data["config"]["draft_tokens"] + 1
+        assert (1.0 <= m["tokens_per_forward"]
+                and max(map(int, m["accepted_histogram"])) <= data["config"]["draft_tokens"] + 1)
         assert m["draft_forward_passes"] <= data["config"]["draft_tokens"] * m["forward_passes"]
     assert data["methods"]["cllm_speculative"]["speedup_vs_own_ar"] > 0
     assert data["methods"]["target_ar"]["agreement_with_target"] == 1.0
@@ -334,7 +337,8 @@ def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
         wanted = ["target_ar", *(["cllm_ar"] if method.startswith("cllm") else []), method]
         out = tmp_path / method
         draft = ["--draft-model", str(tiny["draft"]), "--draft-tokens", "3"] if "speculative" in method else []
-        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4", *draft)) == 0, method
+        assert main(small_args(tiny, out, "--methods", ",".join(wanted), "--sweep-block-sizes", "4",
+                               *draft)) == 0, method
         assert set(load(out)["methods"]) == set(wanted)
 
 
@@ -421,7 +425,8 @@ def test_humaneval_exec_reports_pass_at_1_per_method(tiny, tmp_path, capsys):
     data = load(out)
     assert {m: r["pass_at_1"] for m, r in data["methods"].items()} == {"target_ar": 0.0, "target_jacobi": 0.0}
     q = data["quality"]
-    assert q["kind"] == "humaneval-exec" and q["distinct_completions"] == 2 and set(q["results"]) == {"HumanEval/0", "HumanEval/1"}
+    assert q["kind"] == "humaneval-exec" and q["distinct_completions"] == 2 and set(q["results"]) == {"HumanEval/0",
+                                                                                                      "HumanEval/1"}
     assert all(r != "passed" for per in q["results"].values() for r in per.values())
     assert "pass@1" in capsys.readouterr().out and "## HumanEval tests (pass@1)" in (out / "report.md").read_text()
 

@@ -39,7 +39,8 @@ def test_missing_config_file_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["bench", "--blok-size", "4"], "cllm bench: error: unrecognized argument --blok-size (did you mean --block-size?)"),
+    (["bench", "--blok-size", "4"],
+     "cllm bench: error: unrecognized argument --blok-size (did you mean --block-size?)"),
     (["generate", "--sed=3"], "cllm generate: error: unrecognized argument --sed (did you mean --seed?)"),
     (["bnech"], "cllm: error: unknown command 'bnech' (did you mean bench?)"),
 ])

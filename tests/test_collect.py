@@ -166,7 +166,8 @@ def test_eos_inside_a_block_cuts_every_state_to_the_fixed_point(setup, tmp_path)
     want = greedy(setup, ids)
     eos = next(t for k, t in enumerate(want) if k % BLOCK not in (0, BLOCK - 1) and t not in want[:k])
     eos_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()), eos_token=tokenizer.convert_ids_to_tokens(eos),
+        tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+        eos_token=tokenizer.convert_ids_to_tokens(eos),
         pad_token=EOT, bos_token=EOT, clean_up_tokenization_spaces=False)
     assert eos_tokenizer(PROMPTS[0])["input_ids"] == ids
     other = save_model(tmp_path / "model", eos_tokenizer)

@@ -83,11 +83,13 @@ def test_auto_finds_no_table_for_a_model_without_one(tmp_path):
 
 def test_a_missing_or_foreign_table_is_a_one_line_error(drafted, tmp_path, capsys):
     directory, _ = drafted
-    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table", tmp_path / "no.safetensors")
+    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table",
+                       tmp_path / "no.safetensors")
     assert code == 2 and "draft table not found" in err and "Traceback" not in err
     foreign = NgramTable.build([[1, 2, 3, 4, 5] * 3], meta={"tokenizer": "someone-else", "model": "other"})
     foreign.save(tmp_path / "foreign.safetensors")
-    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table", tmp_path / "foreign.safetensors")
+    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table",
+                       tmp_path / "foreign.safetensors")
     assert code == 2 and "another tokenizer" in err and "Traceback" not in err
 
 

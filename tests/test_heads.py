@@ -58,7 +58,8 @@ def test_parameters_added_count_the_heads_own_weights_only():
     model = tiny_model("llama")
     H = model.config.hidden_size
     assert MedusaHeads.for_model(model, num_heads=4).parameters_added() == 4 * (H * H + H)
-    assert MedusaHeads.for_model(model, num_heads=2, own_projection=True).parameters_added() == 2 * (H * H + H + VOCAB * H)
+    assert MedusaHeads.for_model(model, num_heads=2,
+                                 own_projection=True).parameters_added() == 2 * (H * H + H + VOCAB * H)
     assert not any(p is model.get_output_embeddings().weight for p in MedusaHeads.for_model(model).parameters())
 
 

@@ -24,7 +24,8 @@ def test_a_completion_is_cut_where_its_function_ends():
     body = "    return 1\n"
     assert truncate(body + "\ndef g():\n    pass\n") == body
     assert truncate(body + "\nif __name__ == '__main__':\n    g()\n") == body
-    assert truncate(body + "    # a comment inside stays\n    x = 1\n") == body + "    # a comment inside stays\n    x = 1\n"
+    assert (truncate(body + "    # a comment inside stays\n    x = 1\n")
+            == body + "    # a comment inside stays\n    x = 1\n")
 
 
 def test_completion_text_decodes_with_the_prompt():

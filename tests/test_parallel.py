@@ -150,7 +150,8 @@ def test_deepspeed_configs_leave_to_train_what_train_decides(name, stage):
     assert plugin.zero_stage == stage
     ds = plugin.deepspeed_config
     fill_deepspeed_config(ds, micro_batch=2, accumulation=4, grad_clip=0.5)
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (2, 4, 0.5)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+            ds["gradient_clipping"]) == (2, 4, 0.5)
     plugin.set_mixed_precision("bf16")  # what Accelerator does with --dtype bfloat16
     assert ds["bf16"]["enabled"] is True
     if stage == 3:  # the export gathers the weights (accelerator.get_state_dict)

@@ -101,7 +101,8 @@ def test_resume_with_a_different_model_is_refused(reference_run, tmp_path):
         pretrain(tiny(tmp_path, width=64))
 
 
-@pytest.mark.parametrize("bad", [dict(width=30, heads=4), dict(steps=0), dict(min_lr=1.0, lr=0.1), dict(warmup_steps=12)])
+@pytest.mark.parametrize("bad", [dict(width=30, heads=4), dict(steps=0), dict(min_lr=1.0, lr=0.1),
+                                 dict(warmup_steps=12)])
 def test_invalid_config_raises_one_line_value_error(tmp_path, bad):
     with pytest.raises(ValueError) as info:
         tiny(tmp_path, **bad)
@@ -118,7 +119,8 @@ def test_lr_warms_up_then_decays_to_min_lr():
 def test_evaluate_target_and_model_card_on_the_tiny_model(reference_run):
     evaluation = evaluate_target(reference_run, n_prompts=3, max_new_tokens=8, n_samples=2)
     assert evaluation.val_loss > 0 and evaluation.n_prompts == 3 and len(evaluation.samples) == 2
-    assert 0 <= evaluation.parse_rate <= 1 and 0 <= evaluation.degenerate_rate <= 1 and 0 <= evaluation.looping_rate <= 1
+    assert (0 <= evaluation.parse_rate <= 1 and 0 <= evaluation.degenerate_rate <= 1
+            and 0 <= evaluation.looping_rate <= 1)
     card = write_model_card(reference_run, evaluation, name="tiny").read_text()
     assert "# tiny" in card and "validation loss" in card and evaluation.corpus_sha256[:16] in card
 

@@ -87,11 +87,14 @@ def fake_bench_json(with_data: bool = True) -> dict:
     jacobi = dict(method, tokens_per_forward=1.5, speedup_vs_ar=1.2, mean_fast_forwarded=1.4, stationary_tokens=3,
                   accepted_histogram={"1": 4, "2": 3} if with_data else None)
     return {
-        "config": {"prompts": "humaneval", "max_new_tokens": 5, "block_size": 4, "guess": "prompt", "repeats": 3, "warmup": 1},
+        "config": {"prompts": "humaneval", "max_new_tokens": 5, "block_size": 4, "guess": "prompt", "repeats": 3,
+                   "warmup": 1},
         "machine": {"cpu": "x", "cores": 2, "threads": 2, "device": "cpu", "dtype": "float32", "torch": "t",
                     "transformers": "t", "seed": 0, "load_average_1min": None, "date": "d"},
-        "methods": {"target_ar": method, "target_jacobi": jacobi, "cllm_jacobi": dict(jacobi, agreement_with_target=0.5)},
-        "models": {"target": {"name": "a", "parameters": 10, "val_loss": 2.5}, "cllm": {"name": "b", "parameters": 10, "val_loss": None}},
+        "methods": {"target_ar": method, "target_jacobi": jacobi,
+                    "cllm_jacobi": dict(jacobi, agreement_with_target=0.5)},
+        "models": {"target": {"name": "a", "parameters": 10, "val_loss": 2.5},
+                   "cllm": {"name": "b", "parameters": 10, "val_loss": None}},
         "counting": "c", "val_set": {"name": "stdlib-val"}, "prompt_ids": ["p0", "p1"], "trajectory_prompt": "p0",
         "sweep": {"target": {"4": {"tokens_per_forward": 1.1}, "16": {"tokens_per_forward": 1.2}}} if with_data else {},
         "exactness": {"target_jacobi": {"mismatches": [], "ok": True}}, "notes": ["a note"],

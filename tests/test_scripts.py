@@ -76,10 +76,12 @@ def test_draft_policy_prints_one_row_per_setting(tiny):
     done = run(sys.executable, SCRIPTS / "draft_policy.py", tiny["cllm"], "--prompts", tiny["prompts"],
                "--count", "2", "--max-new-tokens", str(NEW), "--threads", "1", "--settings", "4,2,8,2,0", "2,4,8,1")
     assert done.returncode == 0, done.stderr
-    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line]
     header, *settings = rows
     assert [c.strip() for c in header][-1] == "estimated speedup"
-    assert [[c.strip() for c in r[:5]] for r in settings] == [["4", "2", "8", "2", "none"], ["2", "4", "8", "1", "default"]]
+    assert [[c.strip() for c in r[:5]] for r in settings] == [["4", "2", "8", "2", "none"],
+                                                              ["2", "4", "8", "1", "default"]]
     for row in settings:
         tpf, fed, speedup = float(row[5]), float(row[6]), float(row[7].strip().rstrip("x"))
         assert tpf >= 1 and fed >= 1 and speedup > 0
@@ -88,7 +90,8 @@ def test_draft_policy_prints_one_row_per_setting(tiny):
 @pytest.mark.slow
 def test_evaluate_cllm_writes_the_json_and_the_gates_readme(tiny, tmp_path):
     out = tmp_path / "eval"
-    done = run(sys.executable, SCRIPTS / "evaluate_cllm.py", "--target", tiny["target"], "--cllm", f"tiny={tiny['cllm']}",
+    done = run(sys.executable, SCRIPTS / "evaluate_cllm.py", "--target", tiny["target"], "--cllm",
+               f"tiny={tiny['cllm']}",
                "--humaneval", "2", "--stdlib-val", "0", "--max-new-tokens", str(NEW), "--block-sizes", "4",
                "--no-val-loss", "--out", out)
     assert done.returncode == 0, done.stderr
@@ -148,7 +151,8 @@ def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
     # a stand-in for python: records each command line instead of running it
     calls = tmp_path / "calls.txt"
     stub = tmp_path / "python"
-    stub.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(calls))}\necho >> {shlex.quote(str(calls))}\n')
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(calls))}\necho >> '
+                    f'{shlex.quote(str(calls))}\n')
     stub.chmod(0o755)
     done = run("bash", script, env={**ENV, "PYTHON": str(stub), "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stderr

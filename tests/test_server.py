@@ -197,7 +197,8 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
             stream = client.completions.create(model=NAME, prompt=p, max_tokens=16, stream=True)
             return "".join(c.choices[0].text for c in stream)
         method = "ar" if i % 4 == 1 else "jacobi"
-        return post(server, "/v1/completions", {"prompt": p, "max_tokens": 16, "method": method}).json()["choices"][0]["text"]
+        return post(server, "/v1/completions", {"prompt": p, "max_tokens": 16,
+                                                "method": method}).json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
@@ -219,7 +220,8 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
         ("/v1/completions", {"prompt": "x", "max_tokens": LIMITS["max_tokens_limit"] + 1}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, 400,
+         "max_completion_tokens"),
         ("/v1/completions", {"prompt": "x = 1\n" * 60}, 400, "at most"),
         ("/v1/completions", {"prompt": [5, 10**6]}, 400, "token ids"),
         ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
@@ -345,7 +347,8 @@ def test_sampling_follows_the_seed_the_temperature_and_top_p(client, oracle, mod
 
 def test_stop_string_cuts_the_completion(client, oracle):
     full = oracle.text("def f(x):")
-    stop = next(full[i : i + 2] for i in range(4, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    stop = next(full[i : i + 2] for i in range(4, len(full))
+                if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
     response = client.completions.create(model=NAME, prompt="def f(x):", max_tokens=NEW, stop=[stop])
     assert response.choices[0].text == full[: full.index(stop)]
     assert response.choices[0].finish_reason == "stop"

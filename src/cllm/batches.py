@@ -180,7 +180,8 @@ def make_micro_batch(
     )
 
 
-def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: int, seed: int) -> list[TrajectoryRecord]:
+def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: int,
+                 seed: int) -> list[TrajectoryRecord]:
     """The global batch of `step`: a fresh seeded permutation per epoch, its remainder dropped."""
     per_epoch = len(records) // batch_size
     epoch, index = divmod(step, per_epoch)

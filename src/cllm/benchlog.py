@@ -83,7 +83,8 @@ class BenchLog:
         record = self.decodes.get((method, prompt_id))
         return record if record is not None and record["prompt_ids"] == list(prompt_ids) else None
 
-    def add_decode(self, method: str, prompt_id: str, prompt_ids: list[int], decoded: Any, seconds: list[float]) -> None:
+    def add_decode(self, method: str, prompt_id: str, prompt_ids: list[int], decoded: Any,
+                   seconds: list[float]) -> None:
         record = {"kind": "decode", "method": method, "prompt_id": prompt_id, "prompt_ids": list(prompt_ids),
                   "tokens": decoded.tokens, "forward_passes": decoded.forward_passes, "accepted": decoded.accepted,
                   "stats": dataclasses.asdict(decoded.stats) if decoded.stats is not None else None,

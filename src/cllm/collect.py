@@ -61,20 +61,31 @@ Guess = Literal["prompt", "repeat", "random", "lookup"]
 
 @dataclass
 class CollectConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or hub id"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file"})
-    out: str = field(default="runs/trajectories", metadata={"help": "output directory (Parquet shards + meta.json); rerun to resume"})
+    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
+        "hub id"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
+        "or a JSONL/Parquet file"})
+    out: str = field(default="runs/trajectories", metadata={"help": "output directory (Parquet shards + meta.json); "
+        "rerun to resume"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n (tokens per block)"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt (stops earlier at EOS)"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set"})
-    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
-    seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed and prompt id)"})
+    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the "
+        "reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
+    seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed "
+        "and prompt id)"})
     batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
-    shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span shards)"})
-    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy rounds, whose fixed points are the CLLM's own repetitions"})
-    augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the true trajectory)"})
-    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet prompt file"})
+    shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span "
+        "shards)"})
+    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a "
+        "loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy "
+        "rounds, whose fixed points are the CLLM's own repetitions"})
+    augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying "
+        "the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the "
+        "true trajectory)"})
+    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet "
+        "prompt file"})
 
     def __post_init__(self) -> None:
         from cllm.models import resolve_dtype
@@ -334,7 +345,8 @@ def collect(config: CollectConfig) -> CollectSummary:
         model = load_model(config.model, dtype=config.dtype, device=state.device)
         context = position_limit(model) or 1 << 30
         if context - config.max_new_tokens < 1:
-            raise UserError(f"max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the model's {context} positions")
+            raise UserError(f"max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the model's "
+                            f"{context} positions")
         encoded, cut = _encode(mine, tokenizer, max_prompt_len=context - config.max_new_tokens)
         if cut:
             log.warning("%d prompts were cut from the left to fit the model's context", cut)

@@ -41,21 +41,30 @@ FALLBACK_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number.""
 
 @dataclass
 class DemoConfig:
-    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local dir or hub id (a missing shipped one: tiny random fallback)"})
-    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "CLLM ('none' to skip; a missing shipped one: target-only story)"})
+    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local dir or hub id (a "
+        "missing shipped one: tiny random fallback)"})
+    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "CLLM ('none' to skip; a missing shipped "
+        "one: target-only story)"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set of the short bench"})
     max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
     block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the tokens-per-forward sweep"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the "
+        "tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
-    val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: skip)"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer than 2 cores free)"})
+    val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: "
+        "skip)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer "
+        "than 2 cores free)"})
     out: str = field(default="reports/demo", metadata={"help": "report folder"})
-    prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first prompt)"})
-    live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view (display only)"})
-    show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live decode"})
-    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
+    prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first "
+        "prompt)"})
+    live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view "
+        "(display only)"})
+    show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live "
+        "decode"})
+    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in "
+        "OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
 
     def __post_init__(self):
         if self.threads < 0:
@@ -201,7 +210,8 @@ def demo(config: DemoConfig) -> int:
     write_config(config, out / "demo_config.json")
     print_results(console, result.data)
     console.print(_headline(result.data))
-    losses = ", ".join(f"{role} {m['val_loss']:.3f}" for role, m in result.data["models"].items() if m["val_loss"] is not None)
+    losses = ", ".join(f"{role} {m['val_loss']:.3f}" for role, m in result.data["models"].items()
+                       if m["val_loss"] is not None)
     if losses:
         console.print(f"validation loss (stdlib-val, nats/token): {losses}")
     console.print(f"report folder: [bold]{out}[/] (bench.json, report.md, PNGs, trajectory.html) · "
@@ -223,7 +233,8 @@ def demo(config: DemoConfig) -> int:
     setting = (f"n = {config.block_size}, {bench_config.engine.recycle} recycled drafts"
                + (", its draft table" if table is not None else ", no draft table"))
     console.rule("[bold]live[/]")
-    console.print(f"{method}, the {role.upper() if role == 'cllm' else role} on the engine ({setting})", highlight=False)
+    console.print(f"{method}, the {role.upper() if role == 'cllm' else role} on the engine ({setting})",
+                  highlight=False)
     console.print(text.rstrip(), style="dim", markup=False, highlight=False)
     decoded, recorder = live_decode(console, model, models.tokenizer, prompt_ids, max_new_tokens=config.max_new_tokens,
                                     delay=config.live_delay, draft_table=table, **engine_settings(bench_config))

@@ -55,34 +55,50 @@ EVALUATION = "evaluation.json"
 
 @dataclass
 class DistillConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, checkpoint dir or hub id"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or JSONL/Parquet file)"})
-    out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, evaluation.json); rerun to resume"})
+    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, checkpoint dir or hub "
+        "id"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or "
+        "JSONL/Parquet file)"})
+    out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, "
+        "evaluation.json); rerun to resume"})
     # collection
     max_prompts: int | None = field(default=2560, metadata={"help": "collect on the first N prompts (None: all)"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt in collection"})
     collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
-    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess of a block (collection)"})
+    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess "
+        "of a block (collection)"})
     # training
     consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: gc, lc or gc+lc"})
-    distance: losses.Distance = field(default="argmax", metadata={"help": "consistency distance: fkl, rkl, jsd, argmax"})
-    states_per_record: int = field(default=8, metadata={"help": "trajectory states per record and step (they share the prefix's forward)"})
-    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one"})
-    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
-    ar_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label AR loss (the reference: 10; 0: the distillation term alone keeps the model close to the target)"})
-    ar_target: ArTarget = field(default="fixed_points", metadata={"help": "AR rows: labels (ground truth), fixed_points, both, or auto (labels when the prompts have references, else fixed points)"})
-    ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
+    distance: losses.Distance = field(default="argmax", metadata={"help": "consistency distance: fkl, rkl, jsd, "
+        "argmax"})
+    states_per_record: int = field(default=8, metadata={"help": "trajectory states per record and step (they share the "
+        "prefix's forward)"})
+    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first "
+        "wrong one"})
+    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn "
+        "uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
+    ar_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label AR loss (the reference: 10; 0: "
+        "the distillation term alone keeps the model close to the target)"})
+    ar_target: ArTarget = field(default="fixed_points", metadata={"help": "AR rows: labels (ground truth), "
+        "fixed_points, both, or auto (labels when the prompts have references, else fixed points)"})
+    ar_text: str | None = field(default="stdlib-train", metadata={"help": "AR loss also on random windows of this "
+        "text: 'stdlib-train' (the embedded Python corpus), a text file of your domain, or 'none'"})
     ar_text_windows: int = field(default=4, metadata={"help": "text windows per step"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of the AR loss"})
-    kd_weight: float = field(default=10.0, metadata={"help": "weight of distillation from the frozen target (soft labels) on the AR rows and the rollouts; 0: none"})
-    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: fkl, rkl, jsd, or argmax (cross-entropy on the target's argmax)"})
-    consistency_teacher: Literal["model", "target"] = field(default="target", metadata={"help": "the consistency targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
-    rollout_prompts: int = field(default=6, metadata={"help": "on-policy distillation: rollouts of the model being trained per step, scored by the frozen target (needs --kd-weight)"})
+    kd_weight: float = field(default=10.0, metadata={"help": "weight of distillation from the frozen target (soft "
+        "labels) on the AR rows and the rollouts; 0: none"})
+    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: fkl, "
+        "rkl, jsd, or argmax (cross-entropy on the target's argmax)"})
+    consistency_teacher: Literal["model", "target"] = field(default="target", metadata={"help": "the consistency "
+        "targets: the model's own stop-gradient logits (the reference) or the frozen target's"})
+    rollout_prompts: int = field(default=6, metadata={"help": "on-policy distillation: rollouts of the model being "
+        "trained per step, scored by the frozen target (needs --kd-weight)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
     rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled"})
-    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "rollouts by the model being trained (on-policy) or by the frozen target"})
+    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "rollouts by the model "
+        "being trained (on-policy) or by the frozen target"})
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
     epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
@@ -90,29 +106,40 @@ class DistillConfig:
     batch_size: int = field(default=16, metadata={"help": "records per optimizer step"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (merged on save) instead of all weights"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "training forwards in float32 or bfloat16 autocast"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "training forwards in float32 "
+        "or bfloat16 autocast"})
     train_eval_count: int = field(default=16, metadata={"help": "held-out prompts evaluated during training"})
     eval_interval: int = field(default=100, metadata={"help": "evaluate during training every N steps"})
     checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps"})
-    select: Literal["last", "gated"] = field(default="last", metadata={"help": "the CLLM of a round: the last step's weights, or the fastest evaluation that passed the loop / degenerate gates (train --select gated)"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"help": "the CLLM of a round: the last step's "
+        "weights, or the fastest evaluation that passed the loop / degenerate gates (train --select gated)"})
     seed: int = field(default=0, metadata={"help": "seed of collection guesses and training"})
-    rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the trajectories with round k-1's CLLM (on-policy) and trains it further"})
-    drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency target"})
-    skip_copies: bool = field(default=True, metadata={"help": "consistency counts no target that a wrong state token just before it already shows (train --skip-copies)"})
-    cut_loops: bool = field(default=False, metadata={"help": "rounds 2+ keep every block but count no consistency target that continues a loop (train --cut-loops); use with --drop-loops false"})
-    accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k (earlier data kept, never replaced); false: round k's alone"})
+    rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the "
+        "trajectories with round k-1's CLLM (on-policy) and trains it further"})
+    drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one "
+        "where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency "
+        "target"})
+    skip_copies: bool = field(default=True, metadata={"help": "consistency counts no target that a wrong state token "
+        "just before it already shows (train --skip-copies)"})
+    cut_loops: bool = field(default=False, metadata={"help": "rounds 2+ keep every block but count no consistency "
+        "target that continues a loop (train --cut-loops); use with --drop-loops false"})
+    accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k "
+        "(earlier data kept, never replaced); false: round k's alone"})
     # evaluation
     eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set for the evaluations"})
     eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
-    eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Jacobi block sizes of the final evaluation"})
+    eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Jacobi block sizes of the "
+        "final evaluation"})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluations"})
     eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluations"})
     # draft table
-    drafts_prompts: int = field(default=2400, metadata={"help": "the CLLM's draft table (cllm drafts) from its greedy completions of this many --prompts (0: no table)"})
+    drafts_prompts: int = field(default=2400, metadata={"help": "the CLLM's draft table (cllm drafts) from its greedy "
+        "completions of this many --prompts (0: no table)"})
     drafts_max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt for the draft table"})
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens", "eval_batch_size", "rounds",
+        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "eval_max_new_tokens",
+                     "eval_batch_size", "rounds",
                      "drafts_max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
@@ -152,7 +179,8 @@ class DistillConfig:
             teacher=self.model if round_ > 1 and (needs_teacher or self.accumulate) else None,
             kd_weight=self.kd_weight, kd_distance=self.kd_distance, consistency_teacher=self.consistency_teacher,
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
-            rollout_temperature=self.rollout_temperature, rollout_policy=self.rollout_policy, cut_loops=self.cut_loops and round_ > 1,
+            rollout_temperature=self.rollout_temperature, rollout_policy=self.rollout_policy,
+            cut_loops=self.cut_loops and round_ > 1,
             state_schedule=self.state_schedule, select=self.select, skip_copies=self.skip_copies,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
@@ -240,7 +268,8 @@ def evaluation_table(ev: dict) -> str:
         lines.append(f"| Jacobi tokens per forward, n = {n} | {_fmt(tpf['target'][n])} | {_fmt(tpf['cllm'][n])} |")
     for n, value in exact.items():
         lines.append(f"| CLLM Jacobi == CLLM greedy, n = {n} | | {value:.0%} of prompts |")
-    lines.append(f"| AR validation loss (nats/token) | {_fmt(ev['ar_loss']['target'])} | {_fmt(ev['ar_loss']['cllm'])} |")
+    lines.append(f"| AR validation loss (nats/token) | {_fmt(ev['ar_loss']['target'])} | "
+                 f"{_fmt(ev['ar_loss']['cllm'])} |")
     lines.append(f"| greedy output == target's | | {ev['greedy_agreement']:.0%} of prompts, "
                  f"{ev['token_agreement']:.0%} of tokens |")
     for key, what in (("degenerate", "one token 10+ times in a row"), ("looping", "ending in a loop")):
@@ -258,7 +287,8 @@ def evaluation_table(ev: dict) -> str:
         lines.append(f"| first token that differs from the target's greedy text (mean index) | | "
                      f"{_fmt(c['first_divergence'], 1)} |")
     for g in ev.get("gates", []):
-        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'], 4)} ({'pass' if g['passed'] else 'FAIL'}) |")
+        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'], 4)} "
+                     f"({'pass' if g['passed'] else 'FAIL'}) |")
     return "\n".join(lines)
 
 

@@ -23,14 +23,20 @@ from cllm.config import UserError, write_config
 
 @dataclass
 class DraftsConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: shipped name or local checkpoint dir"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file (not the prompts you benchmark on)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: all)"})
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: "
+        "shipped name or local checkpoint dir"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
+        "or a JSONL/Parquet file (not the prompts you benchmark on)"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: "
+        "all)"})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
     batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
-    min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at least this often"})
-    min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's occurrences"})
-    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, found there by --draft-table auto)"})
+    min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at "
+        "least this often"})
+    min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's "
+        "occurrences"})
+    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
+        "found there by --draft-table auto)"})
     dtype: str = field(default="float32", metadata={"help": "model dtype"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})

@@ -68,7 +68,8 @@ def decode_prompts(model, prompts: Sequence[EvalPrompt], *, method: Literal["jac
         rows = rows_from_lists([p.ids for p in chunk], [[]] * len(chunk), pad_id)
         ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
         if method == "jacobi":
-            generators = [torch.Generator().manual_seed(derived_seed(seed, "guess", start + i)) for i in range(len(chunk))]
+            generators = [torch.Generator().manual_seed(derived_seed(seed, "guess", start + i))
+                          for i in range(len(chunk))]
             out = jacobi_decode(model, ids, mask, block_size=block_size, max_new_tokens=max_new_tokens,
                                 eos_token_id=eos_token_id, generator=generators)
         else:

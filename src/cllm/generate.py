@@ -41,16 +41,23 @@ def unescape(text: str) -> str:
 @dataclass
 class _DecodeOptions:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
-    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token by token)"})
+    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token "
+        "by token)"})
     max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
-    stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t understood); output is cut at the first"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly (the law of AR sampling)"})
+    stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t "
+        r"understood); output is cut at the first"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly "
+        "(the law of AR sampling)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
-    top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with --temperature > 0)"})
+    top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with "
+        "--temperature > 0)"})
     seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings (flags --block-size, --recycle, ...)"})
-    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
-    medusa: str = field(default="none", metadata={"help": "decode with Medusa heads (cllm medusa) instead of --method: auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings (flags --block-size, --recycle, ...)"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
+        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+    medusa: str = field(default="none", metadata={"help": "decode with Medusa heads (cllm medusa) instead of --method: "
+        "auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -112,9 +119,11 @@ class _DecodeOptions:
 
 @dataclass
 class GenerateConfig(_DecodeOptions):
-    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when no prompt is given)"})
+    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when "
+        "no prompt is given)"})
     prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
-    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured (final / correct / wrong)"})
+    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
+        "(final / correct / wrong)"})
 
     def __post_init__(self):
         super().__post_init__()

@@ -106,7 +106,8 @@ def pad_batch(states: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return hidden, mask
 
 
-def agreement(head_logits: torch.Tensor, model_logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def agreement(head_logits: torch.Tensor, model_logits: torch.Tensor,
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head k: at how many counted positions t its top-1 token is the model's greedy token at
     t + k (the token k + 1 ahead), and how many positions counted. (K,), (K,)."""
     K, _, T, _ = head_logits.shape
@@ -265,9 +266,11 @@ def evaluate_heads(model: torch.nn.Module, heads: MedusaHeads, prompts: Sequence
         if got == expected:
             exact += 1
         else:
-            first = next((j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), min(len(got), len(expected)))
+            first = next((j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
+                         min(len(got), len(expected)))
             mismatches.append({"prompt": i, "first_difference": first})
-        tokens, forwards, greedy_tokens = tokens + len(got), forwards + out.forward_passes, greedy_tokens + len(expected)
+        tokens, forwards, greedy_tokens = (tokens + len(got), forwards + out.forward_passes,
+                                           greedy_tokens + len(expected))
         for n, c in out.stats.accepted_histogram().items():
             histogram[n] = histogram.get(n, 0) + c
         if progress is not None:

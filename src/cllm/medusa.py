@@ -41,31 +41,47 @@ RESUME_FREE = {"eval_prompts", "eval_count", "eval_max_new_tokens", "tree_nodes"
 
 @dataclass
 class MedusaConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "the model the heads are for (shipped name or local checkpoint dir); it stays frozen"})
-    heads: int = field(default=4, metadata={"help": "number of heads K: head k guesses the token k + 1 positions ahead"})
-    own_projection: bool = field(default=False, metadata={"help": "give each head its own vocabulary projection (a trained copy of the LM head, V x H parameters each) instead of sharing the model's frozen LM head"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompts whose greedy continuations are the training text: stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file (not the prompts you benchmark on)"})
+    model: str = field(default="stdlib-coder", metadata={"help": "the model the heads are for (shipped name or local "
+        "checkpoint dir); it stays frozen"})
+    heads: int = field(default=4, metadata={"help": "number of heads K: head k guesses the token k + 1 positions "
+        "ahead"})
+    own_projection: bool = field(default=False, metadata={"help": "give each head its own vocabulary projection (a "
+        "trained copy of the LM head, V x H parameters each) instead of sharing the model's frozen LM head"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompts whose greedy continuations are the "
+        "training text: stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file (not the prompts you benchmark "
+        "on)"})
     max_prompts: int | None = field(default=512, metadata={"help": "use the first N prompts of the set"})
-    data: str | None = field(default=None, metadata={"help": "train on the fixed points of this `cllm collect` directory (collected with this model) instead of decoding --prompts"})
+    data: str | None = field(default=None, metadata={"help": "train on the fixed points of this `cllm collect` "
+        "directory (collected with this model) instead of decoding --prompts"})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per training prompt"})
     decode_batch_size: int = field(default=16, metadata={"help": "prompts per forward when decoding the training text"})
-    holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: held-out loss and the accuracies that shape the tree"})
+    holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: held-out loss and the "
+        "accuracies that shape the tree"})
     steps: int = field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "texts per step (every position of each counts)"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to 0 (3e-3 beat 1e-3 on stdlib-coder: held-out head-1 agreement 0.48 vs 0.38 after 300 steps)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to "
+        "0 (3e-3 beat 1e-3 on stdlib-coder: held-out head-1 agreement 0.48 vs 0.38 after 300 steps)"})
     warmup: int = field(default=20, metadata={"help": "warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    loss: Literal["soft", "hard"] = field(default="soft", metadata={"help": "soft: KL to the model's own distribution k positions on (Medusa's self-distillation); hard: cross-entropy on its greedy token there"})
-    head_decay: float = field(default=0.8, metadata={"help": "head k's loss weight is this to the power k - 1 (Medusa: 0.8)"})
-    top_k: int = field(default=DEFAULT_TOP_K, metadata={"help": "ranks per head measured and considered for the candidate tree"})
-    tree_nodes: int = field(default=DEFAULT_NODES, metadata={"help": "candidate tree nodes verified per forward besides the root: the saved default tree (each fed token costs on a CPU; a GPU affords 60+)"})
-    eval_prompts: str = field(default="humaneval", metadata={"help": "held-out prompts of the final evaluation (greedy vs Medusa, batch 1)"})
+    loss: Literal["soft", "hard"] = field(default="soft", metadata={"help": "soft: KL to the model's own distribution "
+        "k positions on (Medusa's self-distillation); hard: cross-entropy on its greedy token there"})
+    head_decay: float = field(default=0.8, metadata={"help": "head k's loss weight is this to the power k - 1 (Medusa: "
+        "0.8)"})
+    top_k: int = field(default=DEFAULT_TOP_K, metadata={"help": "ranks per head measured and considered for the "
+        "candidate tree"})
+    tree_nodes: int = field(default=DEFAULT_NODES, metadata={"help": "candidate tree nodes verified per forward "
+        "besides the root: the saved default tree (each fed token costs on a CPU; a GPU affords 60+)"})
+    eval_prompts: str = field(default="humaneval", metadata={"help": "held-out prompts of the final evaluation (greedy "
+        "vs Medusa, batch 1)"})
     eval_count: int = field(default=8, metadata={"help": "evaluate on the first N of them (0: no evaluation)"})
     eval_max_new_tokens: int = field(default=128, metadata={"help": "new tokens per evaluation prompt"})
     eval_every: int = field(default=50, metadata={"help": "held-out loss and a checkpoint every N steps"})
-    out: str | None = field(default=None, metadata={"help": "heads folder (default: MODEL/medusa, found there by load_heads)"})
-    force: bool = field(default=False, metadata={"help": "replace heads already in --out (a finished run); an unfinished run resumes without it"})
-    resume: bool = field(default=True, metadata={"help": "continue an unfinished run in --out from its checkpoint; false starts over"})
+    out: str | None = field(default=None, metadata={"help": "heads folder (default: MODEL/medusa, found there by "
+        "load_heads)"})
+    force: bool = field(default=False, metadata={"help": "replace heads already in --out (a finished run); an "
+        "unfinished run resumes without it"})
+    resume: bool = field(default=True, metadata={"help": "continue an unfinished run in --out from its checkpoint; "
+        "false starts over"})
     seed: int = field(default=0, metadata={"help": "seed of the batch order"})
     dtype: str = field(default="float32", metadata={"help": "model (and heads) dtype"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
@@ -82,7 +98,8 @@ class MedusaConfig:
         if self.max_prompts is not None and self.max_prompts < 1:
             raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if self.max_prompts is not None and self.max_prompts <= self.holdout:
-            raise UserError(f"--holdout {self.holdout} leaves no prompt of --max-prompts {self.max_prompts} to train on")
+            raise UserError(f"--holdout {self.holdout} leaves no prompt of --max-prompts {self.max_prompts} "
+                            "to train on")
         if not self.lr > 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if not 0 < self.head_decay <= 1:
@@ -102,7 +119,8 @@ def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
         return
     foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("."))
     if foreign:
-        raise UserError(f"--out {out} holds files cllm medusa did not write ({', '.join(foreign[:3])}); use another folder")
+        raise UserError(f"--out {out} holds files cllm medusa did not write ({', '.join(foreign[:3])}); use another "
+                        "folder")
     if (out / WEIGHTS_FILE).exists() and not config.force:
         raise UserError(f"{out} already holds Medusa heads; --force replaces them")
 
@@ -111,7 +129,8 @@ def _same_run(saved: dict, config: MedusaConfig) -> None:
     current = config_to_dict(config)
     for key in sorted(set(saved) | set(current)):
         if key not in RESUME_FREE and saved.get(key) != current.get(key):
-            raise UserError(f"{config.out} holds an unfinished run with {key}={saved.get(key)!r}, not {current.get(key)!r}: "
+            raise UserError(f"{config.out} holds an unfinished run with {key}={saved.get(key)!r}, not "
+                            f"{current.get(key)!r}: "
                             "use another --out, --resume false, or the same options")
 
 
@@ -226,11 +245,13 @@ def medusa(config: MedusaConfig) -> int:
     evaluation = None
     if config.eval_count:
         new = min(config.eval_max_new_tokens, limit // 2) if limit else config.eval_max_new_tokens
-        prompts = encode_prompts(config.eval_prompts, tokenizer, limit=config.eval_count, keep=limit - new if limit else None)
+        prompts = encode_prompts(config.eval_prompts, tokenizer, limit=config.eval_count,
+                                 keep=limit - new if limit else None)
         with tqdm(total=len(prompts), unit="prompt", desc="medusa: evaluation") as bar:
             evaluation = evaluate_heads(model, heads, [p.ids for p in prompts], max_new_tokens=new,
                                         eos_token_id=eos, progress=bar.update)
-        evaluation.update(prompt_set=config.eval_prompts, max_new_tokens=new, threads=torch.get_num_threads(), device=config.device,
+        evaluation.update(prompt_set=config.eval_prompts, max_new_tokens=new, threads=torch.get_num_threads(),
+                          device=config.device,
                           dtype=config.dtype, tree_nodes=len(heads.tree))
         (out / EVALUATION).write_text(json.dumps(evaluation, indent=2) + "\n")
     _print_summary(heads, before, after, evaluation, out, time.perf_counter() - started)
@@ -255,9 +276,11 @@ def _texts(config: MedusaConfig, model, tokenizer, path: Path):
         limit, new = position_limit(model), config.max_new_tokens
         if limit:
             new = min(new, limit // 2)  # leave half the context to the prompt
-        prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
+        prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts,
+                                 keep=limit - new if limit else None)
         with tqdm(total=len(prompts), unit="prompt", desc="medusa: greedy text") as bar:
-            texts = greedy_texts(model, [p.ids for p in prompts], max_new_tokens=new, batch_size=config.decode_batch_size,
+            texts = greedy_texts(model, [p.ids for p in prompts], max_new_tokens=new,
+                                 batch_size=config.decode_batch_size,
                                  eos_token_id=tokenizer.eos_token_id, pad_id=pad_token_id(tokenizer),
                                  progress=bar.update)
     tmp = path.with_name(f".{path.name}.partial")
@@ -287,7 +310,8 @@ def _print_summary(heads, before: dict, after: dict, evaluation: dict | None, ou
     print(f"  held-out loss {before['loss']:.3f} -> {after['loss']:.3f}; top-1 agreement per head {was} -> {agree}")
     if evaluation:
         speed = evaluation["speedup_vs_greedy"]
-        print(f"  {evaluation['prompt_set']} x {evaluation['prompts']}: {evaluation['tokens_per_forward']:.2f} tokens per "
+        print(f"  {evaluation['prompt_set']} x {evaluation['prompts']}: "
+              f"{evaluation['tokens_per_forward']:.2f} tokens per "
               f"forward with a {evaluation['tree_nodes']}-node tree, {speed:.2f}x greedy's speed at "
               f"{evaluation['threads']} threads; exact {evaluation['exact']}/{evaluation['prompts']}")
         if evaluation["mismatches"]:

@@ -91,7 +91,8 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
                 frozen["fixed_point"] = blocks(fp)
             if config.uses_lc and target_teacher:
                 o = mb.owner
-                frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state, fp.block_mask[o]))
+                frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state,
+                                                   fp.block_mask[o]))
             if kd:
                 for name in ("labels", "rollout"):
                     if name in student:

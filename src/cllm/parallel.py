@@ -81,7 +81,8 @@ def mixed_precision(dtype: str, env: Mapping[str, str]) -> str:
     if launched not in ("", "no", wanted):
         hint = "pass --dtype bfloat16" if launched == "bf16" else "cllm train trains in float32 or bf16"
         raise UserError(f"accelerate was launched with mixed precision {launched!r} but --dtype is {dtype}: {hint}")
-    sharded = any(env.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true", "yes") for name in ("FSDP", "DEEPSPEED"))
+    sharded = any(env.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true", "yes")
+                  for name in ("FSDP", "DEEPSPEED"))
     return wanted if sharded else "no"
 
 

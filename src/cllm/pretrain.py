@@ -54,13 +54,16 @@ _RESUME_FREE = {"resume", "threads", "eval_interval", "eval_batches", "checkpoin
 
 @dataclass
 class PretrainConfig:
-    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, logs, checkpoints)"})
+    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, "
+        "logs, checkpoints)"})
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
-    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of training one (a draft model must share its target's; its size must equal --vocab-size)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
+        "training one (a draft model must share its target's; its size must equal --vocab-size)"})
     width: int = field(default=256, metadata={"help": "hidden size"})
     layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
     heads: int = field(default=4, metadata={"help": "attention heads (width must divide evenly)"})
-    mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up to 64"})
+    mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up "
+        "to 64"})
     context: int = field(default=512, metadata={"help": "training window length in tokens (= max positions)"})
     steps: int = field(default=3200, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "windows per step"})
@@ -69,15 +72,20 @@ class PretrainConfig:
     warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (not norms)"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer stay float32)"})
+    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer "
+        "stay float32)"})
     eval_interval: int = field(default=100, metadata={"help": "validation every N steps (and at the end)"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches of batch_size windows"})
-    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the end, and on Ctrl-C)"})
+    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the "
+        "end, and on Ctrl-C)"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
-    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false starts over"})
-    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick tests)"})
-    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported weights"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
+        "starts over"})
+    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "
+        "tests)"})
+    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported "
+        "weights"})
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "width", "layers", "heads", "context", "steps", "batch_size",
@@ -447,7 +455,8 @@ def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None 
         f"| layers x width | {arch['num_hidden_layers']} x {arch['hidden_size']} |",
         f"| heads (head dim) | {arch['num_attention_heads']} ({arch['hidden_size'] // arch['num_attention_heads']}) |",
         f"| MLP (SwiGLU) | {arch['intermediate_size']} |",
-        f"| vocabulary | {arch['vocab_size']} (byte-level BPE, `<|endoftext|>` = EOS = BOS = pad, id {arch['eos_token_id']}) |",
+        f"| vocabulary | {arch['vocab_size']} (byte-level BPE, `<|endoftext|>` = EOS = BOS = pad, id "
+        f"{arch['eos_token_id']}) |",
         f"| context | {arch['max_position_embeddings']} tokens |",
         f"| embeddings | tied; weights stored as {arch.get('dtype', arch.get('torch_dtype', 'float32'))} |",
         "",
@@ -458,23 +467,30 @@ def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None 
     for split in ("train", "validation"):
         c = corpus.get(split)
         if c:
-            lines.append(f"| corpus, {split} | Python {c['python']} stdlib, {c['files']} files, {c['chars']:,} chars, sha256 `{c['sha256'][:16]}` |")
+            lines.append(f"| corpus, {split} | Python {c['python']} stdlib, {c['files']} files, {c['chars']:,} chars, "
+                         f"sha256 `{c['sha256'][:16]}` |")
     if cfg:
         lines += [
-            f"| steps x batch x context | {cfg['steps']} x {cfg['batch_size']} x {cfg['context']} = {cfg['steps'] * cfg['batch_size'] * cfg['context']:,} tokens |",
-            f"| optimiser | AdamW (0.9, 0.95), lr {cfg['lr']} -> {cfg['min_lr']} cosine, {cfg['warmup_steps']} warm-up steps, weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}, bf16 autocast {cfg['bf16']} |",
+            f"| steps x batch x context | {cfg['steps']} x {cfg['batch_size']} x {cfg['context']} = "
+            f"{cfg['steps'] * cfg['batch_size'] * cfg['context']:,} tokens |",
+            f"| optimiser | AdamW (0.9, 0.95), lr {cfg['lr']} -> {cfg['min_lr']} cosine, {cfg['warmup_steps']} warm-up "
+            f"steps, weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}, bf16 autocast {cfg['bf16']} |",
             f"| seed, threads | {cfg['seed']}, {cfg['threads']} |",
         ]
     if summary:
-        lines.append(f"| training time | {summary['train_time_s'] / 60:.1f} min ({summary['machine']['platform']}, torch {summary['machine']['torch']}) |")
+        lines.append(f"| training time | {summary['train_time_s'] / 60:.1f} min ({summary['machine']['platform']}, "
+                     f"torch {summary['machine']['torch']}) |")
         lines.append(f"| tokenizer sha256 | `{summary['tokenizer_sha256'][:16]}` |")
     lines += [
         "",
         "## Evaluation (float32, greedy)",
         "",
         "| | |", "|---|---|",
-        f"| validation loss | {evaluation.val_loss:.3f} nats/token over all {evaluation.val_tokens:,} tokens of the validation split (sha256 `{evaluation.corpus_sha256[:16]}`) |",
-        f"| function parses | {evaluation.parse_rate:.0%} of {evaluation.n_prompts} stdlib-val prompts (signature + docstring, ending at its closing quotes): {evaluation.max_new_tokens}-token completion cut at the end of the function, `ast.parse` succeeds and the body has a statement |",
+        f"| validation loss | {evaluation.val_loss:.3f} nats/token over all {evaluation.val_tokens:,} tokens of the "
+        f"validation split (sha256 `{evaluation.corpus_sha256[:16]}`) |",
+        f"| function parses | {evaluation.parse_rate:.0%} of {evaluation.n_prompts} stdlib-val prompts (signature + "
+        f"docstring, ending at its closing quotes): {evaluation.max_new_tokens}-token completion cut at the end of the "
+        "function, `ast.parse` succeeds and the body has a statement |",
         f"| degenerate | {evaluation.degenerate_rate:.0%} (one token repeated {DEGENERATE_RUN}+ times in a row) |",
         f"| looping | {evaluation.looping_rate:.0%} (the last 24 tokens repeat a pattern of at most 8 tokens) |",
         "",

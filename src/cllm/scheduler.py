@@ -88,7 +88,8 @@ class SchedulerStats:
     max_batch: int = 0  # most rows decoding at once
 
     def snapshot(self) -> dict:
-        return {"steps": self.steps, "rows_stepped": self.rows_stepped, "prefills": self.prefills, "admitted": self.admitted,
+        return {"steps": self.steps, "rows_stepped": self.rows_stepped, "prefills": self.prefills,
+                "admitted": self.admitted,
                 "cancelled": self.cancelled, "timed_out": self.timed_out, "max_batch": self.max_batch,
                 "mean_batch": round(self.rows_stepped / self.steps, 3) if self.steps else 0.0}
 

@@ -74,29 +74,46 @@ API_KEY_ENV = "CLLM_API_KEY"
 @dataclass
 class ServeConfig:
     model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default; beyond it, set --api-key)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default; beyond it, set "
+        "--api-key)"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
-    served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the model dir's name)"})
-    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does not name one"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's settings (flags --block-size, --recycle, ...)"})
-    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto (the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
-    default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by --max-tokens-limit)"})
+    served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the "
+        "model dir's name)"})
+    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does "
+        "not name one"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings (flags --block-size, --recycle, ...)"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
+        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+    default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by "
+        "--max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
     max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
-    max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous batching); more wait in the queue"})
-    max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at most (bounds the KV cache); a request alone always runs"})
-    forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: each keeps --recycle-budget)"})
+    max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous "
+        "batching); more wait in the queue"})
+    max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at "
+        "most (bounds the KV cache); a request alone always runs"})
+    forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds "
+        "over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: "
+        "each keeps --recycle-budget)"})
     queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
-    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the body is read"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the "
+        "body is read"})
     read_timeout: float = field(default=30.0, metadata={"help": "seconds a request body may take to arrive (408)"})
-    request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may wait and decode in all (504); 0: no limit"})
-    shutdown_grace: float = field(default=10.0, metadata={"help": "seconds running requests get to finish on SIGTERM / Ctrl-C"})
-    max_connections: int = field(default=1024, metadata={"help": "open connections at most (uvicorn's limit_concurrency: 503 beyond)"})
-    api_key: str | None = field(default=None, repr=False, metadata={"help": f"bearer token every /v1 request must send (default: the {API_KEY_ENV} environment variable, which keeps it out of the process list; unset: no check)"})
-    allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. localhost,127.0.0.1 (default: any)"})
+    request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may wait and decode in all "
+        "(504); 0: no limit"})
+    shutdown_grace: float = field(default=10.0, metadata={"help": "seconds running requests get to finish on SIGTERM / "
+        "Ctrl-C"})
+    max_connections: int = field(default=1024, metadata={"help": "open connections at most (uvicorn's "
+        "limit_concurrency: 503 beyond)"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "bearer token every /v1 request must send "
+        f"(default: the {API_KEY_ENV} environment variable, which keeps it out of the process list; unset: no check)"})
+    allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. "
+        "localhost,127.0.0.1 (default: any)"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
+        "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
 
     def __post_init__(self):
@@ -200,7 +217,8 @@ def _usage(result: Completion) -> dict:
 
 
 def _cllm(result: Completion, job: Job) -> dict:
-    return {"method": result.method, "block_size": job.params.engine.block_size if result.method.startswith("jacobi") else 1,
+    return {"method": result.method,
+            "block_size": job.params.engine.block_size if result.method.startswith("jacobi") else 1,
             "forward_passes": result.forward_passes, "tokens_per_forward": result.tokens_per_forward,
             "decode_seconds": round(result.seconds, 6),
             "queue_seconds": round(max(0.0, job.started_at - job.queued_at), 6)}

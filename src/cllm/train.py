@@ -97,58 +97,110 @@ RESUME_FREE = {"resume", "stop_at_step", "checkpoint_interval", "eval_interval",
 
 @dataclass
 class TrainConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "the target the trajectories were collected with (shipped name, checkpoint dir or hub id); training starts from it"})
+    model: str = field(default="stdlib-coder", metadata={"help": "the target the trajectories were collected with "
+        "(shipped name, checkpoint dir or hub id); training starts from it"})
     data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect`"})
-    out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, checkpoints/); rerun to resume"})
-    consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), local (LC), or both"})
-    distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL (the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
-    ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR (reference 10)"})
-    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: the ground truth (labels), the target's fixed points, both, or auto (labels when the trajectories' prompts had references, else fixed points)"})
-    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text: 'stdlib-train' (the embedded corpus) or a UTF-8 text file; keeps language modelling over whole contexts, not only the prompts' continuations"})
+    out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, "
+        "checkpoints/); rerun to resume"})
+    consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), "
+        "local (LC), or both"})
+    distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL "
+        "(the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
+    ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR "
+        "(reference 10)"})
+    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: the ground truth (labels), the target's "
+        "fixed points, both, or auto (labels when the trajectories' prompts had references, else fixed points)"})
+    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text: "
+        "'stdlib-train' (the embedded corpus) or a UTF-8 text file; keeps language modelling over whole contexts, not "
+        "only the prompts' continuations"})
     ar_text_windows: int = field(default=8, metadata={"help": "text windows per step (with --ar-text)"})
     ar_text_length: int = field(default=256, metadata={"help": "tokens per text window (with --ar-text)"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
-    teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and --consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter disabled); trajectories collected with it are accepted too"})
-    kd_weight: float = field(default=0.0, metadata={"help": "weight of a distillation term D(teacher || model) on the AR rows (labels / fixed points / text windows, as --ar-target and --ar-text choose) and on --rollout-prompts: soft labels from the frozen teacher, in place of (--ar-weight 0) or beside the hard AR term"})
-    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: forward KL(teacher || model), reverse KL, JSD, or argmax (cross-entropy on the teacher's argmax: what greedy decoding keeps)"})
-    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "whose logits on the fixed point (GC) or next state (LC) the states learn: the model being trained, stop-gradient (the reference), or the frozen teacher"})
-    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the records' prompts are continued by the model being trained and the distillation term also counts on its text (GKD)"})
+    teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and "
+        "--consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter "
+        "disabled); trajectories collected with it are accepted too"})
+    kd_weight: float = field(default=0.0, metadata={"help": "weight of a distillation term D(teacher || model) on the "
+        "AR rows (labels / fixed points / text windows, as --ar-target and --ar-text choose) and on --rollout-prompts: "
+        "soft labels from the frozen teacher, in place of (--ar-weight 0) or beside the hard AR term"})
+    kd_distance: losses.Distance = field(default="fkl", metadata={"help": "distance of the distillation term: forward "
+        "KL(teacher || model), reverse KL, JSD, or argmax (cross-entropy on the teacher's argmax: what greedy decoding "
+        "keeps)"})
+    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "whose logits on the "
+        "fixed point (GC) or next state (LC) the states learn: the model being trained, stop-gradient (the reference), "
+        "or the frozen teacher"})
+    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the "
+        "records' prompts are continued by the model being trained and the distillation term also counts on its text "
+        "(GKD)"})
     rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
-    rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled at this temperature"})
-    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "who writes the rollouts: the model being trained (on-policy, GKD) or the frozen teacher (its own continuations, e.g. sampled at a low temperature as Medusa-2's self-distillation data)"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B models"})
+    rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled at this "
+        "temperature"})
+    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "who writes the rollouts: "
+        "the model being trained (on-policy, GKD) or the frozen teacher (its own continuations, e.g. sampled at a low "
+        "temperature as Medusa-2's self-distillation data)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B "
+        "models"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then cosine decay to 0"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then "
+        "cosine decay to 0"})
     epochs: int = field(default=1, metadata={"help": "passes over the records (ignored when max-steps is set)"})
     max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
     batch_size: int = field(default=16, metadata={"help": "records per optimizer step, all processes together"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation); default batch-size / processes"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation); "
+        "default batch-size / processes"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 (autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed precision (DeepSpeed: bf16 weights beside float32 master weights)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each layer's activations in backward (transformers' gradient checkpointing): far less activation memory, about a third more compute, and each state row then recomputes its record's prefix (no shared KV cache)"})
-    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged into the saved checkpoint"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 "
+        "(autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed "
+        "precision (DeepSpeed: bf16 weights beside float32 master weights)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each layer's activations in "
+        "backward (transformers' gradient checkpointing): far less activation memory, about a third more compute, and "
+        "each state row then recomputes its record's prefix (no shared KV cache)"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged "
+        "into the saved checkpoint"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
-    lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or comma-separated module names"})
-    augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC only)"})
-    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first wrong one (default: all, the reference)"})
-    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a record train: uniformly drawn (the reference), or Jacobi Forcing's progressive schedule: block j of a prompt aims at noise linspace(0, 1, 16)[j mod 16] (noise = the fraction of the block's tokens not yet at the fixed point) and takes the states nearest to it"})
-    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no position whose target equals one of the two state tokens before it while that token is wrong: copying a wrong input token forward is the shortcut that teaches repetition"})
-    cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own repetitions are cut out of its targets, the rest of the prompt kept"})
-    states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they share one forward of the record's prefix, so k states cost far less than k records"})
+    lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or "
+        "comma-separated module names"})
+    augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC "
+        "only)"})
+    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first "
+        "wrong one (default: all, the reference)"})
+    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a "
+        "record train: uniformly drawn (the reference), or Jacobi Forcing's progressive schedule: block j of a prompt "
+        "aims at noise linspace(0, 1, 16)[j mod 16] (noise = the fraction of the block's tokens not yet at the fixed "
+        "point) and takes the states nearest to it"})
+    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no position whose target equals one "
+        "of the two state tokens before it while that token is wrong: copying a wrong input token forward is the "
+        "shortcut that teaches repetition"})
+    cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a "
+        "loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own "
+        "repetitions are cut out of its targets, the rest of the prompt kept"})
+    states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they "
+        "share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
-    eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set (name or JSONL/Parquet file) for evaluation"})
-    eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no evaluation)"})
-    eval_block_size: int | None = field(default=None, metadata={"help": "Jacobi block size of the evaluation (default: the data's)"})
-    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps the reference tokens of the AR validation loss"})
+    eval_prompts: str = field(default="stdlib-val", metadata={"help": "held-out prompt set (name or JSONL/Parquet "
+        "file) for evaluation"})
+    eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no "
+        "evaluation)"})
+    eval_block_size: int | None = field(default=None, metadata={"help": "Jacobi block size of the evaluation (default: "
+        "the data's)"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps "
+        "the reference tokens of the AR validation loss"})
     eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluation"})
-    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after the last)"})
-    select: Literal["last", "gated"] = field(default="last", metadata={"help": "which weights OUT ends with: the last step's, or (gated) those of the evaluation with the most Jacobi tokens per forward over non-looping completions among those whose greedy completions loop at most 5 points more often than the target's and degenerate at most 3% of the time (the last step's when none passes)"})
-    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the end and on Ctrl-C)"})
-    stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is reached; rerun without it to continue"})
-    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false starts over"})
-    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval prompt file"})
+    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after "
+        "the last)"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"help": "which weights OUT ends with: the last "
+        "step's, or (gated) those of the evaluation with the most Jacobi tokens per forward over non-looping "
+        "completions among those whose greedy completions loop at most 5 points more often than the target's and "
+        "degenerate at most 3% of the time (the last step's when none passes)"})
+    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the "
+        "end and on Ctrl-C)"})
+    stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is "
+        "reached; rerun without it to continue"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
+        "starts over"})
+    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval "
+        "prompt file"})
 
     def __post_init__(self) -> None:
         positive = ["epochs", "batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
@@ -167,9 +219,11 @@ class TrainConfig:
                    "ar_target": ("auto", "labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got "
+                                f"{getattr(self, name)!r}")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
-            raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size {self.micro_batch_size}")
+            raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size "
+                            f"{self.micro_batch_size}")
         for name in ("ar_weight", "kd_weight", "lr", "weight_decay", "grad_clip", "rollout_temperature"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
@@ -517,7 +571,8 @@ def train(config: TrainConfig) -> TrainSummary:
             # 4.1 the global batch: records, one state each, micro-batches, global counts
             torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
             batch = step_records(records, step, batch_size=config.batch_size, seed=config.seed)
-            draws = torch.rand(len(batch), max_states, generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
+            draws = torch.rand(len(batch), max_states,
+                               generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
             mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
                                     block_size=meta.block_size, config=config)
                    for i in range(0, len(batch), micro)]
@@ -566,7 +621,8 @@ def train(config: TrainConfig) -> TrainSummary:
             loss, gc, lc, ar, kd = sums.tolist()
             record = {"step": step, "epoch": round(step / per_epoch, 4), "loss": loss, "gc": gc, "lc": lc,
                       "ar": ar, "kd": kd, "lr": lr,
-                      "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}  # None: DeepSpeed's first steps
+                      # None: DeepSpeed's first steps
+                      "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
             if step % config.eval_interval == 0 or step == total:
                 eval_last = run_eval()
                 if eval_last:
@@ -638,7 +694,8 @@ def _objective_line(cfg: dict) -> str:
         parts.append(f"{cfg['ar_weight']} x AR on `{cfg['ar_target']}`")
     if cfg.get("kd_weight"):
         rollouts = cfg.get("rollout_prompts") or 0
-        parts.append(f"{cfg['kd_weight']} x `{cfg.get('kd_distance', 'fkl')}` to the frozen target on `{cfg['ar_target']}`"
+        parts.append(f"{cfg['kd_weight']} x `{cfg.get('kd_distance', 'fkl')}` to the frozen target on "
+                     f"`{cfg['ar_target']}`"
                      + (f" and {rollouts} rollouts per step" if rollouts else ""))
     return " + ".join(parts)
 

@@ -32,17 +32,26 @@ from cllm.decoding.costs import (
 
 @dataclass
 class TuneConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to tune: shipped name or local checkpoint dir"})
-    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, where load_for_decoding finds it)"})
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to tune: shipped name or local checkpoint "
+        "dir"})
+    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, where "
+        "load_for_decoding finds it)"})
     force: bool = field(default=False, metadata={"help": "overwrite an existing defaults file"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "the device the defaults are for (auto: cuda when there is one)"})
-    dtype: str = field(default="float32", metadata={"help": "the dtype you decode in (cllm generate's default is float32)"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads, as you will decode with (default: torch's own choice; recorded)"})
-    prefix: int = field(default=256, metadata={"help": "tokens cached before every timed step (lowered to fit the model's position limit)"})
-    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to time (1 is always added)"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "the device the defaults are for "
+        "(auto: cuda when there is one)"})
+    dtype: str = field(default="float32", metadata={"help": "the dtype you decode in (cllm generate's default is "
+        "float32)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads, as you will decode with (default: "
+        "torch's own choice; recorded)"})
+    prefix: int = field(default=256, metadata={"help": "tokens cached before every timed step (lowered to fit the "
+        "model's position limit)"})
+    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
+        "time (1 is always added)"})
     repeats: int = field(default=10, metadata={"help": "interleaved timing rounds (the min per k is used)"})
-    block_max_cost: float = field(default=BLOCK_MAX_COST, metadata={"help": "block size: the largest measured k whose t(k)/t(1) is at most this"})
-    budget_max_cost: float = field(default=BUDGET_MAX_COST, metadata={"help": "fed-token budget: the largest k whose interpolated t(k)/t(1) is at most this"})
+    block_max_cost: float = field(default=BLOCK_MAX_COST, metadata={"help": "block size: the largest measured k whose "
+        "t(k)/t(1) is at most this"})
+    budget_max_cost: float = field(default=BUDGET_MAX_COST, metadata={"help": "fed-token budget: the largest k whose "
+        "interpolated t(k)/t(1) is at most this"})
     max_block: int = field(default=MAX_BLOCK, metadata={"help": "block size at most"})
 
     def __post_init__(self):
@@ -96,7 +105,8 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     times = time_steps(model, config.k, prefix=prefix, rounds=config.repeats, tree=False)
     times_ms = [1e3 * min(times.causal[k]) for k in config.k]
     ratios = [t / times_ms[0] for t in times_ms]
-    rule = {"block_max_cost": config.block_max_cost, "budget_max_cost": config.budget_max_cost, "max_block": config.max_block}
+    rule = {"block_max_cost": config.block_max_cost, "budget_max_cost": config.budget_max_cost,
+            "max_block": config.max_block}
     chosen = choose_defaults(config.k, ratios, **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
                              model=str(path), machine={**machine(), "prefix": prefix})

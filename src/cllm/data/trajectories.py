@@ -28,9 +28,10 @@ Settings live in meta.json, never in file names. One record per (prompt, block):
 
 Token columns are Parquet list<int32>. All records of a prompt live in one shard, and each
 shard's footer lists the prompt ids it completes (also those whose records were all dropped as
-degenerate), so a resumed collection knows what is done without reading record data. Shards are written to a temporary file and
-renamed, so a shard is either whole or absent. Reading checks Parquet page checksums, the schema
-and every record's invariants: a damaged shard raises `TrajectoryError`, never a wrong batch.
+degenerate), so a resumed collection knows what is done without reading record data. Shards are
+written to a temporary file and renamed, so a shard is either whole or absent. Reading checks
+Parquet page checksums, the schema and every record's invariants: a damaged shard raises
+`TrajectoryError`, never a wrong batch.
 
 This module knows nothing about models or decoding; it stores and serves token ids.
 """

@@ -47,13 +47,22 @@ class JacobiConfig:
         the block boundary. 1 = one block at a time (the paper).
     """
 
-    block_size: int = field(default=16, metadata={"help": "Jacobi block size n: tokens solved together (1: greedy decoding; 4 with recycling suits a CPU, a GPU affords 16-32)"})
-    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "how a block's unknown tokens start: tokens sampled from the prompt (the reference), repeat the block's first token, random vocabulary, or lookup (what followed the same 1-3 tokens earlier)"})
-    recycle: int = field(default=0, metadata={"help": "n-gram recycling: pool drafts (prompt, output, earlier Jacobi states) verified beside the block per forward as a token trie; exact (0: the paper's plain Jacobi; when sampling, the first draft replaces the block's)"})
-    recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (after a 3-token match; half after a 2-token one)"})
-    recycle_min_ngram: int = field(default=2, metadata={"help": f"a pool draft must continue a match of at least this many tokens (1-{LOOKUP_NGRAM})"})
-    recycle_budget: int | None = field(default=24, metadata={"help": "with recycling: tokens fed per row per forward at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
-    blocks_in_flight: int = field(default=1, metadata={"help": "greedy: blocks drafted at once (multi-block decoding: the next blocks' drafts ride behind the current one); exact"})
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n: tokens solved together (1: greedy "
+        "decoding; 4 with recycling suits a CPU, a GPU affords 16-32)"})
+    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "how a block's "
+        "unknown tokens start: tokens sampled from the prompt (the reference), repeat the block's first token, random "
+        "vocabulary, or lookup (what followed the same 1-3 tokens earlier)"})
+    recycle: int = field(default=0, metadata={"help": "n-gram recycling: pool drafts (prompt, output, earlier Jacobi "
+        "states) verified beside the block per forward as a token trie; exact (0: the paper's plain Jacobi; when "
+        "sampling, the first draft replaces the block's)"})
+    recycle_width: int = field(default=16, metadata={"help": "tokens per pool draft at most (after a 3-token match; "
+        "half after a 2-token one)"})
+    recycle_min_ngram: int = field(default=2, metadata={"help": "a pool draft must continue a match of at least this "
+        f"many tokens (1-{LOOKUP_NGRAM})"})
+    recycle_budget: int | None = field(default=24, metadata={"help": "with recycling: tokens fed per row per forward "
+        "at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
+    blocks_in_flight: int = field(default=1, metadata={"help": "greedy: blocks drafted at once (multi-block decoding: "
+        "the next blocks' drafts ride behind the current one); exact"})
 
     def __post_init__(self) -> None:
         if self.recycle_budget == 0:
