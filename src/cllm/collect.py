@@ -289,79 +289,104 @@ def collect(config: CollectConfig) -> CollectSummary:
     """
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
-    from tqdm.auto import tqdm
 
-    from cllm import __version__
-    from cllm.data.prompts import load_prompts
-    from cllm.decoding.inputs import position_limit
-    from cllm.models import (
-        fingerprint,
-        load_model,
-        load_tokenizer,
-        pad_token_id,
-        resolve_dtype,
-        resolve_model_path,
-        tokenizer_fingerprint,
-    )
+    from cllm.models import resolve_model_path
 
     # Without a GPU, run as (gloo) CPU processes when launched as several: accelerate only
     # sets that up when asked, and its `--cpu` launcher starts one process (see the docstring).
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     state = PartialState(cpu=use_cpu)
     out = Path(config.out)
+    # 1. what this run produces: settings, prompts, fingerprints
+    prompts, tokenizer, meta = _plan(config)
+    # 2. check the output directory before touching it; learn what is done before any process
+    #    writes, so that every process deals the same remaining prompts
+    _prepare_out_dir(out, meta, Path(resolve_model_path(config.model)))
+    done = tj.completed_prompt_ids(out)
+    remaining = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
+    mine = remaining[state.process_index :: state.num_processes]
+    # 3. model and token ids (no model at all when this process has nothing left to do)
+    model, encoded = _load_inputs(config, mine, tokenizer, state.device)
+    # 4. only now that every input has loaded: the directory, its meta.json and config.json
+    #    (a failed load leaves nothing behind that would block the rerun)
+    if state.is_main_process:
+        _write_run_files(out, meta, config)
+    state.wait_for_everyone()
+    # 5. decode shard by shard
+    totals, seconds = _decode_shards(model, encoded, config, meta, out, state)
+    # 6. sum over processes; the main process prints
+    summed = _sum_over_processes(state, [len(encoded), *astuple(totals)])
+    n_prompts, *rest = (int(v) for v in summed)
+    t = _Counts(*rest)
+    summary = CollectSummary(
+        out=str(out), prompts=n_prompts, skipped=len(prompts) - len(remaining), records=t.records,
+        states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
+        new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds,
+    )
+    if state.is_main_process:
+        _print_summary(summary, state.num_processes)
+    return summary
 
-    # 1. What this run produces: settings, prompts, fingerprints -> meta.
+
+def _plan(config: CollectConfig) -> tuple[list, object, tj.TrajectoryMeta]:
+    """The prompts to collect, the tokenizer, and the meta that says what the run produces
+    (a rerun must produce the same to resume)."""
+    from cllm import __version__
+    from cllm.data.prompts import load_prompts
+    from cllm.models import fingerprint, load_tokenizer, pad_token_id, resolve_dtype, tokenizer_fingerprint
+
     all_prompts = load_prompts(config.prompts, text_field=config.text_field)
     if len({p.id for p in all_prompts}) != len(all_prompts):
         raise UserError(f"prompt set {config.prompts!r} has duplicate prompt ids")
     prompts_hash = hashlib.sha256()
     for p in all_prompts:
         prompts_hash.update(repr((p.id, p.text, p.reference)).encode())
-    prompts = all_prompts[: config.max_prompts]
     tokenizer = load_tokenizer(config.model)
-    eos_token_id = tokenizer.eos_token_id
-    pad_id = pad_token_id(tokenizer)
     meta = tj.TrajectoryMeta(
         model=config.model, model_fingerprint=fingerprint(config.model),
         tokenizer_fingerprint=tokenizer_fingerprint(config.model), block_size=config.block_size,
         max_new_tokens=config.max_new_tokens, guess=config.guess,
         dtype=str(resolve_dtype(config.dtype)).removeprefix("torch."), seed=config.seed,
         prompts=config.prompts, prompts_fingerprint=prompts_hash.hexdigest()[:16],
-        text_field=config.text_field, augment=config.augment, eos_token_id=eos_token_id,
-        pad_token_id=pad_id, cllm_version=__version__, drop_loops=config.drop_loops,
+        text_field=config.text_field, augment=config.augment, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_token_id(tokenizer), cllm_version=__version__, drop_loops=config.drop_loops,
     )
+    return all_prompts[: config.max_prompts], tokenizer, meta
 
-    # 2. Check the output directory before touching it; learn what is done before any
-    #    process writes, so that every process deals the same remaining prompts.
-    model_dir = Path(resolve_model_path(config.model))
-    _prepare_out_dir(out, meta, model_dir)
-    done = tj.completed_prompt_ids(out)
-    remaining = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
-    mine = remaining[state.process_index :: state.num_processes]
 
-    # 3. Model and token ids (no model at all when this process has nothing left to do).
-    model, encoded = None, []
-    if mine:
-        model = load_model(config.model, dtype=config.dtype, device=state.device)
-        context = position_limit(model) or 1 << 30
-        if context - config.max_new_tokens < 1:
-            raise UserError(f"max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the model's "
-                            f"{context} positions")
-        encoded, cut = _encode(mine, tokenizer, max_prompt_len=context - config.max_new_tokens)
-        if cut:
-            log.warning("%d prompts were cut from the left to fit the model's context", cut)
+def _load_inputs(config: CollectConfig, mine: list, tokenizer, device) -> tuple[torch.nn.Module | None, list[_Prompt]]:
+    """This process's model and encoded prompts (None and [] when it has nothing to do)."""
+    from cllm.decoding.inputs import position_limit
+    from cllm.models import load_model
 
-    # 4. Only now that every input has loaded: the directory, its meta.json and config.json
-    #    (a failed load leaves nothing behind that would block the rerun).
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / tj.META_FILE).exists():
-            tj.write_meta(out, meta)
-        write_config(config, out / "config.json")
-        tj.remove_partial_files(out)
-    state.wait_for_everyone()
+    if not mine:
+        return None, []
+    model = load_model(config.model, dtype=config.dtype, device=device)
+    context = position_limit(model) or 1 << 30
+    if context - config.max_new_tokens < 1:
+        raise UserError(f"max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the model's "
+                        f"{context} positions")
+    encoded, cut = _encode(mine, tokenizer, max_prompt_len=context - config.max_new_tokens)
+    if cut:
+        log.warning("%d prompts were cut from the left to fit the model's context", cut)
+    return model, encoded
 
-    # 5. Decode shard by shard; a prompt's records all go to one atomically written shard.
+
+def _write_run_files(out: Path, meta: tj.TrajectoryMeta, config: CollectConfig) -> None:
+    """The output directory with meta.json (once) and config.json; leftovers of a crash go."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / tj.META_FILE).exists():
+        tj.write_meta(out, meta)
+    write_config(config, out / "config.json")
+    tj.remove_partial_files(out)
+
+
+def _decode_shards(model, encoded: list[_Prompt], config: CollectConfig, meta: tj.TrajectoryMeta, out: Path,
+                   state) -> tuple[_Counts, float]:
+    """Jacobi-decode this process's prompts, a shard at a time; a prompt's records all go to
+    one atomically written shard. Returns the counts and the seconds it took."""
+    from tqdm.auto import tqdm
+
     totals = _Counts()
     seq = tj.next_shard_seq(out, state.process_index)
     bar = tqdm(total=len(encoded), unit="prompt", desc="collect", disable=not state.is_main_process)
@@ -375,9 +400,8 @@ def collect(config: CollectConfig) -> CollectSummary:
         for b in range(0, len(decodable), config.batch_size):
             batch = decodable[b : b + config.batch_size]
             with torch.inference_mode():
-                batch_records, counts = decode_batch(
-                    model, batch, config, eos_token_id=eos_token_id, pad_id=pad_id, device=state.device
-                )
+                batch_records, counts = decode_batch(model, batch, config, eos_token_id=meta.eos_token_id,
+                                                     pad_id=meta.pad_token_id, device=state.device)
             records += batch_records
             dropped += counts.dropped
             totals.add(counts)
@@ -388,21 +412,8 @@ def collect(config: CollectConfig) -> CollectSummary:
         tj.write_shard(out / tj.shard_name(state.process_index, seq), records,
                        completed_prompt_ids=done_ids, dropped=dropped)
         seq += 1
-    seconds = time.perf_counter() - start
     bar.close()
-
-    # 6. Sum over processes; the main process prints.
-    summed = _sum_over_processes(state, [len(encoded), *astuple(totals)])
-    n_prompts, *rest = (int(v) for v in summed)
-    t = _Counts(*rest)
-    summary = CollectSummary(
-        out=str(out), prompts=n_prompts, skipped=len(prompts) - len(remaining), records=t.records,
-        states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
-        new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds,
-    )
-    if state.is_main_process:
-        _print_summary(summary, state.num_processes)
-    return summary
+    return totals, time.perf_counter() - start
 
 
 def _print_summary(s: CollectSummary, processes: int) -> None:
