@@ -53,7 +53,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -417,6 +417,58 @@ class TrainSummary:
     selected_step: int | None = None  # --select gated: the step whose weights were exported
 
 
+@dataclass
+class _Run:
+    """What the steps of one `train` call share (state only; the functions below move it)."""
+
+    config: TrainConfig
+    accelerator: Any
+    engine: Any  # `cllm.parallel` engine description (DDP, FSDP, DeepSpeed)
+    out: Path
+    meta: Any  # the trajectories' meta
+    records: list[TrajectoryRecord]
+    micro: int  # records per micro-batch
+    accumulation: int  # micro-batches per process and step
+    per_epoch: int
+    max_states: int
+    total: int  # optimizer steps of the whole run
+    digest: str  # of the records: a resume must see the same data
+    saved: dict | None = None  # the checkpoint being resumed
+    tokenizer: Any = None
+    model: Any = None  # as prepared by accelerate (wrapped: DDP, FSDP, peft)
+    base: Any = None  # what decoding and HF calls see
+    keep: bool = False  # the model takes `logits_to_keep`
+    teacher: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    text_stream: torch.Tensor | None = None
+    prompts: list[list[int]] = field(default_factory=list)  # rollout prompts
+    eval_prompts: list = field(default_factory=list)
+    eval_block: int = 0
+    step: int = 0
+    elapsed: float = 0.0
+    eval_before: dict | None = None
+    eval_last: dict | None = None
+    best: dict | None = None  # --select gated: the fastest evaluation that passed the gates
+    loss: float | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CHECKPOINT
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / LOG
+
+
 def train(config: TrainConfig) -> TrainSummary:
     """Consistency-train `config.model` on `config.data` into `config.out` (resumable).
 
@@ -424,253 +476,294 @@ def train(config: TrainConfig) -> TrainSummary:
         config: a validated `TrainConfig`. Rerunning with the same config resumes from the last
             checkpoint; Ctrl-C saves one before stopping.
     """
+    run = _open_run(config)  # 1. processes, data, batch geometry, output dir, checkpoint to resume
+    _build_model(run)  # 2. model (+ LoRA), teacher, AdamW, schedule; restored when resuming
+    _load_side_inputs(run)  # 3. text windows, rollout prompts, held-out prompts
+    if run.saved is None:  # the untrained model's evaluation: the baseline of every later one
+        run.eval_before = run.eval_last = _evaluate(run)
+        if run.is_main and run.eval_before:
+            append_jsonl(run.log_path, {"step": 0, **{f"eval_{k}": v for k, v in run.eval_before.items()}})
+    _loop(run)  # 4. optimizer steps, logging, evaluations, checkpoints
+    return _finish(run)  # 5. the HF checkpoint, summary and model card (a finished run only)
+
+
+def _open_run(config: TrainConfig) -> _Run:
+    """Accelerate's processes, the records (checked against --model), the batch geometry, the
+    output directory and the checkpoint to resume, if any."""
     from accelerate import Accelerator
     from accelerate.utils import parse_flag_from_env
-    from tqdm.auto import tqdm
-
-    from cllm.decoding.inputs import position_limit
-    from cllm.models import fingerprint, load_model, load_tokenizer
 
     # Without a GPU, several launched processes are gloo CPU processes (see cllm.collect).
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=use_cpu, mixed_precision=parallel.mixed_precision(config.dtype, os.environ))
-    is_main, P, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    P = accelerator.num_processes
     engine = parallel.engine_of(accelerator)
     parallel.check_engine(engine, eval_count=config.eval_count, lora=config.lora,
                           model_rollouts=bool(config.rollout_prompts) and config.rollout_policy == "model")
     out = Path(config.out)
-    ckpt_path, log_path = out / CHECKPOINT, out / LOG
-
-    # 1. inputs: records (checked against --model), output dir, batch geometry, schedule length
     reader, records = open_data(config)
     config = resolve_ar_target(config, records)
-    meta = reader.meta
     check_out_dir(out, config)
     micro = config.micro_batch_size or max(config.batch_size // P, 1)
     if config.batch_size % (micro * P):
         raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
-    accumulation = config.batch_size // (micro * P)  # micro-batches per process and step
     per_epoch = len(records) // config.batch_size
-    max_states = max(len(r.states) + (len(r.augmented_states) if config.augmented else 0) for r in records)
-    total = config.max_steps or config.epochs * per_epoch
-    warmup = round(config.warmup_ratio * total)
-    digest = data_digest(records)
-    state = None
-    if ckpt_path.exists() and config.resume:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        check_resumable(state, config, digest)
-        if not engine.accelerate_checkpoints and "trainable" not in state:
+    run = _Run(config=config, accelerator=accelerator, engine=engine, out=out, meta=reader.meta, records=records,
+               micro=micro, accumulation=config.batch_size // (micro * P), per_epoch=per_epoch,
+               max_states=max(len(r.states) + (len(r.augmented_states) if config.augmented else 0)
+                              for r in records),
+               total=config.max_steps or config.epochs * per_epoch, digest=data_digest(records))
+    if run.ckpt_path.exists() and config.resume:
+        run.saved = torch.load(run.ckpt_path, map_location="cpu", weights_only=False)
+        check_resumable(run.saved, config, run.digest)
+        if not engine.accelerate_checkpoints and "trainable" not in run.saved:
             raise UserError(f"{out} was checkpointed by FSDP / DeepSpeed: resume it under the same engine, "
                             "or --resume false")
     accelerator.wait_for_everyone()
-    if is_main:
-        if state is None:
-            for stale in (ckpt_path, out / BEST, log_path, out / SUMMARY):
+    if run.is_main:
+        if run.saved is None:
+            for stale in (run.ckpt_path, out / BEST, run.log_path, out / SUMMARY):
                 stale.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         write_config(config, out / CONFIG)
+    return run
 
-    # 2. model (+ LoRA), AdamW, warm-up + cosine; restored from the checkpoint when resuming
-    tokenizer = load_tokenizer(config.model)
+
+def _build_model(run: _Run) -> None:
+    """Model (+ LoRA), frozen teacher, AdamW, warm-up + cosine, prepared by accelerate; the
+    checkpoint's weights, optimizer, schedule and position when resuming."""
+    from cllm.models import load_model, load_tokenizer
+
+    config, accelerator = run.config, run.accelerator
+    run.tokenizer = load_tokenizer(config.model)
     torch.manual_seed(config.seed)
     model = load_model(config.model, dtype="float32")
-    if config.gradient_checkpointing:  # non-reentrant: no inputs that require grad needed (LoRA)
+    if config.gradient_checkpointing:
         enable_checkpointing(model)
     if config.lora:
         model = add_lora(model, config)
     model.train()
-    base = model.get_base_model() if config.lora else model  # what decoding and HF calls see
-    keep = accepts_logits_to_keep(base)
-    teacher = load_teacher(config, model, accelerator.device)
+    run.base = model.get_base_model() if config.lora else model
+    run.keep = accepts_logits_to_keep(run.base)
+    run.teacher = load_teacher(config, model, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
+    warmup = round(config.warmup_ratio * run.total)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, run.total, warmup))
     # accelerate's `accumulate` syncs gradients (DDP, FSDP) and steps DeepSpeed's engine on the
     # last of a step's micro-batches; DeepSpeed reads its batch geometry from the same numbers
-    accelerator.gradient_accumulation_steps = accumulation
-    if engine.name == "deepspeed":
-        parallel.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, micro_batch=micro,
-                                       accumulation=accumulation, grad_clip=config.grad_clip)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    step, elapsed, eval_before, eval_last, best = 0, 0.0, None, None, None
-    if state is not None:
-        if engine.accelerate_checkpoints:
-            parallel.load_accelerate_state(accelerator, ckpt_path.parent, state)
-        else:
-            load_trainable_state(accelerator.unwrap_model(model), state["trainable"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-        step, elapsed = state["step"], state["elapsed_s"]
-        eval_before, eval_last, best = state["eval_before"], state["eval_last"], state.get("best")
-        if is_main:
-            truncate_log(log_path, step)
-        log.info("resuming %s from step %d of %d", out, step, total)
+    accelerator.gradient_accumulation_steps = run.accumulation
+    if run.engine.name == "deepspeed":
+        parallel.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, micro_batch=run.micro,
+                                       accumulation=run.accumulation, grad_clip=config.grad_clip)
+    run.model, run.optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(run.scheduler)
+    saved = run.saved
+    if saved is None:
+        return
+    if run.engine.accelerate_checkpoints:
+        parallel.load_accelerate_state(accelerator, run.ckpt_path.parent, saved)
+    else:
+        load_trainable_state(accelerator.unwrap_model(run.model), saved["trainable"])
+        run.optimizer.load_state_dict(saved["optimizer"])
+        run.scheduler.load_state_dict(saved["scheduler"])
+    run.step, run.elapsed = saved["step"], saved["elapsed_s"]
+    run.eval_before, run.eval_last, run.best = saved["eval_before"], saved["eval_last"], saved.get("best")
+    if run.is_main:
+        truncate_log(run.log_path, run.step)
+    log.info("resuming %s from step %d of %d", run.out, run.step, run.total)
 
-    text_stream = load_text_stream(config.ar_text, tokenizer) if config.ar_text else None
-    rollout_room = (position_limit(base) or 10**9) - config.rollout_tokens
+
+def _load_side_inputs(run: _Run) -> None:
+    """The text stream of the AR windows, the rollout prompts, and the held-out prompts (the
+    main process alone evaluates)."""
+    from cllm.decoding.inputs import position_limit
+
+    config = run.config
+    run.text_stream = load_text_stream(config.ar_text, run.tokenizer) if config.ar_text else None
+    context = position_limit(run.base)
+    rollout_room = (context or 10**9) - config.rollout_tokens
     if config.rollout_prompts and rollout_room < 1:
         raise UserError(f"rollout-tokens {config.rollout_tokens} leaves no room for a prompt")
-    prompts = [p[-rollout_room:] for p in rollout_prompts(records)] if config.rollout_prompts else []
+    run.prompts = [p[-rollout_room:] for p in rollout_prompts(run.records)] if config.rollout_prompts else []
+    run.eval_block = config.eval_block_size or run.meta.block_size
+    if config.eval_count and run.is_main:
+        run.eval_prompts = load_eval_prompts(config.eval_prompts, run.tokenizer, count=config.eval_count,
+                                             max_new_tokens=config.eval_max_new_tokens, context=context,
+                                             text_field=config.text_field)
 
-    # 3. held-out prompts, evaluated by the main process alone
-    context = position_limit(base)
-    block = config.eval_block_size or meta.block_size
-    eval_prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
-                                     max_new_tokens=config.eval_max_new_tokens, context=context,
-                                     text_field=config.text_field) if config.eval_count and is_main else []
 
-    def run_eval() -> dict | None:
-        result = None
-        if eval_prompts:
-            result = evaluate(base, eval_prompts, block_size=block, max_new_tokens=config.eval_max_new_tokens,
-                              batch_size=config.eval_batch_size, eos_token_id=meta.eos_token_id,
-                              pad_id=meta.pad_token_id, bf16=config.dtype == "bfloat16", seed=config.seed)
-        accelerator.wait_for_everyone()
-        return result
+def _evaluate(run: _Run) -> dict | None:
+    """The held-out evaluation (main process; None elsewhere or without prompts); every
+    process waits for it."""
+    config, result = run.config, None
+    if run.eval_prompts:
+        result = evaluate(run.base, run.eval_prompts, block_size=run.eval_block,
+                          max_new_tokens=config.eval_max_new_tokens, batch_size=config.eval_batch_size,
+                          eos_token_id=run.meta.eos_token_id, pad_id=run.meta.pad_token_id,
+                          bf16=config.dtype == "bfloat16", seed=config.seed)
+    run.accelerator.wait_for_everyone()
+    return result
 
-    def write_checkpoint() -> None:
-        """OUT/checkpoints/last.pt: the position and evaluations, with the trainable weights,
-        optimizer and scheduler, or (FSDP, DeepSpeed) naming accelerate's state folder beside it."""
-        epoch, index = divmod(step, per_epoch)
-        meta = {"step": step, "elapsed_s": elapsed, "config": config_to_dict(config),
-                "data_digest": digest, "data_position": {"epoch": epoch, "batch_in_epoch": index},
-                "eval_before": eval_before, "eval_last": eval_last, "best": best}
-        if engine.accelerate_checkpoints:
-            parallel.save_accelerate_state(accelerator, ckpt_path.parent, step, meta, ckpt_path)
-        elif is_main:
-            save_checkpoint(ckpt_path, {**meta, "trainable": trainable_state(accelerator.unwrap_model(model)),
-                                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
-    def consider(evaluation: dict) -> None:
-        """--select gated: keep these weights if they pass the text gates and are the fastest yet."""
-        nonlocal best
-        score = evaluation.get("tokens_per_forward_not_looping")
-        target_looping = (eval_before or {}).get("looping_rate", 0.0)
-        if score is None or not passes_text_gates(evaluation["looping_rate"], evaluation["degenerate_rate"],
-                                                  target_looping):
-            return
-        if best is None or score > best["score"]:
-            best = {"step": step, "score": score, "eval": evaluation}
-            save_checkpoint(out / BEST, {"trainable": trainable_state(accelerator.unwrap_model(model)), **best})
+def _write_checkpoint(run: _Run) -> None:
+    """OUT/checkpoints/last.pt: the position and evaluations, with the trainable weights,
+    optimizer and scheduler, or (FSDP, DeepSpeed) naming accelerate's state folder beside it."""
+    epoch, index = divmod(run.step, run.per_epoch)
+    meta = {"step": run.step, "elapsed_s": run.elapsed, "config": config_to_dict(run.config),
+            "data_digest": run.digest, "data_position": {"epoch": epoch, "batch_in_epoch": index},
+            "eval_before": run.eval_before, "eval_last": run.eval_last, "best": run.best}
+    if run.engine.accelerate_checkpoints:
+        parallel.save_accelerate_state(run.accelerator, run.ckpt_path.parent, run.step, meta, run.ckpt_path)
+    elif run.is_main:
+        save_checkpoint(run.ckpt_path, {**meta, "trainable": trainable_state(run.accelerator.unwrap_model(run.model)),
+                                        "optimizer": run.optimizer.state_dict(),
+                                        "scheduler": run.scheduler.state_dict()})
 
-    if state is None:
-        eval_before = eval_last = run_eval()
-        if is_main and eval_before:
-            append_jsonl(log_path, {"step": 0, **{f"eval_{k}": v for k, v in eval_before.items()}})
 
-    # 4. the loop
-    stop_at = min(total, config.stop_at_step or total)
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not is_main,
+def _consider(run: _Run, evaluation: dict) -> None:
+    """--select gated: keep these weights if they pass the text gates and are the fastest yet."""
+    score = evaluation.get("tokens_per_forward_not_looping")
+    target_looping = (run.eval_before or {}).get("looping_rate", 0.0)
+    if score is None or not passes_text_gates(evaluation["looping_rate"], evaluation["degenerate_rate"],
+                                              target_looping):
+        return
+    if run.best is None or score > run.best["score"]:
+        run.best = {"step": run.step, "score": score, "eval": evaluation}
+        save_checkpoint(run.out / BEST, {"trainable": trainable_state(run.accelerator.unwrap_model(run.model)),
+                                         **run.best})
+
+
+def _train_step(run: _Run) -> tuple[torch.Tensor, float, float | None]:
+    """One optimizer step on the global batch: this process's micro-batches, ONE backward each,
+    then clip, AdamW and the schedule. Returns this process's loss sums (total, gc, lc, ar, kd),
+    the learning rate used and the gradient norm."""
+    config, accelerator, meta = run.config, run.accelerator, run.meta
+    P, rank, micro, step = run.processes, run.accelerator.process_index, run.micro, run.step
+    # 1. the global batch: records, one state each, micro-batches, global counts
+    torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
+    batch = step_records(run.records, step, batch_size=config.batch_size, seed=config.seed)
+    draws = torch.rand(len(batch), run.max_states,
+                       generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
+    mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
+                            block_size=meta.block_size, config=config)
+           for i in range(0, len(batch), micro)]
+    if run.text_stream is not None:  # the step's text windows, dealt out to the micro-batches
+        windows = sample_text_windows(run.text_stream, config, step)
+        for mb, share in zip(mbs, windows.tensor_split(len(mbs)), strict=True):
+            mb.text = share
+    # the step's rollout prompts, dealt out to the micro-batches (decoded below, by their owner)
+    picks = step_rollout_prompts(run.prompts, step, config) if run.prompts else []
+    shares = [picks[i :: len(mbs)] for i in range(len(mbs))]
+    counts = Counts()
+    for mb, share in zip(mbs, shares, strict=True):
+        counts.add(mb, config, rollouts=len(share))
+    # 2. this process's micro-batches: forwards and ONE backward each; the last syncs
+    sums = torch.zeros(5, dtype=torch.float64)
+    for mb, share in list(zip(mbs, shares, strict=True))[rank::P]:
+        if share:  # on-policy: the model continues its prompts as it is now (or the teacher)
+            seeds = [derived_seed(config.seed, "rollout", step, i) for i in share]
+
+            def roll(m, share=share, seeds=seeds):
+                return make_rollouts(m, [run.prompts[i] for i in share], config, seeds,
+                                     eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
+
+            mb.rollout = roll(run.base) if config.rollout_policy == "model" else run.teacher(roll)
+        with accelerator.accumulate(run.model):
+            parts = micro_batch_loss(run.model, mb, counts, config, meta.pad_token_id, logits_to_keep=run.keep,
+                                     teacher=run.teacher)
+            # the terms are already this micro-batch's share of the global batch's loss, but
+            # accelerate (or DeepSpeed's engine) divides by the accumulated micro-batches and
+            # DDP, FSDP and DeepSpeed average over the processes: undo both
+            accelerator.backward(parts.total * (P * run.accumulation))
+        sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar, parts.kd]).detach().double().cpu()
+    # 3. clip, AdamW, schedule
+    grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), config.grad_clip or float("inf"))
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return sums, lr, None if grad_norm is None else float(grad_norm)
+
+
+def _loop(run: _Run) -> None:
+    """Steps until the end (or --stop-at-step, or Ctrl-C): each logged, evaluated every
+    `eval_interval` steps, checkpointed every `checkpoint_interval` (every process takes the
+    same branches)."""
+    from tqdm.auto import tqdm
+
+    config, accelerator = run.config, run.accelerator
+    stop_at = min(run.total, config.stop_at_step or run.total)
+    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not run.is_main,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
-    loss = None
     with sigint_flag() as interrupted:
-        while step < stop_at:
+        while run.step < stop_at:
             t0 = time.perf_counter()
-            # 4.1 the global batch: records, one state each, micro-batches, global counts
-            torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
-            batch = step_records(records, step, batch_size=config.batch_size, seed=config.seed)
-            draws = torch.rand(len(batch), max_states,
-                               generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
-            mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
-                                    block_size=meta.block_size, config=config)
-                   for i in range(0, len(batch), micro)]
-            if text_stream is not None:  # the step's text windows, dealt out to the micro-batches
-                windows = sample_text_windows(text_stream, config, step)
-                for mb, share in zip(mbs, windows.tensor_split(len(mbs)), strict=True):
-                    mb.text = share
-            # the step's rollout prompts, dealt out to the micro-batches (decoded below, by their owner)
-            picks = step_rollout_prompts(prompts, step, config) if prompts else []
-            shares = [picks[i :: len(mbs)] for i in range(len(mbs))]
-            counts = Counts()
-            for mb, share in zip(mbs, shares, strict=True):
-                counts.add(mb, config, rollouts=len(share))
-            # 4.2 this process's micro-batches: forwards and ONE backward each; the last syncs
-            mine = list(zip(mbs, shares, strict=True))[rank::P]
-            sums = torch.zeros(5, dtype=torch.float64)
-            for mb, share in mine:
-                if share:  # on-policy: the model continues its prompts as it is now (or the teacher)
-                    seeds = [derived_seed(config.seed, "rollout", step, i) for i in share]
-
-                    def roll(m, share=share, seeds=seeds):
-                        return make_rollouts(m, [prompts[i] for i in share], config, seeds,
-                                             eos_token_id=meta.eos_token_id, pad_id=meta.pad_token_id)
-
-                    mb.rollout = roll(base) if config.rollout_policy == "model" else teacher(roll)
-                with accelerator.accumulate(model):
-                    parts = micro_batch_loss(model, mb, counts, config, meta.pad_token_id, logits_to_keep=keep,
-                                             teacher=teacher)
-                    # the terms are already this micro-batch's share of the global batch's loss, but
-                    # accelerate (or DeepSpeed's engine) divides by the accumulated micro-batches and
-                    # DDP, FSDP and DeepSpeed average over the processes: undo both
-                    accelerator.backward(parts.total * (P * accumulation))
-                sums += torch.stack([parts.total, parts.gc, parts.lc, parts.ar, parts.kd]).detach().double().cpu()
-            # 4.3 clip, AdamW, schedule
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            # 4.4 log, evaluate, checkpoint (every process takes the same branches)
-            if P > 1:
+            sums, lr, grad_norm = _train_step(run)
+            run.step += 1
+            if run.processes > 1:
                 sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
                 flag = torch.tensor([float(interrupted["set"])], device=accelerator.device)
                 interrupted["set"] = bool(accelerator.reduce(flag, "sum").item())
-            loss, gc, lc, ar, kd = sums.tolist()
-            record = {"step": step, "epoch": round(step / per_epoch, 4), "loss": loss, "gc": gc, "lc": lc,
-                      "ar": ar, "kd": kd, "lr": lr,
-                      # None: DeepSpeed's first steps
-                      "grad_norm": float("nan") if grad_norm is None else float(grad_norm)}
-            if step % config.eval_interval == 0 or step == total:
-                eval_last = run_eval()
-                if eval_last:
-                    record |= {f"eval_{k}": v for k, v in eval_last.items()}
-                    if config.select == "gated" and is_main:
-                        consider(eval_last)
-            elapsed += time.perf_counter() - t0
-            record["elapsed_s"] = round(elapsed, 3)
-            if is_main:
-                append_jsonl(log_path, record)
+            run.loss, gc, lc, ar, kd = sums.tolist()
+            record = {"step": run.step, "epoch": round(run.step / run.per_epoch, 4), "loss": run.loss, "gc": gc,
+                      "lc": lc, "ar": ar, "kd": kd, "lr": lr,
+                      "grad_norm": float("nan") if grad_norm is None else grad_norm}  # None: DeepSpeed's first steps
+            if run.step % config.eval_interval == 0 or run.step == run.total:
+                run.eval_last = _evaluate(run)
+                if run.eval_last:
+                    record |= {f"eval_{k}": v for k, v in run.eval_last.items()}
+                    if config.select == "gated" and run.is_main:
+                        _consider(run, run.eval_last)
+            run.elapsed += time.perf_counter() - t0
+            record["elapsed_s"] = round(run.elapsed, 3)
+            if run.is_main:
+                append_jsonl(run.log_path, record)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tpf=f"{eval_last['tokens_per_forward']:.2f}" if eval_last else "-",
-                            refresh=False)
-            if step % config.checkpoint_interval == 0 or step == stop_at or interrupted["set"]:
-                write_checkpoint()
+            tpf = f"{run.eval_last['tokens_per_forward']:.2f}" if run.eval_last else "-"
+            bar.set_postfix(loss=f"{run.loss:.3f}", tpf=tpf, refresh=False)
+            if run.step % config.checkpoint_interval == 0 or run.step == stop_at or interrupted["set"]:
+                _write_checkpoint(run)
                 accelerator.wait_for_everyone()
-            if interrupted["set"] and step < total:
+            if interrupted["set"] and run.step < run.total:
                 bar.close()
-                raise KeyboardInterrupt(f"stopped at step {step}; rerun the command to resume")
+                raise KeyboardInterrupt(f"stopped at step {run.step}; rerun the command to resume")
     bar.close()
 
-    # 5. the HF checkpoint, summary and model card (a finished run only)
-    finished = step >= total
-    chosen = best if config.select == "gated" else None
-    if config.select == "gated" and best is None and finished and is_main:
+
+def _finish(run: _Run) -> TrainSummary:
+    """A finished run exports the HF checkpoint (with --select gated, the chosen step's
+    weights), train_summary.json and MODEL_CARD.md; every run returns its summary."""
+    from cllm.models import fingerprint
+
+    config, accelerator, out = run.config, run.accelerator, run.out
+    finished = run.step >= run.total
+    chosen = run.best if config.select == "gated" else None
+    if config.select == "gated" and run.best is None and finished and run.is_main:
         log.warning("no evaluation passed the gates (looping, degenerate); the last step's weights are exported")
-    summary = TrainSummary(out=str(out), finished=finished, steps=step, total_steps=total,
-                           records=len(records), train_time_s=round(elapsed, 1),
-                           final_loss=loss if loss is not None else _last_loss(log_path),
-                           eval_before=eval_before,
-                           eval_after=(chosen["eval"] if chosen else eval_last) if finished else None,
+    summary = TrainSummary(out=str(out), finished=finished, steps=run.step, total_steps=run.total,
+                           records=len(run.records), train_time_s=round(run.elapsed, 1),
+                           final_loss=run.loss if run.loss is not None else _last_loss(run.log_path),
+                           eval_before=run.eval_before,
+                           eval_after=(chosen["eval"] if chosen else run.eval_last) if finished else None,
                            selected_step=chosen["step"] if chosen and finished else None)
-    if finished and chosen and is_main:  # the gated choice's weights (the run's own state stays in last.pt)
+    if finished and chosen and run.is_main:  # the gated choice's weights (the run's own state stays in last.pt)
         saved = torch.load(out / BEST, map_location="cpu", weights_only=False)
-        load_trainable_state(accelerator.unwrap_model(model), saved["trainable"])
+        load_trainable_state(accelerator.unwrap_model(run.model), saved["trainable"])
     if finished:
-        export(accelerator, model, tokenizer, out, lora=config.lora)
-    if finished and is_main:
+        export(accelerator, run.model, run.tokenizer, out, lora=config.lora)
+    if finished and run.is_main:
         info = {"summary": asdict(summary), "base_model": config.model,
                 "base_fingerprint": fingerprint(config.model), "model_fingerprint": fingerprint(out),
-                "data": config.data, "data_meta": asdict(meta), "config": config_to_dict(config),
-                "processes": P, "engine": engine.name,
-                "eval_settings": {"prompts": config.eval_prompts, "count": len(eval_prompts),
-                                  "block_size": block, "max_new_tokens": config.eval_max_new_tokens}}
+                "data": config.data, "data_meta": asdict(run.meta), "config": config_to_dict(config),
+                "processes": run.processes, "engine": run.engine.name,
+                "eval_settings": {"prompts": config.eval_prompts, "count": len(run.eval_prompts),
+                                  "block_size": run.eval_block, "max_new_tokens": config.eval_max_new_tokens}}
         (out / SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
         (out / CARD).write_text(model_card(info))
     accelerator.wait_for_everyone()
-    if is_main:
+    if run.is_main:
         _print_summary(summary)
     return summary
 
