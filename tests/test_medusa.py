@@ -120,9 +120,9 @@ def test_bad_options_are_one_line_errors(trained, prompt_file, tmp_path, capsys,
 def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tmp_path, capsys):
     directory, _ = trained
     (tmp_path / "notes.txt").write_text("mine")
-    for out in (tmp_path, directory):
+    for out, why in ((tmp_path, "notes.txt"), (directory, "is the --model directory")):
         code, _, err = run(capsys, "medusa", "--model", directory, "--out", out)
-        assert code == 2 and err.count("\n") == 1
+        assert code == 2 and err.count("\n") == 1 and why in err
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 

@@ -11,7 +11,6 @@ import importlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.cli import COMMANDS, build_parser
 from cllm.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
-from tests.test_server import wait_until_up
+from tests.test_server import free_port, wait_until_up
 from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,12 +101,6 @@ def test_evaluate_cllm_writes_the_json_and_the_gates_readme(tiny, tmp_path):
     assert {g["name"] for g in result["gates"]["tiny"]} >= {"looping", "degenerate", "parses"}
     readme = (out / "README.md").read_text()
     assert "python scripts/evaluate_cllm.py --target" in readme and "Gates for `tiny`" in readme
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_load_test_refuses_a_url_off_this_machine():

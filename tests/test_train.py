@@ -38,7 +38,7 @@ from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.evaluate import decode_prompts, load_eval_prompts
 from cllm.objective import micro_batch_loss
-from cllm.rows import enable_checkpointing
+from cllm.rows import checkpointed, enable_checkpointing
 from cllm.train import CHECKPOINT, TrainConfig, train
 
 FILLER = [f"r{i}" for i in range(16)]
@@ -256,6 +256,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(world):
 
     plain = gradient()
     enable_checkpointing(model)
+    assert checkpointed(model)  # the second gradient really recomputes its activations
     assert torch.allclose(gradient(), plain, atol=1e-6, rtol=1e-4)
 
 

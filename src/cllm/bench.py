@@ -74,6 +74,7 @@ from cllm.decoding import (
     JacobiConfig,
     greedy_decode,
     jacobi_decode,
+    medusa_decode,
     speculative_decode,
 )
 from cllm.decoding.inputs import position_limit
@@ -115,6 +116,8 @@ class BenchConfig:
         "speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
     medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm "
         "medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
+    medusa_tree: int = field(default=0, metadata={"help": "method medusa: candidate tree nodes verified per forward "
+        "besides the root, built from the heads' measured accuracies (0: the heads' saved tree)"})
     draft_tokens: int = field(default=1, metadata={"help": "tokens the draft model proposes per step in speculative "
         "and cllm_speculative (1: the fastest measured with the shipped draft on a 2-core CPU; a GPU affords more)"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
@@ -187,6 +190,8 @@ class BenchConfig:
                              "which its exactness and agreement are measured against)")
         if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
             raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
+        if self.medusa_tree < 0:
+            raise ValueError(f"--medusa-tree must be >= 0, got {self.medusa_tree}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -250,17 +255,16 @@ def load_models(config: BenchConfig) -> BenchModels:
                          names={"target": config.target})
     if config.cllm is not None and not companion_skipped(config.cllm, "CLLM", "cllm_* methods (target-only run)"):
         models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
-    if config.draft_model is not None:
-        if companion_skipped(config.draft_model, "draft model", ", ".join(DRAFT_METHODS)):
-            pass
-        else:
-            models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    if config.draft_model is not None and not companion_skipped(config.draft_model, "draft model",
+                                                                 ", ".join(DRAFT_METHODS)):
+        models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
     if config.medusa is not None:
         from cllm.heads import load_heads
         from cllm.models import resolve_model_path
 
-        source = resolve_model_path(config.target) if config.medusa == "auto" else config.medusa
-        models.heads = load_heads(source, models.target, model_path=resolve_model_path(config.target))
+        target_dir = resolve_model_path(config.target)
+        source = target_dir if config.medusa == "auto" else config.medusa
+        models.heads = load_heads(source, models.target, model_path=target_dir)
         if models.heads is not None:
             models.names["medusa"] = str(source)
         elif config.medusa != "auto":
@@ -328,14 +332,14 @@ class Method:
     run: Callable[[EncodedPrompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
     # what the method keeps in memory beyond its model: a draft model, heads, a draft table
-    added: dict[str, float] = field(default_factory=dict)
+    added: dict[str, float] = field(default_factory=lambda: added_memory())
 
 
 def added_memory(module: torch.nn.Module | None = None, table: NgramTable | None = None) -> dict[str, float]:
     """`added_parameters` (a draft model's or heads') and `added_mb`: their weights at their
     dtype, plus a draft table's entries as stored (int32 context and next token)."""
-    params = sum(p.numel() for p in module.parameters()) if module is not None else 0
-    size = sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+    weights = list(module.parameters()) if module is not None else []
+    params, size = sum(p.numel() for p in weights), sum(p.numel() * p.element_size() for p in weights)
     if table is not None:
         size += 4 * sum(len(context) + 1 for context in table.next_token)
     return {"added_parameters": params, "added_mb": size / 2**20}
@@ -361,11 +365,16 @@ def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_n
                                 **engine)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
-        if counter.calls != out.forward_passes:  # the engine's count and the hook's must agree
-            raise RuntimeError(f"forward count mismatch: engine {out.forward_passes}, hook {counter.calls}")
+        _check_count(counter, out.forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
 
     return run
+
+
+def _check_count(counter: ForwardCounter, counted: int) -> None:
+    """A decoder's own forward count and the hook's must agree (else the hook misses calls)."""
+    if counter.calls != counted:
+        raise RuntimeError(f"forward count mismatch: decoder {counted}, hook {counter.calls}")
 
 
 def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
@@ -397,24 +406,23 @@ def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCou
     def run(prompt: EncodedPrompt) -> Decoded:
         out = speculative_decode(model, draft, _ids(prompt, model), draft_tokens=draft_tokens,
                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
-        engine = (out.forward_passes, out.stats.draft_forward_passes)
-        if (counter.calls, draft_counter.calls) != engine:  # the engine's counts and the hooks' must agree
-            raise RuntimeError(f"forward count mismatch: engine {engine}, hooks {(counter.calls, draft_counter.calls)}")
+        _check_count(counter, out.forward_passes)
+        _check_count(draft_counter, out.stats.draft_forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
                        draft_forward_passes=out.stats.draft_forward_passes)
 
     return run
 
 
-def medusa(model, heads, counter: ForwardCounter, *, max_new_tokens: int, eos) -> Callable[[EncodedPrompt], Decoded]:
-    """Greedy Medusa decoding: the heads' candidate tree (their saved default) verified by
-    `model` in one forward per step."""
-    from cllm.decoding import medusa_decode
+def medusa(model, heads, counter: ForwardCounter, *, tree: int | None, max_new_tokens: int,
+           eos) -> Callable[[EncodedPrompt], Decoded]:
+    """Greedy Medusa decoding: the heads' candidate tree (`tree` nodes, or their saved tree when
+    None) verified by `model` in one forward per step."""
 
     def run(prompt: EncodedPrompt) -> Decoded:
-        out = medusa_decode(model, heads, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
-        if counter.calls != out.forward_passes:  # the decoder's count and the hook's must agree
-            raise RuntimeError(f"forward count mismatch: decoder {out.forward_passes}, hook {counter.calls}")
+        out = medusa_decode(model, heads, _ids(prompt, model), tree=tree, max_new_tokens=max_new_tokens,
+                            eos_token_id=eos)
+        _check_count(counter, out.forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
 
     return run
@@ -467,8 +475,9 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             candidates["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
                 models.cllm, models.draft, cc, cd, **spec), [cc, cd], drafted)
     if models.heads is not None:
-        candidates["medusa"] = Method("medusa", target, medusa(target, models.heads, ct, **common), [ct],
-                                      added_memory(models.heads))
+        candidates["medusa"] = Method("medusa", target, medusa(target, models.heads, ct,
+                                                               tree=config.medusa_tree or None, **common),
+                                      [ct], added_memory(models.heads))
     wanted = config.methods or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
@@ -763,7 +772,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
         own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
                                          target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
-        results[m.name].update(m.added or {"added_parameters": 0, "added_mb": 0.0})
+        results[m.name].update(m.added)
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)

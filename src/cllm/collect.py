@@ -205,8 +205,7 @@ def decode_batch(
     records: list[tj.TrajectoryRecord] = []
     counts = _Counts(row_forwards=out.stats.row_forwards)
     for row, prompt in enumerate(prompts):
-        blocks = [(b.block_index, block_states(b), list(b.fixed_point))
-                  for b in sorted(recorder.blocks[row], key=lambda b: b.block_index)]
+        blocks = [(b.block_index, block_states(b), list(b.fixed_point)) for b in recorder.blocks[row]]
         # The hook and the output must tell the same story; anything else is an engine bug.
         joined = [t for _, _, fixed in blocks for t in fixed]
         if [b for b, _, _ in blocks] != list(range(len(blocks))) or joined != out.new_tokens[row]:

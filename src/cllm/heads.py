@@ -135,10 +135,10 @@ def save_heads(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     tmp = directory / f".{WEIGHTS_FILE}.partial"
     save_file(state, str(tmp))
     os.replace(tmp, directory / WEIGHTS_FILE)
-    record = {"format_version": FORMAT_VERSION, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
-              "vocab_size": heads.vocab_size, "own_projection": heads.own_projection,
-              "parameters_added": heads.parameters_added(), "accuracies": heads.accuracies, "tree": heads.tree,
-              **heads.meta}
+    # what the heads are now wins over `meta` (heads loaded from an older file carry its fields there)
+    record = {**heads.meta, "format_version": FORMAT_VERSION, "num_heads": heads.num_heads,
+              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "own_projection": heads.own_projection,
+              "parameters_added": heads.parameters_added(), "accuracies": heads.accuracies, "tree": heads.tree}
     (directory / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return directory
 

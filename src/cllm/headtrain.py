@@ -14,7 +14,6 @@ Nothing here prints: callers (`cllm medusa`, tests) log and report.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from cllm.decoding import cache as kv
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.inputs import eos_set, left_pad, model_device
 from cllm.heads import MedusaHeads
+from cllm.runstate import lr_factor
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,7 @@ class HeadsTrainer:
         self.optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr,
                                            weight_decay=weight_decay)
         warmup = min(warmup, steps)
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, steps, warmup))
         self.generator = torch.Generator().manual_seed(seed)
         self.step_index = 0
 
@@ -228,7 +222,6 @@ def train_heads(model: torch.nn.Module, texts: Sequence[Text], *, num_heads: int
     measured on the same texts; the model is left frozen and unchanged. For scripts and tests:
     `cllm medusa` adds held-out measurement, logs, checkpoints and an evaluation."""
     model.requires_grad_(False)
-    torch.manual_seed(seed)
     heads = MedusaHeads.for_model(model, num_heads=num_heads, own_projection=own_projection)
     states = hidden_states(model, texts, pad_id=pad_id, eos_token_id=eos_token_id)
     trainer = HeadsTrainer(heads, states, steps=steps, batch_size=batch_size, lr=lr, distance=distance, seed=seed)

@@ -161,8 +161,8 @@ def medusa(config: MedusaConfig) -> int:
     config.out = str(out)
     check_out_dir(out, model_dir, config)
     saved = out / CHECKPOINT
-    resuming = config.resume and not config.force and saved.exists()
-    if resuming and (out / TRAIN_CONFIG).exists():
+    resuming = config.resume and not config.force and saved.exists() and (out / TRAIN_CONFIG).exists()
+    if resuming:
         _same_run(json.loads((out / TRAIN_CONFIG).read_text()), config)
     else:
         for name in OURS:
@@ -186,7 +186,6 @@ def medusa(config: MedusaConfig) -> int:
         held_states = hidden_states(model, held_texts, pad_id=pad, eos_token_id=eos, progress=bar.update)
 
     # 3. train the heads alone; log, hold-out loss and checkpoint every --eval-every steps
-    torch.manual_seed(config.seed)
     heads = MedusaHeads.for_model(model, num_heads=config.heads, own_projection=config.own_projection)
     trainer = HeadsTrainer(heads, train_states, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                            weight_decay=config.weight_decay, warmup=config.warmup,

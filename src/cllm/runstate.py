@@ -4,6 +4,7 @@ rewound on resume, and a Ctrl-C that stops between steps instead of in the middl
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -58,3 +59,10 @@ def sigint_flag():
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up to 1, then cosine decay to 0 at `total` steps (a LambdaLR factor)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))

@@ -46,7 +46,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -75,7 +74,7 @@ from cllm.evaluate import evaluate, load_eval_prompts
 from cllm.objective import load_teacher, micro_batch_loss
 from cllm.quality import passes_text_gates
 from cllm.rows import enable_checkpointing
-from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
+from cllm.runstate import append_jsonl, lr_factor, save_checkpoint, sigint_flag, truncate_log
 from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
@@ -266,26 +265,20 @@ class TrainConfig:
         return self.kd_weight > 0 or self.consistency_teacher == "target"
 
 
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up to 1, then cosine decay to 0 at `total` steps (a LambdaLR factor)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
 # ---------------------------------------------------------------------------------------------
 # Inputs, checkpoints, export
 
 
-def open_data(config: TrainConfig) -> tuple[TrajectoryReader, list[TrajectoryRecord]]:
+def open_data(config: TrainConfig, base_fingerprint: str) -> tuple[TrajectoryReader, list[TrajectoryRecord]]:
     """The trajectory directories (comma-separated: their records together, e.g. earlier on-policy
-    rounds kept beside the latest), each collected with --model or --teacher, one block size and
-    tokenizer; every problem is one UserError. Returns the first directory's reader (its meta
-    describes the run) and all records."""
+    rounds kept beside the latest), each collected with --model (`base_fingerprint`: its
+    `cllm.models.fingerprint`) or --teacher, one block size and tokenizer; every problem is one
+    UserError. Returns the first directory's reader (its meta describes the run) and all records."""
     from cllm.models import fingerprint, tokenizer_fingerprint
 
     paths = [Path(p.strip()) for p in config.data.split(",") if p.strip()]
-    allowed = {fingerprint(config.model): config.model}
+    allowed = {base_fingerprint: config.model}
+    tokenizer_print = tokenizer_fingerprint(config.model)
     if config.teacher:
         allowed[fingerprint(config.teacher)] = config.teacher
     readers, records = [], []
@@ -294,12 +287,12 @@ def open_data(config: TrainConfig) -> tuple[TrajectoryReader, list[TrajectoryRec
             raise UserError(f"trajectory directory not found: {path}")
         reader = TrajectoryReader(path)
         meta = reader.meta
-        if meta.tokenizer_fingerprint != tokenizer_fingerprint(config.model):
+        if meta.tokenizer_fingerprint != tokenizer_print:
             raise UserError(f"{path} was collected with another tokenizer than --model {config.model} "
-                            f"({meta.tokenizer_fingerprint} != {tokenizer_fingerprint(config.model)})")
+                            f"({meta.tokenizer_fingerprint} != {tokenizer_print})")
         if meta.model_fingerprint not in allowed:
             raise UserError(f"{path} was collected with another model ({meta.model!r}, fingerprint "
-                            f"{meta.model_fingerprint}) than --model {config.model} ({fingerprint(config.model)})"
+                            f"{meta.model_fingerprint}) than --model {config.model} ({base_fingerprint})"
                             + (f" or --teacher {config.teacher}" if config.teacher else ""))
         if readers and meta.block_size != readers[0].meta.block_size:
             raise UserError(f"{path} has block size {meta.block_size}, {readers[0].directory} "
@@ -433,6 +426,7 @@ class _Run:
     max_states: int
     total: int  # optimizer steps of the whole run
     digest: str  # of the records: a resume must see the same data
+    base_fingerprint: str  # of --model's checkpoint
     saved: dict | None = None  # the checkpoint being resumed
     tokenizer: Any = None
     model: Any = None  # as prepared by accelerate (wrapped: DDP, FSDP, peft)
@@ -501,7 +495,10 @@ def _open_run(config: TrainConfig) -> _Run:
     parallel.check_engine(engine, eval_count=config.eval_count, lora=config.lora,
                           model_rollouts=bool(config.rollout_prompts) and config.rollout_policy == "model")
     out = Path(config.out)
-    reader, records = open_data(config)
+    from cllm.models import fingerprint
+
+    base_fingerprint = fingerprint(config.model)  # read once: checked against the data, written in the summary
+    reader, records = open_data(config, base_fingerprint)
     config = resolve_ar_target(config, records)
     check_out_dir(out, config)
     micro = config.micro_batch_size or max(config.batch_size // P, 1)
@@ -513,7 +510,8 @@ def _open_run(config: TrainConfig) -> _Run:
                micro=micro, accumulation=config.batch_size // (micro * P), per_epoch=per_epoch,
                max_states=max(len(r.states) + (len(r.augmented_states) if config.augmented else 0)
                               for r in records),
-               total=config.max_steps or config.epochs * per_epoch, digest=data_digest(records))
+               total=config.max_steps or config.epochs * per_epoch, digest=data_digest(records),
+               base_fingerprint=base_fingerprint)
     if run.ckpt_path.exists() and config.resume:
         run.saved = torch.load(run.ckpt_path, map_location="cpu", weights_only=False)
         check_resumable(run.saved, config, run.digest)
@@ -635,7 +633,7 @@ def _consider(run: _Run, evaluation: dict) -> None:
                                          **run.best})
 
 
-def _train_step(run: _Run) -> tuple[torch.Tensor, float, float | None]:
+def _train_step(run: _Run) -> tuple[torch.Tensor, float, float]:
     """One optimizer step on the global batch: this process's micro-batches, ONE backward each,
     then clip, AdamW and the schedule. Returns this process's loss sums (total, gc, lc, ar, kd),
     the learning rate used and the gradient norm."""
@@ -684,7 +682,7 @@ def _train_step(run: _Run) -> tuple[torch.Tensor, float, float | None]:
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return sums, lr, None if grad_norm is None else float(grad_norm)
+    return sums, lr, float("nan") if grad_norm is None else float(grad_norm)  # None: DeepSpeed's first steps
 
 
 def _loop(run: _Run) -> None:
@@ -709,7 +707,7 @@ def _loop(run: _Run) -> None:
             run.loss, gc, lc, ar, kd = sums.tolist()
             record = {"step": run.step, "epoch": round(run.step / run.per_epoch, 4), "loss": run.loss, "gc": gc,
                       "lc": lc, "ar": ar, "kd": kd, "lr": lr,
-                      "grad_norm": float("nan") if grad_norm is None else grad_norm}  # None: DeepSpeed's first steps
+                      "grad_norm": grad_norm}
             if run.step % config.eval_interval == 0 or run.step == run.total:
                 run.eval_last = _evaluate(run)
                 if run.eval_last:
@@ -755,7 +753,7 @@ def _finish(run: _Run) -> TrainSummary:
         export(accelerator, run.model, run.tokenizer, out, lora=config.lora)
     if finished and run.is_main:
         info = {"summary": asdict(summary), "base_model": config.model,
-                "base_fingerprint": fingerprint(config.model), "model_fingerprint": fingerprint(out),
+                "base_fingerprint": run.base_fingerprint, "model_fingerprint": fingerprint(out),
                 "data": config.data, "data_meta": asdict(run.meta), "config": config_to_dict(config),
                 "processes": run.processes, "engine": run.engine.name,
                 "eval_settings": {"prompts": config.eval_prompts, "count": len(run.eval_prompts),
