@@ -204,12 +204,16 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
     with torch.inference_mode():
         (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
                              generator=torch.Generator(device=device).manual_seed(params.seed or 0))
-        while True:
-            final = decoder.tokens(row)
-            stream.feed(final[len(stream.tokens):])
-            if decoder.done(row) or stream.stopped or (cancelled is not None and cancelled()):
-                break
-            decoder.step()
+        stream.feed(decoder.tokens(row))  # the prefill's token
+
+        def more() -> bool:
+            return not (decoder.done(row) or stream.stopped or (cancelled is not None and cancelled()))
+
+        if more():
+            for event in decoder.steps():
+                stream.feed(event.new_tokens[row])
+                if not more():
+                    break
     return decoder.forward_passes(row)
 
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from cllm.config import UserError, config_to_dict, write_config
+from cllm.config import UserError, write_config
 from cllm.decoding.medusa import DEFAULT_NODES, DEFAULT_TOP_K
 from cllm.heads import CONFIG_FILE, WEIGHTS_FILE
 
@@ -125,15 +125,6 @@ def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
         raise UserError(f"{out} already holds Medusa heads; --force replaces them")
 
 
-def _same_run(saved: dict, config: MedusaConfig) -> None:
-    current = config_to_dict(config)
-    for key in sorted(set(saved) | set(current)):
-        if key not in RESUME_FREE and saved.get(key) != current.get(key):
-            raise UserError(f"{config.out} holds an unfinished run with {key}={saved.get(key)!r}, not "
-                            f"{current.get(key)!r}: "
-                            "use another --out, --resume false, or the same options")
-
-
 def medusa(config: MedusaConfig) -> int:
     from tqdm.auto import tqdm
 
@@ -150,7 +141,7 @@ def medusa(config: MedusaConfig) -> int:
         resolve_model_path,
         tokenizer_fingerprint,
     )
-    from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
+    from cllm.runstate import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 
     started = time.perf_counter()
     # 1. where the heads go, and whether an unfinished run is there to resume
@@ -163,7 +154,7 @@ def medusa(config: MedusaConfig) -> int:
     saved = out / CHECKPOINT
     resuming = config.resume and not config.force and saved.exists() and (out / TRAIN_CONFIG).exists()
     if resuming:
-        _same_run(json.loads((out / TRAIN_CONFIG).read_text()), config)
+        check_same_run(json.loads((out / TRAIN_CONFIG).read_text()), config, free=RESUME_FREE)
     else:
         for name in OURS:
             (out / name).unlink(missing_ok=True)

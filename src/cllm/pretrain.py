@@ -40,7 +40,7 @@ from cllm.data.tokenizer import (
     train_tokenizer,
 )
 from cllm.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate, stream_loss, window_loss
-from cllm.runstate import append_jsonl, save_checkpoint, sigint_flag, truncate_log
+from cllm.runstate import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 
 logger = logging.getLogger(__name__)
 
@@ -194,16 +194,6 @@ def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: Pretr
 # ---------------------------------------------------------------------------------- state
 
 
-def _check_resumable(saved: dict, config: PretrainConfig) -> None:
-    current = config_to_dict(config)
-    for key in sorted(set(saved) | set(current)):
-        if key not in _RESUME_FREE and saved.get(key) != current.get(key):
-            raise UserError(
-                f"{config.out} holds a run with {key}={saved.get(key)!r}, not {current.get(key)!r}: "
-                "use another --out or --resume false"
-            )
-
-
 # ---------------------------------------------------------------------------------- main
 
 
@@ -246,7 +236,7 @@ def pretrain(config: PretrainConfig) -> Path:
     state = None
     if config.resume and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        _check_resumable(state["config"], config)
+        check_same_run(state["config"], config, free=_RESUME_FREE)
     elif ckpt_path.exists():
         ckpt_path.unlink()
         log_path.unlink(missing_ok=True)

@@ -22,6 +22,21 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_same_run(saved: dict, config, *, free: frozenset[str] | set[str] = frozenset()) -> None:
+    """Refuse to resume `config.out` with options other than those of the run it holds (`saved`,
+    its config as written): the `free` ones may change; an option added since the run started,
+    left at its default, is no change."""
+    from cllm.config import UserError, config_to_dict
+
+    current, defaults = config_to_dict(config), config_to_dict(type(config)())
+    for key in sorted(set(saved) | set(current)):
+        if key not in saved and current.get(key) == defaults.get(key):
+            continue
+        if key not in free and saved.get(key) != current.get(key):
+            raise UserError(f"{config.out} holds a run with {key}={saved.get(key)!r}, not {current.get(key)!r}: "
+                            "use another --out, --resume false, or the same options")
+
+
 def append_jsonl(path: Path, record: dict) -> None:
     with path.open("a") as fh:
         fh.write(json.dumps(record) + "\n")

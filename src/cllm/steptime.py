@@ -7,7 +7,7 @@ in-process (no weights, no download), and three measurements after a cached pref
   `cache.commit` rolling all k back, so every step sees the same cache length (what a plain
   Jacobi step costs);
 - tree step: the same through `cache.feed_tree` with a recycling trie of k tokens built by the
-  engine's own `_Trie` (a block tail plus pool drafts sharing its root: the tree mask path);
+  engine's own `TokenTrie` (a block tail plus pool drafts sharing its root: the tree mask path);
 - host time: `jacobi_decode` run for real, its wall clock minus the time inside the model's
   forward calls (device synced at each call's start and end, by forward hooks), per forward.
   That is the engine's Python around the model: tails, tries, acceptance, cache commits, the
@@ -128,10 +128,10 @@ def sync(device: torch.device) -> None:
 
 
 def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[int], list[list[bool]]]:
-    """A recycling trie of exactly k tokens, built by the engine's `_Trie`: a Jacobi tail of
+    """A recycling trie of exactly k tokens, built by the engine's `TokenTrie`: a Jacobi tail of
     min(tail, k) tokens, then drafts of `width` tokens branching off the root until k are fed.
     Returns its token ids (arbitrary, distinct), position offsets and ancestor mask (k x k)."""
-    from cllm.decoding.jacobi import _Trie
+    from cllm.decoding.jacobi import TokenTrie
 
     first = min(tail, k)
     tail_tokens = list(range(first))
@@ -139,7 +139,7 @@ def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[
     while first + width * len(drafts) < k:  # every draft has a fresh first token: no sharing
         drafts.append(list(range(next_id, next_id + width)))
         next_id += width
-    trie = _Trie.build(tail_tokens, drafts, budget=k)
+    trie = TokenTrie.build(tail_tokens, drafts, budget=k)
     assert len(trie.tokens) == k, (k, len(trie.tokens))
     return trie.tokens, trie.depth, trie.ancestor_rows(k)
 

@@ -74,7 +74,7 @@ from cllm.evaluate import evaluate, load_eval_prompts
 from cllm.objective import load_teacher, micro_batch_loss
 from cllm.quality import passes_text_gates
 from cllm.rows import enable_checkpointing
-from cllm.runstate import append_jsonl, lr_factor, save_checkpoint, sigint_flag, truncate_log
+from cllm.runstate import append_jsonl, check_same_run, lr_factor, save_checkpoint, sigint_flag, truncate_log
 from cllm.seeds import derived_seed
 
 log = logging.getLogger(__name__)
@@ -338,14 +338,7 @@ def check_out_dir(out: Path, config: TrainConfig) -> None:
 
 
 def check_resumable(saved: dict, config: TrainConfig, digest: str) -> None:
-    current = config_to_dict(config)
-    defaults = config_to_dict(TrainConfig())
-    for key in sorted(set(saved["config"]) | set(current)):
-        if key not in saved["config"] and current.get(key) == defaults.get(key):
-            continue  # an option added since the run started, left at its default
-        if key not in RESUME_FREE and saved["config"].get(key) != current.get(key):
-            raise UserError(f"{config.out} holds a run with {key}={saved['config'].get(key)!r}, not "
-                            f"{current.get(key)!r}: use another --out or --resume false")
+    check_same_run(saved["config"], config, free=RESUME_FREE)
     if saved["data_digest"] != digest:
         raise UserError(f"the records in {config.data} changed since {config.out} was checkpointed: "
                         "use another --out or --resume false")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.jacobi import _Trie, lookup_continuation, pool_candidates
+from cllm.decoding.jacobi import TokenTrie, lookup_continuation, pool_candidates
 from tests.decoding.conftest import left_padded, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
 
@@ -66,7 +66,7 @@ def test_pool_candidates_search_the_history_then_recent_states():
 
 def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
     # tail 5 | 1 2 3; drafts 1 2 9 (shares "1 2") and 4 4 (a new branch from the root)
-    trie = _Trie.build([5, 1, 2, 3], [[1, 2, 9], [4, 4]])
+    trie = TokenTrie.build([5, 1, 2, 3], [[1, 2, 9], [4, 4]])
     assert trie.tokens == [5, 1, 2, 3, 9, 4, 4]
     assert trie.parent == [-1, 0, 1, 2, 2, 0, 5]
     assert trie.depth == [0, 1, 2, 3, 3, 1, 2]
@@ -76,11 +76,11 @@ def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
     assert trie.accepted_path(outputs) == [0, 1, 2, 4]
     assert trie.accepted_path([4, 0, 0, 0, 0, 4, 8]) == [0, 5, 6]  # the second draft, whole
     assert trie.accepted_path([8, 0, 0, 0, 0, 0, 0]) == [0]  # nothing matches: the root only
-    assert _Trie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
+    assert TokenTrie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
 
 
 def test_trie_mask_rows_are_ancestors_and_padding_rows_are_empty():
-    trie = _Trie.build([5, 1, 2], [[7]])  # nodes 0:5, 1:1, 2:2 (tail), 3:7 (draft under the root)
+    trie = TokenTrie.build([5, 1, 2], [[7]])  # nodes 0:5, 1:1, 2:2 (tail), 3:7 (draft under the root)
     T, F = True, False
     assert trie.ancestor_rows(5) == [[T, F, F, F, F],
                                      [T, T, F, F, F],
@@ -91,11 +91,11 @@ def test_trie_mask_rows_are_ancestors_and_padding_rows_are_empty():
 
 def test_trie_budget_cuts_drafts_but_never_the_tail():
     tail, drafts = [5, 1, 2, 3], [[1, 2, 9, 9], [4, 4, 4]]
-    assert _Trie.build(tail, drafts).tokens == [5, 1, 2, 3, 9, 9, 4, 4, 4]
-    trie = _Trie.build(tail, drafts, budget=6)  # the first draft shares 1, 2 and adds 9, 9
+    assert TokenTrie.build(tail, drafts).tokens == [5, 1, 2, 3, 9, 9, 4, 4, 4]
+    trie = TokenTrie.build(tail, drafts, budget=6)  # the first draft shares 1, 2 and adds 9, 9
     assert trie.tokens == [5, 1, 2, 3, 9, 9] and trie.leaves == [3, 5, 0]  # the second: cut whole
-    assert _Trie.build(tail, drafts, budget=5).tokens == [5, 1, 2, 3, 9]  # a draft cut inside
-    assert _Trie.build(tail, drafts, budget=2).tokens == [5, 1, 2, 3]  # the tail is fed whole
+    assert TokenTrie.build(tail, drafts, budget=5).tokens == [5, 1, 2, 3, 9]  # a draft cut inside
+    assert TokenTrie.build(tail, drafts, budget=2).tokens == [5, 1, 2, 3]  # the tail is fed whole
 
 
 @pytest.mark.parametrize("min_ngram", [1, 2])

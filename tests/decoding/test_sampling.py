@@ -32,7 +32,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import cllm.decoding.jacobi as jacobi_module
+import cllm.decoding.jacobi.verifiers as jacobi_module
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling, draw, sample_decode, verify_drafts

@@ -64,6 +64,16 @@ def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(t) for t in eos_token_id)
 
 
+def cut_final(tokens: Sequence[int], eos: frozenset[int], room: int) -> tuple[int, bool]:
+    """How many of a row's newly final `tokens` (in order) it keeps with `room` tokens of budget
+    left: up to and including the first EOS, at most `room`; and whether the row is then done."""
+    n = min(len(tokens), room)
+    for i in range(n):
+        if tokens[i] in eos:
+            return i + 1, True
+    return n, n == room
+
+
 def row_generators(
     generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int
 ) -> list[torch.Generator | None]:

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, prepare_prompt
+from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 Path = tuple[int, ...]  # top-k ranks, one per depth: (r1, .., rd) = head 1's r1-th token, ...
@@ -168,10 +168,10 @@ def medusa_steps(
     rc, out = kv.prefill_hidden(model, prompt.input_ids, prompt.attention_mask)
     stats.forward_passes += 1
     root, hidden = int(out.logits[0, -1].argmax()), out.hidden[:, -1]  # hidden: (1, H)
-    written = 1
+    written, done = 1, cut_final([root], eos, max_new_tokens)[1]
     stats.count(0, 1)
     yield [root]
-    if root in eos or written == max_new_tokens:
+    if done:
         return
     while True:
         # 2. candidates: head k's top-r tokens at the last verified position fill depth k; the
@@ -190,12 +190,12 @@ def medusa_steps(
         # 4. keep the accepted path's entries; the output after its last node is final too
         kv.commit_kept(rc, [path], fed=L)
         new = tokens[path[1:]].tolist() + [int(outputs[path[-1]])]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        new = new[: min(cut, max_new_tokens - written)]
-        written += len(new)
-        stats.count(0, len(new))
+        kept, done = cut_final(new, eos, max_new_tokens - written)
+        new = new[:kept]
+        written += kept
+        stats.count(0, kept)
         yield new
-        if new[-1] in eos or written == max_new_tokens:
+        if done:
             return
         root, hidden = new[-1], out.hidden[:, path[-1]]
 

@@ -71,6 +71,15 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def pick_tokens(logits: torch.Tensor, sampling: Sampling | None,
+                generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Every row's next token from its logits (B, V): the argmax (greedy), or one draw per row
+    from the sampled distribution with the row's generator."""
+    if sampling is None:
+        return logits.argmax(dim=-1).tolist()
+    return [draw(p, g) for p, g in zip(sampling.probs(logits), generators, strict=True)]
+
+
 def verify_drafts(
     tail: Sequence[int], drafts_q: Sequence[torch.Tensor | None], probs: torch.Tensor,
     generator: torch.Generator | None,
@@ -129,10 +138,5 @@ def sample_decode(
 
     sampling = Sampling(float(temperature), top_k, top_p)
     generators = row_generators(generator, input_ids.shape[0])
-
-    def choose(logits: torch.Tensor) -> list[int]:
-        probs = sampling.probs(logits)  # (B, V)
-        return [draw(p, g) for p, g in zip(probs, generators, strict=True)]
-
     return autoregressive(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                          eos_token_id=eos_token_id, choose=choose)
+                          eos_token_id=eos_token_id, choose=lambda logits: pick_tokens(logits, sampling, generators))

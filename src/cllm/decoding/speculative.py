@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cllm.decoding import cache as kv
-from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt, row_generators
-from cllm.decoding.sampling import Sampling, draw, make_sampling, verify_drafts
+from cllm.decoding.inputs import cut_final, eos_set, left_pad, model_device, prepare_prompt, row_generators
+from cllm.decoding.sampling import Sampling, draw, make_sampling, pick_tokens, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 # How the draft length changes between steps: "constant" keeps k; "heuristic" is transformers'
@@ -167,13 +167,10 @@ class _Row:
 
 def _make_final(row: _Row, tokens: Sequence[int], eos: frozenset[int], budget: int) -> int:
     """Append newly final tokens, cut at EOS and at the budget; returns how many were kept."""
-    kept = 0
-    for token in tokens:
-        if row.done:
-            break
-        row.known.append(token)
-        kept += 1
-        row.done = token in eos or len(row.known) >= budget
+    if row.done:
+        return 0
+    kept, row.done = cut_final(tokens, eos, budget - len(row.known))
+    row.known += tokens[:kept]
     return kept
 
 
@@ -193,14 +190,6 @@ def _verify(logits: torch.Tensor, tail: torch.Tensor, drafts: Drafts, sampling: 
         outputs, a, _ = verify_drafts(fed, drafts.laws[r], probs[r], g)
         verified.append((a, outputs[: a + 1]))
     return verified
-
-
-def _first_tokens(logits: torch.Tensor, sampling: Sampling | None,
-                  generators: Sequence[torch.Generator | None]) -> list[int]:
-    """The prefill's token for every row, from its last logits (B, V)."""
-    if sampling is None:
-        return logits.argmax(dim=-1).tolist()
-    return [draw(p, g) for p, g in zip(sampling.probs(logits), generators, strict=True)]
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -275,7 +264,7 @@ def speculative_decode(
     # 1. prefill the target: every row's first token
     rc, logits = kv.prefill(target, prompt.input_ids, prompt.attention_mask)
     stats.forward_passes = 1
-    for row, token in zip(rows, _first_tokens(logits, sampling, [r.generator for r in rows]), strict=True):
+    for row, token in zip(rows, pick_tokens(logits, sampling, [r.generator for r in rows]), strict=True):
         stats.count(row.index, _make_final(row, [token], eos, max_new_tokens))
     drafter = ModelDrafter(draft, [prompt.row_tokens(r).tolist() for r in range(B)], sampling)
     active, k = rows, draft_tokens

@@ -81,7 +81,7 @@ class DecodeStats:
     # per forward after the prefill: tokens fed per row (the batch's width, padding included);
     # a step's cost grows with it (t(k) in the bound of docs/method.md#counting)
     fed: list[int] = field(default_factory=list)
-    # Jacobi only: new tokens by where they came from (`jacobi.SOURCES`: "ar", "jacobi", "pool",
+    # Jacobi only: new tokens by where they came from (`jacobi.rule.SOURCES`: "ar", "jacobi", "pool",
     # "table", "guess"); what makes a method fast
     sources: dict[str, int] = field(default_factory=dict)
 

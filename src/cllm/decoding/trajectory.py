@@ -21,7 +21,7 @@ class BlockTrajectory:
     states: list[tuple[int, ...]] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # per state: its leading final tokens
     fixed_point: tuple[int, ...] = ()
-    sources: tuple[str, ...] = ()  # where each fixed-point token came from (`jacobi.SOURCES`)
+    sources: tuple[str, ...] = ()  # where each fixed-point token came from (`jacobi.rule.SOURCES`)
 
 
 class TrajectoryRecorder:

@@ -1,0 +1,284 @@
+"""The batched loop: `BatchDecoder` (rows join and leave between steps) and `jacobi_decode`.
+
+Each `step` is one batched forward: finished rows leave the batch and the cache, then the
+verifier (`verifiers.py`) feeds every running row and moves it. `steps()` is the same loop as a
+generator, one `StepEvent` per forward: `jacobi_decode` runs it to the end; a caller that
+streams text (`cllm generate`) reads each event and stops with `break`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from cllm.decoding import cache as kv
+from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
+from cllm.decoding.jacobi.drafters import Drafters
+from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
+from cllm.decoding.jacobi.state import Row, Settings, make_final, open_blocks
+from cllm.decoding.jacobi.verifiers import choose_verifier
+from cllm.decoding.ngram import NgramTable
+from cllm.decoding.sampling import make_sampling, pick_tokens
+from cllm.decoding.settings import JacobiConfig
+from cllm.decoding.stats import DecodeOutput, DecodeStats
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one forward of `BatchDecoder.steps()` did: per row it advanced, the tokens it made
+    final (possibly none, EOS included when produced)."""
+
+    new_tokens: dict[int, list[int]]
+
+
+@torch.inference_mode()
+def jacobi_decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: JacobiConfig | None = None,
+    max_new_tokens: int = 128,
+    eos_token_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    on_iteration: Callable[[IterationEvent], None] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    draft_table: NgramTable | None = None,
+    **settings: Any,
+) -> DecodeOutput:
+    """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
+    `temperature` > 0, lossless Jacobi sampling: the output is distributed exactly as
+    `sample_decode`'s (speculative-sampling acceptance, `cllm.decoding.sampling`).
+
+    Args:
+        model: a causal LM (any transformers `*ForCausalLM`), on its own device and dtype.
+        input_ids: (B, T) prompt token ids, left-padded when rows differ in length.
+        attention_mask: (B, T), 0 on the left padding; None means no padding.
+        config, **settings: the engine's settings, a `JacobiConfig` (block_size, guess,
+            recycle, recycle_width, recycle_min_ngram, recycle_budget, blocks_in_flight; see
+            it for what each does) and/or its fields as keywords, which override the config's.
+        max_new_tokens: at most this many new tokens per row (the last block may be shorter).
+        eos_token_id: a row stops after producing it (or any of them); it is included.
+        generator: seeds the guesses: None (torch's global RNG), one torch.Generator, or one
+            per row (a row's guesses then do not depend on its batch mates).
+        on_iteration: called with every state of every block of every row (IterationEvent).
+        temperature: 0 (greedy, the default) or > 0 to sample; `top_k` / `top_p` restrict the
+            sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
+            the same seed gives the same output.
+        draft_table: an n-gram table of the model's own greedy continuations
+            (`cllm.decoding.ngram`, built by `cllm drafts`): a block's unknown tokens start from
+            its chained continuation (then `guess`), and with recycling its continuation (up
+            to a block long) is verified as one more draft. Speed only: the output is unchanged.
+
+    `JacobiConfig()`'s defaults are the paper's plain Jacobi decoding. The CLI's faster setting (n = 4, 8
+    recycled drafts, the model's draft table) is `jacobi_decode(model, ids, **RECOMMENDED,
+    draft_table=table)`, or in one call from a model's name, `fast = load_for_decoding(name)`
+    then `jacobi_decode(fast.model, ids, **fast.settings)` (`cllm.models`).
+
+    Returns:
+        DecodeOutput with Jacobi statistics (accepted tokens per forward, iterations per block,
+        fast-forwarded and stationary tokens, where the tokens came from).
+    """
+    decoder = BatchDecoder(
+        model, config, eos_token_id=eos_token_id, on_iteration=on_iteration, temperature=temperature,
+        top_k=top_k, top_p=top_p, draft_table=draft_table, **settings,
+    )
+    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    if max_new_tokens == 0:  # nothing to decode: no prefill
+        row_generators(generator, prompt.batch_size)
+        return DecodeOutput(new_tokens=[[] for _ in range(prompt.batch_size)], forward_passes=0,
+                            stats=DecodeStats())
+    # 1. prefill: the prompt's last logits give every row its first block's first token
+    rows = decoder.add(input_ids, attention_mask, max_new_tokens=max_new_tokens, generator=generator)
+    # 2. iterate: one batched forward per step; finished rows leave the batch (and the cache)
+    for _ in decoder.steps():
+        pass
+    return decoder.finish(rows)
+
+
+class BatchDecoder:
+    """Jacobi decoding of a batch that rows join and leave between steps (continuous batching).
+
+    `add` prefills new prompts (one forward for all of them) and appends them to the running
+    batch; `step` is one batched forward in which every unfinished row advances by its own
+    acceptance; `remove` takes a row out (finished or not), `finish` collects rows' outputs.
+    A row never sees its batch mates: its own cache entries, positions, budget and generator,
+    so its tokens are the ones it gets decoded alone (greedy: `greedy_decode`'s; sampling: the
+    same draws from the same seed). `jacobi_decode` is this object with every row added at once.
+
+    The settings are `jacobi_decode`'s (a `JacobiConfig` and/or its fields as keywords, then
+    EOS, the hook, sampling and the draft table; `drafters` replaces the drafters those choose,
+    `jacobi.drafters.Drafters`) and hold for every row: a server groups
+    requests that differ in them (greedy vs sampled, block size) into separate decoders.
+
+        decoder = BatchDecoder(model, block_size=4, eos_token_id=eos)
+        a, = decoder.add(prompt_a, max_new_tokens=64)
+        decoder.step()
+        b, = decoder.add(prompt_b, max_new_tokens=16)  # joins at the next step
+        for event in decoder.steps():  # one StepEvent per forward, until no row is running
+            ...
+        decoder.tokens(a), decoder.tokens(b)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: JacobiConfig | None = None,
+        *,
+        eos_token_id: int | Iterable[int] | None = None,
+        on_iteration: Callable[[IterationEvent], None] | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        draft_table: NgramTable | None = None,
+        drafters: Drafters | None = None,
+        **settings: Any,
+    ) -> None:
+        engine = replace(config or JacobiConfig(), **settings)  # validated by JacobiConfig
+        sampling = make_sampling(temperature, top_k, top_p)
+        if engine.blocks_in_flight > 1 and sampling is not None:
+            raise ValueError("blocks_in_flight is for greedy decoding")
+        self.model = model
+        if drafters is None:
+            drafters = Drafters.from_settings(engine, draft_table, sampling is not None)
+        elif sampling is not None and drafters.tree:
+            raise ValueError("tree drafters verify greedily; with sampling use a swap drafter")
+        self.cfg = Settings(**engine.as_kwargs(), eos=eos_set(eos_token_id), device=model_device(model),
+                            on_iteration=on_iteration, sampling=sampling, draft_table=draft_table, drafters=drafters)
+        self._verifier = choose_verifier(self.cfg)
+        self.stats = DecodeStats()  # the counters since the last `take_stats`
+        self._rc: kv.RowCache | None = None  # the running batch's cache, rows as in `_active`
+        self._active: list[Row] = []
+        self._rows: dict[int, Row] = {}  # every row added and not yet finished / removed
+        self._next_id = 0
+
+    # -- rows in and out
+
+    @torch.inference_mode()
+    def add(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int | Sequence[int] = 128,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    ) -> list[int]:
+        """Prefill these prompts (B, T) (left-padded when they differ in length) in one forward
+        and append them to the batch; returns their row ids. Each row may have its own budget
+        (>= 1) and generator; they run from the next `step`."""
+        budgets = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != input_ids.shape[0] or not all(isinstance(m, int) and m >= 1 for m in budgets):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or one per row, got {max_new_tokens!r}")
+        prompt = prepare_prompt(self.model, input_ids, attention_mask, 0)
+        limit = position_limit(self.model)
+        for n, m in zip(prompt.lengths, budgets, strict=True):
+            if limit is not None and n + m > limit:
+                raise ValueError(f"prompt length {n} + max_new_tokens {m} exceeds the model's position limit {limit}")
+        B = prompt.batch_size
+        generators = row_generators(generator, B)
+        cfg = self.cfg
+        rc, logits = kv.prefill(self.model, prompt.input_ids, prompt.attention_mask)
+        self.stats.forward_passes += 1
+        if not cfg.vocab_size:
+            cfg = self.cfg = replace(cfg, vocab_size=logits.shape[-1])
+        rows = [
+            Row(index=self._next_id + r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
+                max_new_tokens=budgets[r], prompt_list=prompt.row_tokens(r).tolist())
+            for r in range(B)
+        ]
+        self._next_id += B
+        firsts = pick_tokens(logits, cfg.sampling, generators)
+        for row, token in zip(rows, firsts, strict=True):
+            self.stats.count(row.index, make_final(row, [token], cfg))
+            row.forwards = 1
+            open_blocks(row, cfg, self.stats)
+            self._rows[row.index] = row
+        if self._rc is None:
+            self._rc, self._active = rc, rows
+        else:  # the newcomers' cache goes under the running rows' (left-padded to one length)
+            kv.append_rows(self._rc, rc)
+            self._active += rows
+        return [row.index for row in rows]
+
+    def remove(self, row_id: int) -> None:
+        """Take a row out now (e.g. its client went away): it stops decoding, its cache entries
+        go at the next step, and its tokens are forgotten."""
+        row = self._rows.pop(row_id)
+        row.done = True
+
+    def finish(self, row_ids: Sequence[int]) -> DecodeOutput:
+        """The finished rows' outputs (their new tokens, in order) with the counters since the
+        last `take_stats`; the rows are forgotten."""
+        rows = [self._rows.pop(r) for r in row_ids]
+        stats = self.take_stats()
+        stats.new_tokens = sum(len(row.known) for row in rows)
+        stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
+        return DecodeOutput(new_tokens=[row.known for row in rows], forward_passes=stats.forward_passes, stats=stats)
+
+    def set_recycle_budget(self, recycle_budget: int | None) -> None:
+        """Change how many tokens a row feeds per forward at most with recycling (the tail
+        whole, then drafts until spent; None: no limit), from the next step on. Speed only: the
+        output is unchanged. A server shrinks it as its batch grows, so that a forward stays
+        about as wide (on a CPU its cost grows with every token fed)."""
+        self.cfg = replace(self.cfg, recycle_budget=recycle_budget)  # validated by JacobiConfig
+
+    # -- what a caller reads between steps
+
+    def tokens(self, row_id: int) -> list[int]:
+        """The row's final new tokens so far (EOS included when produced); they never change."""
+        return self._rows[row_id].known
+
+    def done(self, row_id: int) -> bool:
+        """The row has its last token (EOS or its budget)."""
+        return self._rows[row_id].done
+
+    def forward_passes(self, row_id: int) -> int:
+        """Forwards the row took part in, its prefill included (its cost, were it alone)."""
+        return self._rows[row_id].forwards
+
+    @property
+    def running(self) -> int:
+        """Rows still decoding."""
+        return sum(not row.done for row in self._active)
+
+    def take_stats(self) -> DecodeStats:
+        """The counters since the last call, and start new ones (a long-running decoder would
+        otherwise keep growing them)."""
+        stats, self.stats = self.stats, DecodeStats()
+        return stats
+
+    # -- the batched loop
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One batched forward for every unfinished row; False (and no forward) when none is
+        left. Finished and removed rows leave the batch and the cache first."""
+        still = [i for i, row in enumerate(self._active) if not row.done]
+        if not still:
+            self._rc, self._active = None, []  # nothing running: the cache goes
+            return False
+        if len(still) < len(self._active):
+            kv.select_rows(self._rc, still)
+            self._active = [self._active[i] for i in still]
+        else:
+            kv.maybe_compact(self._rc)
+        self._verifier.step(self.model, self._rc, self._active, self.cfg, self.stats)
+        for row in self._active:
+            row.forwards += 1
+        return True
+
+    def steps(self) -> Iterator[StepEvent]:
+        """`step` until no row is running, yielding after each forward what it made final per
+        row. Rows may be added or removed between events; a caller that has what it needs
+        stops with `break` (the decoder stays usable)."""
+        while True:
+            stepped = [row for row in self._active if not row.done]
+            before = [len(row.known) for row in stepped]
+            if not self.step():
+                return
+            yield StepEvent({row.index: row.known[n:] for row, n in zip(stepped, before, strict=True)})
