@@ -21,7 +21,7 @@ def test_parameter_counts_are_the_published_ones():
     assert {name: shape.params() for name, shape in SHAPES.items()} == published
 
 
-@pytest.mark.parametrize("size", ["1b", "7b"])
+@pytest.mark.parametrize("size", ["1b", "3b", "7b", "13b"])
 def test_parameter_count_equals_transformers_on_the_same_shape(size):
     assert SHAPES[size.upper()].params() == parameter_count(shape_config(size))
 

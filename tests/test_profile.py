@@ -90,7 +90,7 @@ def test_the_named_shapes_have_their_nominal_sizes():
 
 @pytest.mark.parametrize("args, expected", [
     (["--k", "0"], "--k must be ints >= 1"),
-    (["--shape", "13b"], "unknown shape '13b'"),
+    (["--shape", "70b"], "unknown shape '70b'"),
     (["--tpf", "engine"], "--tpf takes NAME=TOKENS_PER_FORWARD"),
     (["--tpf", "engine=-1"], "--tpf takes NAME=TOKENS_PER_FORWARD"),
     (["--repeats", "0"], "--repeats must be an int >= 1"),

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cllm.shapes import LLAMA_SHAPES
+
 GB = 1e9
 Setup = Literal["ddp", "fsdp", "zero2", "zero3", "lora", "qlora"]
 SETUPS: tuple[Setup, ...] = ("ddp", "fsdp", "zero2", "zero3", "lora", "qlora")
@@ -66,12 +68,10 @@ class Shape:
 
 # The sizes of docs/scale.md: Llama-3.2-1B / 3B (grouped-query attention, 128k vocabulary, tied
 # embeddings), Llama-2-7B / 13B.
-SHAPES = {
-    "1B": Shape("1B", layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, tied=True),
-    "3B": Shape("3B", layers=28, hidden=3072, intermediate=8192, heads=24, kv_heads=8, vocab=128256, tied=True),
-    "7B": Shape("7B", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000, tied=False),
-    "13B": Shape("13B", layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32000, tied=False),
-}
+SHAPES = {name.upper(): Shape(name.upper(), layers=c["num_hidden_layers"], hidden=c["hidden_size"],
+                              intermediate=c["intermediate_size"], heads=c["num_attention_heads"],
+                              kv_heads=c["num_key_value_heads"], vocab=c["vocab_size"], tied=c["tie_word_embeddings"])
+          for name, c in LLAMA_SHAPES.items() if name != "small"}
 
 
 @dataclass(frozen=True)

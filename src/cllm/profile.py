@@ -52,7 +52,7 @@ def parse_tpf(text: str) -> dict[str, float]:
 @dataclass
 class ProfileConfig:
     shape: str = field(default="small", metadata={"help": "model shape: small (the embedded target's, 5.3M), 1b "
-        "(~Llama-3.2-1B), 7b (Llama-2-7B), or a config.json / model folder (random weights either way)"})
+        "(~Llama-3.2-1B), 3b, 7b (Llama-2-7B), 13b, or a config.json / model folder (random weights either way)"})
     dtype: str | None = field(default=None, metadata={"help": "bfloat16, float16 or float32 (default: bfloat16 on "
         "CUDA, float32 on the CPU)"})
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto: cuda when there is one, "

@@ -33,19 +33,9 @@ import torch
 
 from cllm.config import UserError
 from cllm.decoding import cache as kv
+from cllm.shapes import LLAMA_SHAPES
 
-# Named shapes (Llama architecture). small = the embedded target `models/stdlib-coder`, with room
-# for a long prefix; 1b ~ Llama-3.2-1B (grouped-query attention, 128k vocabulary, tied
-# embeddings); 7b = Llama-2-7B.
-SHAPES: dict[str, dict[str, Any]] = {
-    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
-               rope_theta=500000.0),
-    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
-}  # fmt: skip
+SHAPES = LLAMA_SHAPES  # named shapes: cllm.shapes
 POSITIONS = 4096  # max_position_embeddings of the named shapes
 MEMORY_MARGIN = 0.8  # a CPU model may take this fraction of the available memory at most
 
@@ -60,7 +50,7 @@ def shape_config(shape: str):
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise UserError(f"unknown shape {shape!r}: small, 1b, 7b, or a config.json / model folder")
+        raise UserError(f"unknown shape {shape!r}: {', '.join(SHAPES)}, or a config.json / model folder")
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure to read it is the user's file
