@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from cllm.decoding import cache as kv
+import cllm.decoding.cache as kv
 from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 

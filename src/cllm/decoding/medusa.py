@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from cllm.decoding import cache as kv
+import cllm.decoding.cache as kv
 from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cllm.decoding import cache as kv
+import cllm.decoding.cache as kv
 from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent

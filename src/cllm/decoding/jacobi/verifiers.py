@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from cllm.decoding import cache as kv
+import cllm.decoding.cache as kv
 from cllm.decoding.jacobi.drafters import branches
 from cllm.decoding.jacobi.state import Row, Settings, advance, set_drafts, swap_in_draft, tail
 from cllm.decoding.sampling import verify_drafts
