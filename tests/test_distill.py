@@ -5,10 +5,11 @@ import json
 
 import pytest
 
+from cllm.cards import evaluation_table
 from cllm.cli import main as cli_main
 from cllm.config import UserError
 from cllm.decoding.ngram import NgramTable
-from cllm.distill import DistillConfig, distill, evaluation_table, repetition_warning
+from cllm.distill import DistillConfig, distill, repetition_warning
 from cllm.models import DRAFT_TABLE, fingerprint
 from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 

@@ -256,42 +256,6 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     }
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def evaluation_table(ev: dict) -> str:
-    """Markdown table of an evaluation.json."""
-    tpf, exact = ev["tokens_per_forward"], ev["cllm_jacobi_equals_greedy"]
-    lines = ["| | target | CLLM |", "|---|---|---|"]
-    for n in tpf["cllm"]:
-        lines.append(f"| Jacobi tokens per forward, n = {n} | {_fmt(tpf['target'][n])} | {_fmt(tpf['cllm'][n])} |")
-    for n, value in exact.items():
-        lines.append(f"| CLLM Jacobi == CLLM greedy, n = {n} | | {value:.0%} of prompts |")
-    lines.append(f"| AR validation loss (nats/token) | {_fmt(ev['ar_loss']['target'])} | "
-                 f"{_fmt(ev['ar_loss']['cllm'])} |")
-    lines.append(f"| greedy output == target's | | {ev['greedy_agreement']:.0%} of prompts, "
-                 f"{ev['token_agreement']:.0%} of tokens |")
-    for key, what in (("degenerate", "one token 10+ times in a row"), ("looping", "ending in a loop")):
-        if key in ev:
-            lines.append(f"| greedy completions {what} | {ev[key]['target']:.0%} | {ev[key]['cllm']:.0%} |")
-    if "quality" in ev:
-        (q,) = ev["quality"]["sets"].values()
-        t, c = q["target"], q["cllm"]
-        for n in c["tpf_not_looping"]:
-            lines.append(f"| Jacobi tokens per forward, n = {n}, completions that do not loop | "
-                         f"{_fmt(t['tpf_not_looping'][n])} | {_fmt(c['tpf_not_looping'][n])} |")
-        lines.append(f"| greedy completions that parse | {t['parse_rate']:.0%} | {c['parse_rate']:.0%} |")
-        lines.append(f"| target's NLL of the greedy completions (nats/token) | {_fmt(t['target_nll'])} | "
-                     f"{_fmt(c['target_nll'])} |")
-        lines.append(f"| first token that differs from the target's greedy text (mean index) | | "
-                     f"{_fmt(c['first_divergence'], 1)} |")
-    for g in ev.get("gates", []):
-        lines.append(f"| gate: {g['name']} {g['bar']} | | {_fmt(g['value'], 4)} "
-                     f"({'pass' if g['passed'] else 'FAIL'}) |")
-    return "\n".join(lines)
-
-
 REPETITION_MARGIN = 0.2  # warn when the CLLM's greedy completions loop this much more often
 
 
@@ -351,10 +315,11 @@ def distill(config: DistillConfig) -> DistillSummary:
     """
     from accelerate import PartialState
 
+    from cllm.cards import cllm_card, evaluation_table
     from cllm.collect import collect
     from cllm.drafts import drafts
     from cllm.models import resolve_model_path
-    from cllm.train import CARD, SUMMARY, model_card, train
+    from cllm.train import CARD, SUMMARY, train
 
     out = Path(config.out)
     if out.exists() and not out.is_dir():
@@ -389,7 +354,7 @@ def distill(config: DistillConfig) -> DistillSummary:
         section = (f"\n## Distillation evaluation\n\n`cllm distill`, {evaluation['prompts_evaluated']} held-out "
                    f"prompts of `{config.eval_prompts}`, {config.eval_max_new_tokens} new tokens, greedy, "
                    f"both models in float32.\n\n{evaluation_table(evaluation)}\n")
-        (model_dir / CARD).write_text(model_card(info, section))
+        (model_dir / CARD).write_text(cllm_card(info, section))
         print(f"distilled {config.model} -> {model_dir}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
         print(evaluation_table(evaluation))
         if (warning := repetition_warning(evaluation)) is not None:

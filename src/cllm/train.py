@@ -67,6 +67,7 @@ from cllm.batches import (
     step_records,
     step_rollout_prompts,
 )
+from cllm.cards import cllm_card, fmt
 from cllm.config import UserError, config_to_dict, write_config
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord
 from cllm.decoding.cache import accepts_logits_to_keep
@@ -752,7 +753,7 @@ def _finish(run: _Run) -> TrainSummary:
                 "eval_settings": {"prompts": config.eval_prompts, "count": len(run.eval_prompts),
                                   "block_size": run.eval_block, "max_new_tokens": config.eval_max_new_tokens}}
         (out / SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
-        (out / CARD).write_text(model_card(info))
+        (out / CARD).write_text(cllm_card(info))
     accelerator.wait_for_everyone()
     if run.is_main:
         _print_summary(summary)
@@ -765,72 +766,6 @@ def _last_loss(log_path: Path) -> float | None:
     return losses_[-1] if losses_ else None
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _objective_line(cfg: dict) -> str:
-    """The training objective in one line of the model card."""
-    teacher = cfg.get("consistency_teacher", "model")
-    parts = [f"consistency `{cfg['consistency']}` / `{cfg['distance']}`, teacher: "
-             + ("the frozen target" if teacher == "target" else "the model itself")]
-    if cfg.get("ar_weight"):
-        parts.append(f"{cfg['ar_weight']} x AR on `{cfg['ar_target']}`")
-    if cfg.get("kd_weight"):
-        rollouts = cfg.get("rollout_prompts") or 0
-        parts.append(f"{cfg['kd_weight']} x `{cfg.get('kd_distance', 'fkl')}` to the frozen target on "
-                     f"`{cfg['ar_target']}`"
-                     + (f" and {rollouts} rollouts per step" if rollouts else ""))
-    return " + ".join(parts)
-
-
-def model_card(info: dict, extra: str = "") -> str:
-    """MODEL_CARD.md from train_summary.json (and an optional extra section, e.g. distill's)."""
-    s, meta, ev = info["summary"], info["data_meta"], info["eval_settings"]
-    before, after = s["eval_before"] or {}, s["eval_after"] or {}
-    return f"""# CLLM distilled from `{info['base_model']}`
-
-A consistency LLM (Kou et al. 2024): the base model fine-tuned with `cllm train` so that greedy
-Jacobi decoding converges in fewer forward passes. An ordinary Hugging Face checkpoint (no extra
-heads); decode it with `cllm.jacobi_decode`, whose output equals greedy decoding exactly.
-
-- base model: `{info['base_model']}` (fingerprint `{info['base_fingerprint']}`)
-- this checkpoint: fingerprint `{info['model_fingerprint']}`
-- trajectories: `{info['data']}` ({s['records']} records; collected from `{meta['prompts']}` with block
-  size {meta['block_size']}, {meta['max_new_tokens']} new tokens, guess `{meta['guess']}`, {meta['dtype']})
-- training: {s['steps']} steps, {s['train_time_s']} s, final loss {_fmt(s['final_loss'])}{_selected(s)}
-  ({_objective_line(info['config'])})
-
-## Evaluation
-
-Held-out prompts `{ev['prompts']}` (first {ev['count']}), greedy, Jacobi block size {ev['block_size']},
-{ev['max_new_tokens']} new tokens. Tokens per forward = new tokens / forward passes, prefill
-included (cllm's docs/method.md#counting); AR loss = mean nats/token on the prompts' references.
-
-| | base model | this CLLM |
-|---|---|---|
-| Jacobi tokens per forward | {_fmt(before.get('tokens_per_forward'))} | {_fmt(after.get('tokens_per_forward'))} |
-| AR validation loss | {_fmt(before.get('ar_loss'))} | {_fmt(after.get('ar_loss'))} |
-{extra}
-## Config
-
-```json
-{json.dumps(info['config'], indent=2, sort_keys=True)}
-```
-
-## Trajectory meta
-
-```json
-{json.dumps(meta, indent=2, sort_keys=True)}
-```
-"""
-
-
-def _selected(s: dict) -> str:
-    step = s.get("selected_step")
-    return "" if step is None else f"; weights of step {step}, chosen by the quality gates (--select gated)"
-
-
 def _print_summary(s: TrainSummary) -> None:
     before, after = s.eval_before or {}, s.eval_after or {}
     state = "trained" if s.finished else "stopped (rerun to continue)"
@@ -838,6 +773,6 @@ def _print_summary(s: TrainSummary) -> None:
     if s.selected_step is not None:
         print(f"  exported the weights of step {s.selected_step} (--select gated)")
     if after:
-        print(f"  Jacobi tokens per forward {_fmt(before.get('tokens_per_forward'))} -> "
-              f"{_fmt(after.get('tokens_per_forward'))}, AR validation loss "
-              f"{_fmt(before.get('ar_loss'))} -> {_fmt(after.get('ar_loss'))}")
+        print(f"  Jacobi tokens per forward {fmt(before.get('tokens_per_forward'))} -> "
+              f"{fmt(after.get('tokens_per_forward'))}, AR validation loss "
+              f"{fmt(before.get('ar_loss'))} -> {fmt(after.get('ar_loss'))}")
