@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),
     "bench": ("cllm.bench", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
     "profile": ("cllm.profile", "ProfileConfig", "profile",
-                "time a decoding step of k fed tokens on random-weight models up to 7B; predicted tokens/s"),
+                "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s"),
     "tune": ("cllm.tune", "TuneConfig", "tune",
              "measure a model's step cost here and write its decode defaults beside it"),
     "demo": ("cllm.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
