@@ -101,7 +101,7 @@ def test_the_settings_choose_the_drafters():
     assert [type(d) for d in greedy.tree] == [PoolDrafter, TableDrafter]
     assert greedy.tree[0].most == 3 and greedy.tree[1].max_width == 5
     sampled = Drafters.from_settings(JacobiConfig(recycle=3), None, sampling=True)
-    assert not sampled.tree and sampled.swap.skip_current and sampled.swap.most == 1
+    assert not sampled.tree and sampled.swap.skip_current and sampled.swap.most == 1 and sampled.swap.spare == 0
 
 
 # ----------------------------------------------------------------------------------------------

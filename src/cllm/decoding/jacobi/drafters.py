@@ -160,20 +160,22 @@ class PoolDrafter:
     """The n-gram pool: continuations of the history's last 3 (else 2, ...) tokens where they
     occurred before, in the history and in recent Jacobi states (`pool_candidates`).
 
-    most: drafts verified at most (one more is proposed: one may be the tail's own).
+    most: drafts verified at most.
+    spare: drafts proposed beyond `most` (a tree branch equal to the tail's own drafts is dropped).
     halve_shorter: a shorter match drafts fewer tokens (greedy tree branches).
     skip_current: leave out the latest Jacobi state (sampling's swap: a draft chosen by looking
         at the drafts it replaces would break the law of the drafts after it)."""
 
     most: int
     min_ngram: int = 2
+    spare: int = 1
     halve_shorter: bool = True
     skip_current: bool = False
     source: ClassVar[str] = "pool"
 
     def propose(self, context: DraftContext, width: int) -> list[list[int]]:
         recent = context.recent[:-1] if self.skip_current else context.recent
-        return pool_candidates(context.history, recent, width, self.most + 1, min_ngram=self.min_ngram,
+        return pool_candidates(context.history, recent, width, self.most + self.spare, min_ngram=self.min_ngram,
                                halve_shorter=self.halve_shorter)
 
 
@@ -227,8 +229,9 @@ def fill(chain: Sequence[Drafter], context: DraftContext, count: int) -> tuple[l
             break
         found = drafter.propose(context.after(tokens), need)
         if found:
-            tokens += found[0][:need]
-            sources += [drafter.source] * len(found[0][:need])
+            draft = found[0][:need]
+            tokens += draft
+            sources += [drafter.source] * len(draft)
     assert len(tokens) == count, "a fill chain ends with a guess"
     return tokens, sources
 
@@ -272,5 +275,5 @@ class Drafters:
             if draft_table is not None:  # one more branch: the table's chain, a block long
                 tree += (TableDrafter(draft_table, max_width=config.block_size),)
         elif config.recycle:
-            swap = PoolDrafter(1, config.recycle_min_ngram, halve_shorter=False, skip_current=True)
+            swap = PoolDrafter(1, config.recycle_min_ngram, spare=0, halve_shorter=False, skip_current=True)
         return cls(block=(CarriedDrafts(), *table, guess), ahead=(guess,), tree=tree, swap=swap)

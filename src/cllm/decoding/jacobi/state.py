@@ -85,10 +85,10 @@ class Row:
         """The prompt then the final new tokens."""
         return self.prompt_list + self.known
 
-    def context(self, cfg: Settings, history: list[int] | None = None) -> DraftContext:
+    def context(self, cfg: Settings, history: list[int] | None = None, carried: Sequence[int] = ()) -> DraftContext:
         """What the drafters see of this row."""
         return DraftContext(self.history() if history is None else history, self.prompt_tokens, self.generator,
-                            cfg.vocab_size, self.recent)
+                            cfg.vocab_size, self.recent, carried)
 
 
 def tail(row: Row) -> list[int]:
@@ -130,12 +130,12 @@ def swap_in_draft(row: Row, cfg: Settings) -> None:
 def make_final(row: Row, tokens: Sequence[int], cfg: Settings, sources: Sequence[str] = ("ar",)) -> int:
     """Append newly final tokens, cut at EOS and at the budget; returns how many were kept.
     `sources[i]`: where tokens[i] came from (`rule.SOURCES`)."""
+    assert len(sources) == len(tokens)
     if row.done:
         return 0
     kept, row.done = cut_final(tokens, cfg.eos, row.max_new_tokens - len(row.known))
     row.known += tokens[:kept]
     row.sources += sources[:kept]
-    assert len(sources) == len(tokens)
     return kept
 
 
@@ -171,8 +171,7 @@ def open_blocks(row: Row, cfg: Settings, stats: DecodeStats) -> None:
         # `ahead` drafted the new tokens from `start` on; the final ones replace their drafts
         carried = row.ahead[len(final) : size]
         row.ahead = row.ahead[size:]
-        context = row.context(cfg, row.prompt_list + row.known[: start + len(final)])
-        context.carried = carried
+        context = row.context(cfg, row.prompt_list + row.known[: start + len(final)], carried)
         drafted, origin = fill(cfg.drafters.block, context, size - len(final))
         # the final tokens' sources are in row.sources already
         row.block = Block(index=row.blocks_opened, start=start, state=[*final, *drafted], committed=len(final),
