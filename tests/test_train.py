@@ -289,7 +289,9 @@ def counts_are_mixed(records) -> bool:
     dict(consistency="gc+lc", ar_target="both", distance="jsd"),
     dict(lora=True, lora_dropout=0.1, ar_target="fixed_points", micro_batch_size=8),
     dict(consistency="lc", distance="rkl", dtype="bfloat16", label_smoothing=0.1),
-], ids=["full-gc+lc-jsd", "lora-dropout", "bf16-lc-rkl"])
+    dict(layout="packed", batch_size=4, micro_batch_size=2, states_per_record=1, state_schedule="progressive",
+         consistency_teacher="target", kd_weight=1.0, ar_target="fixed_points"),
+], ids=["full-gc+lc-jsd", "lora-dropout", "bf16-lc-rkl", "packed-jacobi-forcing"])
 def test_run_stopped_and_resumed_reproduces_the_uninterrupted_losses(world, tmp_path, overrides):
     common = dict(max_steps=14, eval_count=0, checkpoint_interval=5, **overrides)
     train(config(world, tmp_path / "straight", **common))
@@ -299,6 +301,9 @@ def test_run_stopped_and_resumed_reproduces_the_uninterrupted_losses(world, tmp_
     assert torch.load(tmp_path / "resumed" / CHECKPOINT, weights_only=False)["step"] == 8
     train(config(world, tmp_path / "resumed", **common))
     assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
+    if overrides.get("layout") == "packed":  # a step draws prompts: 48 prompts are 12 steps of 4
+        log = [json.loads(line) for line in (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()]
+        assert [r["epoch"] for r in log if r["step"] == 12] == [1.0]
 
 
 def test_ar_on_text_windows_trains_and_resumes_exactly(world, tmp_path):

@@ -19,7 +19,7 @@ import torch
 from cllm import losses
 from cllm.config import UserError
 from cllm.data.trajectories import TrajectoryRecord, collate
-from cllm.rows import Rows, rows_from_lists
+from cllm.rows import Packing, Rows, rows_from_lists
 from cllm.seeds import derived_seed
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class MicroBatch:
     lc_mask: torch.Tensor  # (B*k, N) bool
     text: torch.Tensor | None = None  # (W, L + 1) text windows for the AR term (--ar-text)
     rollout: Rows | None = None  # prompt + the model's own continuation (--rollout-prompts)
+    packing: Packing | None = None  # --layout packed: the records as one sequence per prompt
 
     def to(self, device) -> MicroBatch:
         def move(x):
@@ -49,7 +50,7 @@ class MicroBatch:
 
         return MicroBatch(self.fixed_point.to(device), self.state.to(device), self.next_state.to(device),
                           self.owner.to(device), move(self.labels), self.gc_mask.to(device),
-                          self.lc_mask.to(device), move(self.text), move(self.rollout))
+                          self.lc_mask.to(device), move(self.text), move(self.rollout), move(self.packing))
 
 
 @dataclass
@@ -74,6 +75,48 @@ class Counts:
         if mb.text is not None and config.uses_ar_rows:
             self.ar += mb.text.shape[0] * (mb.text.shape[1] - 1)
         self.rollout += rollouts * config.rollout_tokens
+
+
+def _text(record: TrajectoryRecord) -> list[int]:
+    return list(record.prefix_ids) + list(record.fixed_point)
+
+
+def prompt_chains(records: Sequence[TrajectoryRecord]) -> list[list[TrajectoryRecord]]:
+    """The records grouped into chains, the unit of `--layout packed`: the blocks of one prompt
+    that continue one text (each record's prefix and fixed point a prefix of the longest one's),
+    in block order. A prompt collected twice (say by two on-policy rounds) gives two chains.
+    Chains come in the order of their first record."""
+    by_prompt: dict[str, list[list[TrajectoryRecord]]] = {}
+    order: list[list[TrajectoryRecord]] = []
+    for record in sorted(records, key=lambda r: r.block_index):
+        text = _text(record)
+        for chain in by_prompt.setdefault(record.prompt_id, []):
+            longest = _text(chain[-1])
+            if all(r.block_index != record.block_index for r in chain) and longest[: len(text)] == text[: len(longest)]:
+                chain.append(record)
+                break
+        else:
+            chain = [record]
+            by_prompt[record.prompt_id].append(chain)
+            order.append(chain)
+    first = {id(r): i for i, r in enumerate(records)}
+    return sorted(order, key=lambda chain: min(first[id(r)] for r in chain))
+
+
+def pack(records: Sequence[TrajectoryRecord], pad_id: int) -> Packing:
+    """`Packing` of `records` (record i keeps index i): one sequence per chain, its clean text the
+    longest record's prefix and fixed point."""
+    chains = prompt_chains(records)
+    index = {id(r): i for i, r in enumerate(records)}
+    texts = [max((_text(r) for r in chain), key=len) for chain in chains]
+    clean = torch.full((len(texts), max(map(len, texts))), pad_id, dtype=torch.long)
+    sequence = torch.zeros(len(records), dtype=torch.long)
+    start = torch.zeros(len(records), dtype=torch.long)
+    for s, (chain, text) in enumerate(zip(chains, texts, strict=True)):
+        clean[s, : len(text)] = torch.tensor(text)
+        for r in chain:
+            sequence[index[id(r)]], start[index[id(r)]] = s, len(r.prefix_ids)
+    return Packing(clean, torch.tensor([len(t) for t in texts]), sequence, start)
 
 
 def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
@@ -177,6 +220,7 @@ def make_micro_batch(
         labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
         gc_mask=losses.gc_mask(state, fixed, valid, window=config.gc_window),
         lc_mask=losses.lc_mask(state, next_state, valid),
+        packing=pack(records, pad_id) if config.layout == "packed" else None,
     )
 
 

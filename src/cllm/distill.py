@@ -78,6 +78,8 @@ class DistillConfig:
         "wrong one"})
     state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "states drawn "
         "uniformly per record, or by Jacobi Forcing's progressive noise schedule"})
+    layout: Literal["records", "packed"] = field(default="records", metadata={"help": "training forward: one row per "
+        "record, or Jacobi Forcing's packing (one sequence per prompt; --batch-size then counts prompts)"})
     ar_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label AR loss (the reference: 10; 0: "
         "the distillation term alone keeps the model close to the target)"})
     ar_target: ArTarget = field(default="fixed_points", metadata={"help": "AR rows: labels (ground truth), "
@@ -181,7 +183,7 @@ class DistillConfig:
             rollout_prompts=self.rollout_prompts, rollout_tokens=self.rollout_tokens,
             rollout_temperature=self.rollout_temperature, rollout_policy=self.rollout_policy,
             cut_loops=self.cut_loops and round_ > 1,
-            state_schedule=self.state_schedule, select=self.select, skip_copies=self.skip_copies,
+            state_schedule=self.state_schedule, layout=self.layout, select=self.select, skip_copies=self.skip_copies,
             consistency=self.consistency, distance=self.distance, ar_weight=self.ar_weight,
             states_per_record=self.states_per_record, gc_window=self.gc_window, ar_text=self.ar_text,
             ar_text_windows=self.ar_text_windows, ar_text_length=self.ar_text_length,

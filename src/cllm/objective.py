@@ -15,7 +15,7 @@ import torch
 from cllm import losses
 from cllm.batches import Counts, MicroBatch
 from cllm.config import UserError
-from cllm.rows import BlockGroup, Rows, forward_blocks, forward_shared_prefix
+from cllm.rows import BlockGroup, Rows, forward_blocks, forward_packed, forward_shared_prefix
 
 if TYPE_CHECKING:
     from cllm.train import TrainConfig
@@ -71,9 +71,17 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
         groups["next_state"] = BlockGroup(mb.next_state, fp.block_mask[mb.owner], mb.owner, grad=False)
     student, frozen = {}, {}  # logits of the model being trained / of the frozen teacher
     with autocast:
-        logits = forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values()),
-                                       logits_to_keep=logits_to_keep)
-        student = dict(zip(groups, logits, strict=True))
+        if mb.packing is None:
+            logits = forward_shared_prefix(model, fp.prefix_ids, fp.prefix_mask, list(groups.values()),
+                                           logits_to_keep=logits_to_keep)
+            student = dict(zip(groups, logits, strict=True))
+        else:  # --layout packed: the fixed points are the clean text every state block reads
+            fixed_point = groups.pop("fixed_point", None)
+            clean, logits = forward_packed(model, mb.packing, fp.width, list(groups.values()),
+                                           logits_to_keep=logits_to_keep)
+            student = dict(zip(groups, logits, strict=True))
+            if fixed_point is not None:
+                student["fixed_point"] = clean if fixed_point.grad else clean.detach()
         # 2. the AR rows on the ground truth have prefixes of their own; text windows and
         #    rollouts too
         if config.ar_on_labels:
@@ -88,7 +96,11 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
                 return teacher(lambda m: forward_blocks(m, rows, logits_to_keep=logits_to_keep))
 
             if (config.uses_gc and target_teacher) or (kd and config.ar_on_fixed_points):
-                frozen["fixed_point"] = blocks(fp)
+                if mb.packing is None:
+                    frozen["fixed_point"] = blocks(fp)
+                else:  # one causal forward over each prompt's clean text
+                    frozen["fixed_point"] = teacher(lambda m: forward_packed(m, mb.packing, fp.width, [],
+                                                                             logits_to_keep=logits_to_keep)[0])
             if config.uses_lc and target_teacher:
                 o = mb.owner
                 frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state,

@@ -108,6 +108,75 @@ def forward_prefix_per_block(model, prefix_ids: torch.Tensor, prefix_mask: torch
     return out
 
 
+@dataclass
+class Packing:
+    """A micro-batch's records laid out as Jacobi Forcing packs them: one sequence per prompt,
+    its clean text (the prompt and the fixed points of its blocks, in order) followed by the
+    state blocks of its records. A state block attends to the prompt, the fixed points before
+    its own block and itself (causally): the noise-conditioned mask. Every clean position is
+    computed once for all the blocks of its prompt."""
+
+    clean_ids: torch.Tensor  # (S, C) right-padded: prompt + fixed points
+    clean_lengths: torch.Tensor  # (S,)
+    sequence: torch.Tensor  # (B,) the sequence of each record
+    start: torch.Tensor  # (B,) where each record's block starts in its sequence
+
+    def to(self, device) -> Packing:
+        return Packing(*(t.to(device) for t in (self.clean_ids, self.clean_lengths, self.sequence, self.start)))
+
+
+def forward_packed(model, packing: Packing, width: int, groups: Sequence[BlockGroup], *,
+                   logits_to_keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward over the packed sequences: block-aligned logits (B, width, V) of every
+    record's fixed point (read off the clean text), and of every group's blocks (group row i
+    continues record ``owner[i]``), equal to what `forward_blocks` gives for ``prefix + block``
+    row by row. A group with ``grad=False`` comes back detached."""
+    from cllm.decoding.cache import custom_mask
+
+    device = next(model.parameters()).device
+    packing = packing.to(device)
+    S, C = packing.clean_ids.shape
+    rows = [(g, i, int(packing.sequence[int(g.owner[i])])) for g in groups for i in range(len(g.owner))]
+    slots = [0] * S  # block slots taken in each sequence
+    slot_of = []
+    for _, _, s in rows:
+        slot_of.append(slots[s])
+        slots[s] += 1
+    L = C + max(slots, default=0) * width
+    ids = torch.zeros(S, L, dtype=torch.long, device=device)
+    ids[:, :C] = packing.clean_ids
+    positions = torch.arange(L, device=device).repeat(S, 1)
+    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(S, 1, 1)  # padding sees itself
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    for s, n in enumerate(packing.clean_lengths.tolist()):
+        allowed[s, :n, :n] = causal[:n, :n]
+    in_block = causal[:width, :width]
+    for (g, i, s), slot in zip(rows, slot_of, strict=True):
+        at, start = C + slot * width, int(packing.start[int(g.owner[i])])
+        ids[s, at : at + width] = g.block_ids[i].to(device)
+        positions[s, at : at + width] = start + torch.arange(width, device=device)
+        allowed[s, at : at + width, :start] = True
+        allowed[s, at : at + width, at : at + width] = in_block
+    first_needed = int(packing.start.min()) - 1  # the last prompt position of the shortest prompt
+    kwargs = {"logits_to_keep": L - first_needed} if logits_to_keep else {}
+    logits = model(input_ids=ids, attention_mask=custom_mask(model, allowed[:, None]), position_ids=positions,
+                   use_cache=False, **kwargs).logits
+    shift = L - logits.shape[1]  # column of logits[:, 0] in the sequence
+    offsets = torch.arange(width, device=device)
+    before = packing.start - 1 - shift  # (B,) the logits column that predicts each block's first token
+    columns = (before[:, None] + offsets[None, :]).clamp(max=logits.shape[1] - 1)
+    fixed = logits[packing.sequence[:, None], columns]  # (B, width, V)
+    out = []
+    for g in groups:
+        owner = g.owner.to(device)
+        picked = [k for k, (h, _, _) in enumerate(rows) if h is g]
+        at = torch.tensor([C + slot_of[k] * width - shift for k in picked], device=device)
+        cols = torch.cat([before[owner][:, None], at[:, None] + offsets[None, :-1]], 1)  # (R, width)
+        block = logits[packing.sequence[owner][:, None], cols]
+        out.append(block if g.grad else block.detach())
+    return fixed, out
+
+
 def enable_checkpointing(model) -> None:
     """Activation (gradient) checkpointing on every layer, non-reentrant (no inputs that require
     grad needed: LoRA), by whichever name the installed transformers gives it."""

@@ -62,6 +62,7 @@ from cllm.batches import (
     load_text_stream,
     make_micro_batch,
     make_rollouts,
+    prompt_chains,
     rollout_prompts,
     sample_text_windows,
     step_records,
@@ -144,9 +145,10 @@ class TrainConfig:
         "cosine decay to 0"})
     epochs: int = field(default=1, metadata={"help": "passes over the records (ignored when max-steps is set)"})
     max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
-    batch_size: int = field(default=16, metadata={"help": "records per optimizer step, all processes together"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation); "
-        "default batch-size / processes"})
+    batch_size: int = field(default=16, metadata={"help": "records (--layout packed: prompts) per optimizer step, all "
+        "processes together"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records (--layout packed: prompts) per "
+        "forward (gradient accumulation); default batch-size / processes"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 "
         "(autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed "
@@ -175,6 +177,11 @@ class TrainConfig:
     cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a "
         "loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own "
         "repetitions are cut out of its targets, the rest of the prompt kept"})
+    layout: Literal["records", "packed"] = field(default="records", metadata={"help": "how a micro-batch's forward "
+        "is laid out: records (each record's prefix once, its states after it) or packed (Jacobi Forcing's: one "
+        "sequence per prompt, its clean text, the prompt and every fixed point, once, then the state blocks of all its "
+        "records, each attending to the prompt, the fixed points before its block and itself); packed draws whole "
+        "prompts, so --batch-size and --micro-batch-size count prompts"})
     states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they "
         "share one forward of the record's prefix, so k states cost far less than k records"})
     seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init"})
@@ -214,7 +221,7 @@ class TrainConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         choices = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
                    "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
-                   "rollout_policy": ("model", "teacher"),
+                   "rollout_policy": ("model", "teacher"), "layout": ("records", "packed"),
                    "kd_distance": ("fkl", "rkl", "jsd", "argmax"), "consistency_teacher": ("model", "target"),
                    "ar_target": ("auto", "labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
         for name, allowed in choices.items():
@@ -414,7 +421,8 @@ class _Run:
     out: Path
     meta: Any  # the trajectories' meta
     records: list[TrajectoryRecord]
-    micro: int  # records per micro-batch
+    units: list  # what a step draws: records, or (--layout packed) chains of one prompt's records
+    micro: int  # units per micro-batch
     accumulation: int  # micro-batches per process and step
     per_epoch: int
     max_states: int
@@ -499,8 +507,13 @@ def _open_run(config: TrainConfig) -> _Run:
     if config.batch_size % (micro * P):
         raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
-    per_epoch = len(records) // config.batch_size
+    units = prompt_chains(records) if config.layout == "packed" else records
+    if len(units) < config.batch_size:
+        raise UserError(f"{config.data} holds {len(units)} prompts, fewer than batch-size {config.batch_size} "
+                        "(--layout packed counts prompts)")
+    per_epoch = len(units) // config.batch_size
     run = _Run(config=config, accelerator=accelerator, engine=engine, out=out, meta=reader.meta, records=records,
+               units=units,
                micro=micro, accumulation=config.batch_size // (micro * P), per_epoch=per_epoch,
                max_states=max(len(r.states) + (len(r.augmented_states) if config.augmented else 0)
                               for r in records),
@@ -635,12 +648,14 @@ def _train_step(run: _Run) -> tuple[torch.Tensor, float, float]:
     P, rank, micro, step = run.processes, run.accelerator.process_index, run.micro, run.step
     # 1. the global batch: records, one state each, micro-batches, global counts
     torch.manual_seed(derived_seed(config.seed, "step", step, rank))  # dropout
-    batch = step_records(run.records, step, batch_size=config.batch_size, seed=config.seed)
-    draws = torch.rand(len(batch), run.max_states,
+    batch = step_records(run.units, step, batch_size=config.batch_size, seed=config.seed)
+    shares = [batch[i : i + micro] for i in range(0, len(batch), micro)]
+    if config.layout == "packed":  # whole prompts: each micro-batch takes all of its prompts' records
+        shares = [[r for chain in share for r in chain] for share in shares]
+    draws = torch.rand(sum(map(len, shares)), run.max_states,
                        generator=torch.Generator().manual_seed(derived_seed(config.seed, "states", step)))
-    mbs = [make_micro_batch(batch[i : i + micro], draws[i : i + micro], pad_id=meta.pad_token_id,
-                            block_size=meta.block_size, config=config)
-           for i in range(0, len(batch), micro)]
+    mbs = [make_micro_batch(share, part, pad_id=meta.pad_token_id, block_size=meta.block_size, config=config)
+           for share, part in zip(shares, draws.split([len(s) for s in shares]), strict=True)]
     if run.text_stream is not None:  # the step's text windows, dealt out to the micro-batches
         windows = sample_text_windows(run.text_stream, config, step)
         for mb, share in zip(mbs, windows.tensor_split(len(mbs)), strict=True):

@@ -209,10 +209,17 @@ def _tree_inputs(
     past = rc.valid if rc.valid is not None else torch.ones(B, S, dtype=torch.bool, device=device)
     own = tree.to(device).bool() | torch.eye(L, dtype=torch.bool, device=device)[None]
     mask = torch.cat([past.to(device)[:, None, :].expand(B, L, S), own], dim=2)[:, None]  # (B,1,L,S+L)
-    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-    return position_ids, mask
+    return position_ids, custom_mask(model, mask)
+
+
+def custom_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A custom 4D attention mask (B, 1, Q, K), True where a query may attend to a key, in the
+    form the model's attention takes as-is: boolean for sdpa / flex, additive (0 or the dtype's
+    minimum) for eager attention."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:
