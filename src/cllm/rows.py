@@ -136,13 +136,17 @@ def forward_packed(model, packing: Packing, width: int, groups: Sequence[BlockGr
     device = next(model.parameters()).device
     packing = packing.to(device)
     S, C = packing.clean_ids.shape
-    rows = [(g, i, int(packing.sequence[int(g.owner[i])])) for g in groups for i in range(len(g.owner))]
-    slots = [0] * S  # block slots taken in each sequence
-    slot_of = []
-    for _, _, s in rows:
-        slot_of.append(slots[s])
-        slots[s] += 1
-    L = C + max(slots, default=0) * width
+    # 1. where each group row goes: the next free block slot after its sequence's clean text
+    taken = [0] * S
+    placed = []  # per group: the column where each of its rows' block starts
+    for g in groups:
+        columns = []
+        for s in packing.sequence[g.owner.to(device)].tolist():
+            columns.append(C + taken[s] * width)
+            taken[s] += 1
+        placed.append(columns)
+    L = C + max(taken, default=0) * width
+    # 2. tokens, positions (a block at its own block's positions) and the mask
     ids = torch.zeros(S, L, dtype=torch.long, device=device)
     ids[:, :C] = packing.clean_ids
     positions = torch.arange(L, device=device).repeat(S, 1)
@@ -150,27 +154,27 @@ def forward_packed(model, packing: Packing, width: int, groups: Sequence[BlockGr
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     for s, n in enumerate(packing.clean_lengths.tolist()):
         allowed[s, :n, :n] = causal[:n, :n]
-    in_block = causal[:width, :width]
-    for (g, i, s), slot in zip(rows, slot_of, strict=True):
-        at, start = C + slot * width, int(packing.start[int(g.owner[i])])
-        ids[s, at : at + width] = g.block_ids[i].to(device)
-        positions[s, at : at + width] = start + torch.arange(width, device=device)
-        allowed[s, at : at + width, :start] = True
-        allowed[s, at : at + width, at : at + width] = in_block
-    first_needed = int(packing.start.min()) - 1  # the last prompt position of the shortest prompt
+    for g, columns in zip(groups, placed, strict=True):
+        for i, (record, at) in enumerate(zip(g.owner.tolist(), columns, strict=True)):
+            s, start = int(packing.sequence[record]), int(packing.start[record])
+            ids[s, at : at + width] = g.block_ids[i].to(device)
+            positions[s, at : at + width] = start + torch.arange(width, device=device)
+            allowed[s, at : at + width, :start] = True  # the prompt and the fixed points before the block
+            allowed[s, at : at + width, at : at + width] = causal[:width, :width]
+    # 3. one forward (logits from the shortest prompt's last position on), read block-aligned
+    first_needed = int(packing.start.min()) - 1
     kwargs = {"logits_to_keep": L - first_needed} if logits_to_keep else {}
     logits = model(input_ids=ids, attention_mask=custom_mask(model, allowed[:, None]), position_ids=positions,
                    use_cache=False, **kwargs).logits
-    shift = L - logits.shape[1]  # column of logits[:, 0] in the sequence
+    shift = L - logits.shape[1]  # the sequence column of logits[:, 0]
     offsets = torch.arange(width, device=device)
     before = packing.start - 1 - shift  # (B,) the logits column that predicts each block's first token
     columns = (before[:, None] + offsets[None, :]).clamp(max=logits.shape[1] - 1)
     fixed = logits[packing.sequence[:, None], columns]  # (B, width, V)
     out = []
-    for g in groups:
+    for g, at in zip(groups, placed, strict=True):
         owner = g.owner.to(device)
-        picked = [k for k, (h, _, _) in enumerate(rows) if h is g]
-        at = torch.tensor([C + slot_of[k] * width - shift for k in picked], device=device)
+        at = torch.tensor(at, dtype=torch.long, device=device) - shift
         cols = torch.cat([before[owner][:, None], at[:, None] + offsets[None, :-1]], 1)  # (R, width)
         block = logits[packing.sequence[owner][:, None], cols]
         out.append(block if g.grad else block.detach())
