@@ -2,6 +2,7 @@
 collects, trains and evaluates; a rerun skips every finished stage."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,8 @@ def test_rerun_skips_every_finished_stage(setup, distilled):
 def test_bad_distill_input_is_a_one_line_error(setup, tmp_path, capsys):
     with pytest.raises(UserError, match="eval-block-sizes"):
         config(setup, eval_block_sizes=[0])
+    with pytest.raises(UserError, match="round-block-sizes"):
+        config(setup, round_block_sizes=[BLOCK, 0])
     with pytest.raises(UserError, match="micro-batch-size"):
         config(setup, micro_batch_size=5)  # training options are checked up front
     assert cli_main(["distill", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
@@ -102,3 +105,17 @@ def test_a_second_round_recollects_with_the_first_cllm_and_trains_it_further(set
     assert (out / "model-round2" / "model.safetensors").is_file()
     assert result.evaluation["cllm_fingerprint"] == fingerprint(out / "model-round2")
     assert all(v == 1.0 for v in result.evaluation["cllm_jacobi_equals_greedy"].values())
+
+
+def test_round_block_sizes_collect_each_round_at_its_size_and_train_on_its_size_alone(setup):
+    """Jacobi Forcing's schedule (n, then 2n from round 1's CLLM): a round's data are the rounds
+    so far collected at its own block size (a batch never mixes block sizes)."""
+    cfg = config(setup, rounds=3, round_block_sizes=[BLOCK, 2 * BLOCK])
+    assert [cfg.collect_config(r).block_size for r in (1, 2, 3)] == [BLOCK, 2 * BLOCK, 2 * BLOCK]
+    out = Path(cfg.out)
+    assert cfg.train_config(1).data == str(out / "trajectories")
+    assert cfg.train_config(2).data == str(out / "trajectories-round2")
+    assert cfg.train_config(3).data == f"{out / 'trajectories-round2'},{out / 'trajectories-round3'}"
+    plain = config(setup, rounds=2)  # without it every round collects at --block-size and keeps all data
+    assert plain.collect_config(2).block_size == BLOCK
+    assert plain.train_config(2).data == f"{out / 'trajectories'},{out / 'trajectories-round2'}"

@@ -64,6 +64,10 @@ class DistillConfig:
     # collection
     max_prompts: int | None = field(default=2560, metadata={"help": "collect on the first N prompts (None: all)"})
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
+    round_block_sizes: list[int] | None = field(default=None, metadata={"help": "block size of each round's "
+        "trajectories, e.g. 16,32 (Jacobi Forcing: n = 16, then 32 collected with round 1's CLLM); the last one "
+        "repeats for later rounds (default: --block-size every round); a round keeps only the earlier trajectories of "
+        "its own block size"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt in collection"})
     collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
     guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess "
@@ -147,6 +151,9 @@ class DistillConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         if not self.eval_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.eval_block_sizes):
             raise UserError(f"eval-block-sizes must be positive integers, got {self.eval_block_sizes!r}")
+        if self.round_block_sizes is not None and (
+                not self.round_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.round_block_sizes)):
+            raise UserError(f"round-block-sizes must be positive integers, got {self.round_block_sizes!r}")
         if not self.out:
             raise UserError("out must name a directory")
         if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
@@ -159,6 +166,11 @@ class DistillConfig:
         """What round `round_` starts from: the target, then the previous round's CLLM."""
         return self.model if round_ == 1 else str(self.round_dir(round_ - 1, "model"))
 
+    def round_block_size(self, round_: int) -> int:
+        """The Jacobi block size of round `round_`'s trajectories."""
+        sizes = self.round_block_sizes or [self.block_size]
+        return sizes[min(round_, len(sizes)) - 1]
+
     def round_dir(self, round_: int, kind: str) -> Path:
         """OUT/trajectories and OUT/model for round 1, OUT/{kind}-round{k} after."""
         return Path(self.out) / (kind if round_ == 1 else f"{kind}-round{round_}")
@@ -168,13 +180,15 @@ class DistillConfig:
 
         return CollectConfig(model=self.round_model(round_), prompts=self.prompts,
                              out=str(self.round_dir(round_, "trajectories")),
-                             block_size=self.block_size, max_new_tokens=self.max_new_tokens,
+                             block_size=self.round_block_size(round_), max_new_tokens=self.max_new_tokens,
                              max_prompts=self.max_prompts, guess=self.guess, seed=self.seed,
                              batch_size=self.collect_batch_size, drop_loops=self.drop_loops and round_ >= 2)
 
     def train_config(self, round_: int = 1) -> TrainConfig:
         first = 1 if self.accumulate else round_
-        data = ",".join(str(self.round_dir(r, "trajectories")) for r in range(first, round_ + 1))
+        n = self.round_block_size(round_)
+        data = ",".join(str(self.round_dir(r, "trajectories")) for r in range(first, round_ + 1)
+                        if self.round_block_size(r) == n)
         needs_teacher = self.kd_weight > 0 or self.consistency_teacher == "target"
         return TrainConfig(
             model=self.round_model(round_), data=data, out=str(self.round_dir(round_, "model")),
