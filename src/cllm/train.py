@@ -508,7 +508,7 @@ def _open_run(config: TrainConfig) -> _Run:
         raise UserError(f"batch-size {config.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
     units = prompt_chains(records) if config.layout == "packed" else records
-    if len(units) < config.batch_size:
+    if len(units) < config.batch_size:  # (records: `open_data` checked them)
         raise UserError(f"{config.data} holds {len(units)} prompts, fewer than batch-size {config.batch_size} "
                         "(--layout packed counts prompts)")
     per_epoch = len(units) // config.batch_size
