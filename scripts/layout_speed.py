@@ -13,6 +13,7 @@ warm-up) per layout and setting, and both losses, which must agree.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -60,6 +61,9 @@ def main() -> None:
     chains = [c for c in prompt_chains(reader.records()) if len(c) == blocks]
     model = load_model(args.model, dtype="float32").train()
     teacher = FrozenTeacher(copy=load_model(args.model, dtype="float32").eval())
+    if len(chains) < max(p for p, _ in settings):
+        sys.exit(f"layout_speed.py: error: {args.data} has {len(chains)} prompts with all {blocks} blocks, fewer "
+                 f"than --settings asks for")
     for prompts, states in settings:
         records = [r for c in chains[:prompts] for r in c]
         draws = torch.rand(len(records), 64, generator=torch.Generator().manual_seed(0))

@@ -27,7 +27,7 @@ from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "load_test.py"]
+PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "load_test.py"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ["def f(x):", "class A:", "import re"]
@@ -101,6 +101,25 @@ def test_evaluate_cllm_writes_the_json_and_the_gates_readme(tiny, tmp_path):
     assert {g["name"] for g in result["gates"]["tiny"]} >= {"looping", "degenerate", "parses"}
     readme = (out / "README.md").read_text()
     assert "python scripts/evaluate_cllm.py --target" in readme and "Gates for `tiny`" in readme
+
+
+def test_layout_speed_times_both_layouts_with_the_same_loss(tiny, tmp_path):
+    from cllm.collect import CollectConfig, collect
+
+    data = tmp_path / "trajectories"
+    collect(CollectConfig(model=str(tiny["target"]), prompts=str(tiny["prompts"]), out=str(data), block_size=4,
+                          max_new_tokens=NEW, batch_size=3))
+    done = run(sys.executable, SCRIPTS / "layout_speed.py", "--data", data, "--model", tiny["target"],
+               "--settings", "2x2,1x1", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["2 prompts x 2 blocks", "1 prompts x 2 blocks"]
+    for line in lines:
+        records, packed = (float(x) for x in line.rsplit("loss ", 1)[1].split(" / "))
+        assert abs(records - packed) < 1e-4 and records > 0
+    too_many = run(sys.executable, SCRIPTS / "layout_speed.py", "--data", data, "--model", tiny["target"],
+                   "--settings", "9x1")
+    assert too_many.returncode != 0 and "fewer than --settings" in too_many.stderr.strip().splitlines()[-1]
 
 
 def test_load_test_refuses_a_url_off_this_machine():
