@@ -109,8 +109,9 @@ class DistillConfig:
     warmup_ratio: float = field(default=0.03, metadata={"help": "warm-up fraction of the steps"})
     epochs: int = field(default=4, metadata={"help": "passes over the records (when max-steps is not set)"})
     max_steps: int | None = field(default=450, metadata={"help": "optimizer steps (overrides epochs)"})
-    batch_size: int = field(default=16, metadata={"help": "records per optimizer step"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "records per forward (gradient accumulation)"})
+    batch_size: int = field(default=16, metadata={"help": "records (--layout packed: prompts) per optimizer step"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records (--layout packed: prompts) per "
+        "forward (gradient accumulation)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (merged on save) instead of all weights"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "training forwards in float32 "
         "or bfloat16 autocast"})
