@@ -66,7 +66,8 @@ def main() -> None:
                  f"than --settings asks for")
     for prompts, states in settings:
         records = [r for c in chains[:prompts] for r in c]
-        draws = torch.rand(len(records), 64, generator=torch.Generator().manual_seed(0))
+        states_held = max(len(r.states) for r in records)
+        draws = torch.rand(len(records), states_held, generator=torch.Generator().manual_seed(0))
         (t_rec, loss_rec), (t_pack, loss_pack) = (
             time_layout(model, teacher, records, draws, layout, states, meta.block_size, meta.pad_token_id,
                         args.repeats)

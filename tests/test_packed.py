@@ -2,6 +2,8 @@
 text and its state blocks computes what one row per ``prefix + block`` computes, and the
 trainer's loss on it equals the records layout's."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,11 +107,9 @@ def test_a_state_block_sees_only_the_fixed_points_before_its_own():
     model = tiny(5).eval()
     group = [BlockGroup(states, mask, torch.arange(3))]
     _, (before,) = forward_packed(model, pack(recs, 0), N, group)
-    changed = [r for r in recs]
-    changed[1] = TrajectoryRecord(**{**recs[1].__dict__, "fixed_point": [(t % (V - 1)) + 1 for t in
-                                                                          recs[1].fixed_point]})
-    changed[2] = TrajectoryRecord(**{**recs[2].__dict__, "prefix_ids": recs[2].prefix_ids[:-N]
-                                     + changed[1].fixed_point})
+    changed = list(recs)
+    changed[1] = replace(recs[1], fixed_point=[(t % (V - 1)) + 1 for t in recs[1].fixed_point])
+    changed[2] = replace(recs[2], prefix_ids=recs[2].prefix_ids[:-N] + changed[1].fixed_point)
     _, (after,) = forward_packed(model, pack(changed, 0), N, group)
     assert torch.equal(before[0], after[0])
     assert not torch.allclose(before[2], after[2])

@@ -150,11 +150,12 @@ class DistillConfig:
                      "drafts_max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.eval_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.eval_block_sizes):
-            raise UserError(f"eval-block-sizes must be positive integers, got {self.eval_block_sizes!r}")
-        if self.round_block_sizes is not None and (
-                not self.round_block_sizes or any(not isinstance(n, int) or n < 1 for n in self.round_block_sizes)):
-            raise UserError(f"round-block-sizes must be positive integers, got {self.round_block_sizes!r}")
+        for name in ("eval_block_sizes", "round_block_sizes"):
+            sizes = getattr(self, name)
+            if sizes is None and name == "round_block_sizes":  # --block-size every round
+                continue
+            if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+                raise UserError(f"{name.replace('_', '-')} must be positive integers, got {sizes!r}")
         if not self.out:
             raise UserError("out must name a directory")
         if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
