@@ -10,6 +10,7 @@ from cllm.quality import (
     gates,
     gates_table,
     is_degenerate,
+    pooled,
     strip_eos,
 )
 from tests.test_train import build_world, tiny_llama
@@ -54,6 +55,29 @@ def test_gates_pass_and_fail_at_their_bars():
     assert not any(g.passed for g in gates(bad, "cllm"))
     assert [g.name for g in gates(bad, "cllm")] == ["looping", "degenerate", "parses", "validation loss",
                                                    "TPF n=16, not looping", "TPF n=32, not looping"]
+
+
+def test_pooling_weights_each_prompt_set_by_its_prompts():
+    def model(prompts, looping, tpf, divergence):
+        return dict(prompts=prompts, parse_rate=0.5, degenerate_rate=0.0, looping_rate=looping, target_nll=0.6,
+                    first_divergence=divergence, token_agreement=None if divergence is None else 0.1,
+                    tpf={"16": tpf}, tpf_not_looping={"16": tpf}, jacobi_exact={"16": 1.0})
+
+    result = {"settings": {"block_sizes": [16]}, "val_loss": {},
+              "sets": {"big": {"target": model(30, 0.1, 1.0, None), "cllm": model(30, 0.2, 2.0, 10.0)},
+                       "small": {"target": model(10, 0.5, 1.0, None), "cllm": model(10, 0.6, 3.0, 2.0)}}}
+    assert pooled(result, "cllm", "looping_rate") == pytest.approx(0.3)
+    assert pooled(result, "cllm", "tpf_not_looping", "16") == pytest.approx(2.25)
+    assert pooled(result, "target", "first_divergence") is None
+    table = gates_table(result, ["target", "cllm"])
+    assert "| looping | all sets (weighted by prompts) | 0.200 | 0.300 |" in table
+    assert "| first divergence from target | all sets (weighted by prompts) | - | 8.000 |" in table
+    tpf_row = "| Jacobi TPF n=16, all / not looping | all sets (weighted by prompts) | 1.00 / 1.00 | 2.25 / 2.25 |"
+    assert tpf_row in table
+    # one set: nothing to pool
+    del result["sets"]["small"]
+    assert "all sets" not in gates_table(result, ["target", "cllm"])
+    assert {g.name: g.value for g in gates(result, "cllm")}["TPF n=16, not looping"] == pytest.approx(2.0)
 
 
 @pytest.fixture(scope="module")

@@ -283,18 +283,13 @@ def gates(result: dict, model: str, *, target: str = "target", tpf_bars: dict[st
     forward over non-looping completions at least `tpf_bars` (block size -> bar; default
     2.0 at n = 16 and 2.3 at n = 32)."""
     tpf_bars = tpf_bars if tpf_bars is not None else {"16": 2.0, "32": 2.3}
-
-    def pooled(name: str, key: str) -> float:
-        sets = [s[name] for s in result["sets"].values()]
-        return sum(s[key] * s["prompts"] for s in sets) / sum(s["prompts"] for s in sets)
-
     out = []
-    loop_m, loop_t = pooled(model, "looping_rate"), pooled(target, "looping_rate")
+    loop_m, loop_t = pooled(result, model, "looping_rate"), pooled(result, target, "looping_rate")
     bar = loop_t + LOOP_MARGIN
     out.append(Gate("looping", loop_m, f"<= {bar:.3f} (target {loop_t:.3f} + {LOOP_MARGIN})", loop_m <= bar))
-    degenerate = pooled(model, "degenerate_rate")
+    degenerate = pooled(result, model, "degenerate_rate")
     out.append(Gate("degenerate", degenerate, f"<= {DEGENERATE_MAX:.3f}", degenerate <= DEGENERATE_MAX))
-    parse_m, parse_t = pooled(model, "parse_rate"), pooled(target, "parse_rate")
+    parse_m, parse_t = pooled(result, model, "parse_rate"), pooled(result, target, "parse_rate")
     bar = parse_t - PARSE_MARGIN
     out.append(Gate("parses", parse_m, f">= {bar:.3f} (target {parse_t:.3f} - {PARSE_MARGIN})", parse_m >= bar))
     vm, vt = result["val_loss"].get(model), result["val_loss"].get(target)
@@ -302,26 +297,37 @@ def gates(result: dict, model: str, *, target: str = "target", tpf_bars: dict[st
         bar = vt * (1 + VAL_LOSS_MARGIN)
         out.append(Gate("validation loss", vm, f"<= {bar:.3f} (target {vt:.3f} + {VAL_LOSS_MARGIN:.0%})", vm <= bar))
     for n, bar in tpf_bars.items():
-        values = [(s[model]["tpf_not_looping"].get(n), s[model]["prompts"]) for s in result["sets"].values()]
-        if any(v is None for v, _ in values):
-            continue
-        # pooled per prompt set, weighted by prompts (each set's TPF is already a ratio of sums)
-        tpf = sum(v * w for v, w in values) / sum(w for _, w in values)
-        out.append(Gate(f"TPF n={n}, not looping", tpf, f">= {bar}", tpf >= bar))
+        tpf = pooled(result, model, "tpf_not_looping", n)
+        if tpf is not None:
+            out.append(Gate(f"TPF n={n}, not looping", tpf, f">= {bar}", tpf >= bar))
     return out
 
 
+def pooled(result: dict, model: str, key: str, block_size: str | None = None) -> float | None:
+    """`model`'s measure `key` (under `block_size` for the per-block-size ones) over all prompt
+    sets: the sets' values weighted by their prompt counts; None where a set has no value."""
+    values = []
+    for per_model in result["sets"].values():
+        value = per_model[model][key]
+        value = value.get(block_size) if block_size is not None else value
+        if value is None:
+            return None
+        values.append((value, per_model[model]["prompts"]))
+    return sum(v * w for v, w in values) / sum(w for _, w in values)
+
+
 def gates_table(result: dict, models: Sequence[str], *, target: str = "target") -> str:
-    """Markdown: one row per measure and prompt set, one column per model, then the gates."""
+    """Markdown: one row per measure and prompt set (and over all sets, where there are several),
+    one column per model, then the validation loss."""
     lines = ["| measure | set | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
 
     def cell(value, digits=3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
+    rows = [("parses", "parse_rate"), ("degenerate", "degenerate_rate"), ("looping", "looping_rate"),
+            ("target NLL of greedy text", "target_nll"), ("first divergence from target", "first_divergence"),
+            ("token agreement with target", "token_agreement")]
     for set_name, per_model in result["sets"].items():
-        rows = [("parses", "parse_rate"), ("degenerate", "degenerate_rate"), ("looping", "looping_rate"),
-                ("target NLL of greedy text", "target_nll"), ("first divergence from target", "first_divergence"),
-                ("token agreement with target", "token_agreement")]
         for label, key in rows:
             lines.append(f"| {label} | {set_name} | " + " | ".join(cell(per_model[m][key]) for m in models) + " |")
         for n in result["settings"]["block_sizes"]:
@@ -330,6 +336,15 @@ def gates_table(result: dict, models: Sequence[str], *, target: str = "target") 
                 for m in models) + " |")
             lines.append(f"| Jacobi == greedy n={n} | {set_name} | " + " | ".join(
                 f"{per_model[m]['jacobi_exact'][str(n)]:.0%}" for m in models) + " |")
+    if len(result["sets"]) > 1:
+        everything = "all sets (weighted by prompts)"
+        for label, key in rows:
+            lines.append(f"| {label} | {everything} | " + " | ".join(
+                cell(pooled(result, m, key)) for m in models) + " |")
+        for n in result["settings"]["block_sizes"]:
+            lines.append(f"| Jacobi TPF n={n}, all / not looping | {everything} | " + " | ".join(
+                f"{cell(pooled(result, m, 'tpf', str(n)), 2)} / {cell(pooled(result, m, 'tpf_not_looping', str(n)), 2)}"
+                for m in models) + " |")
     if result["val_loss"]:
         lines.append("| validation loss, whole stdlib-val | | " + " | ".join(
             cell(result["val_loss"].get(m)) for m in models) + " |")
