@@ -8,7 +8,7 @@ same prompts (default: the first HumanEval ones) greedily; the output is greedy'
 setting, so the settings differ only in how many forwards they take and how many tokens each
 forward feeds. Wall clock on a shared 2-core machine moves 10-30% between identical runs, so
 this script ranks settings by a cost model instead: a forward feeding k tokens costs t(k) / t(1)
-AR steps, interpolated from `--cost` (`cllm.decoding.costs.step_cost`; default: the two-thread
+AR steps, interpolated from `--cost` (`cllm.profiling.costs.step_cost`; default: the two-thread
 ratios of the development machine, `benchmarks/engine_step_profile.md`; `cllm profile --k
 1,2,4,8,16,32` measures yours). The estimate ignores the per-step Python work, so it runs above
 the measured speedup; `cllm bench` gives the wall-clock number of one setting.
@@ -22,8 +22,8 @@ import torch
 
 from cllm import jacobi_decode
 from cllm.data.prompts import load_prompts
-from cllm.decoding.costs import COST_2_THREADS, COST_K, step_cost
 from cllm.models import load_draft_table, load_model, load_tokenizer
+from cllm.profiling.costs import COST_2_THREADS, COST_K, step_cost
 
 
 def main() -> None:

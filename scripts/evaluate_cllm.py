@@ -4,7 +4,7 @@
         --threads 2 --out benchmarks/cllm-evaluation
 
 Each model decodes the first 64 HumanEval prompts (never trained on) and 100 stdlib-val prompts
-spread over the set, greedy, 128 new tokens; `cllm.quality.compare_models` measures parse /
+spread over the set, greedy, 128 new tokens; `cllm.evaluation.quality.compare_models` measures parse /
 degenerate / looping rates, the target's NLL of each model's greedy text, where it leaves the
 target's, plain-Jacobi tokens per forward at n = 16 and 32 over all completions and over those
 that do not loop (Jacobi output checked against greedy on every prompt), and the validation
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from cllm.evaluation.quality import QualitySettings, compare_models, gates, gates_table
 from cllm.models import load_model, load_tokenizer, pad_token_id
-from cllm.quality import QualitySettings, compare_models, gates, gates_table
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python scripts/layout_speed.py --data runs/traj-2560 --threads 1
 
 The same records (every block of the first prompts that have all of them) go through
-`cllm.objective.micro_batch_loss` with the records layout (one row per record, its prefix once,
+`cllm.training.objective.micro_batch_loss` with the records layout (one row per record, its prefix once,
 its states after it) and with `--layout packed` (one sequence per prompt: its clean text once,
 then every state block), under `cllm distill`'s default objective (argmax GC against the frozen
 target, KD x 10 on the fixed points). Prints the fastest of three timed repeats (after one
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from cllm.batches import Counts, make_micro_batch, prompt_chains
 from cllm.data.trajectories import TrajectoryReader
 from cllm.models import load_model
-from cllm.objective import FrozenTeacher, micro_batch_loss
-from cllm.train import TrainConfig
+from cllm.training.batches import Counts, make_micro_batch, prompt_chains
+from cllm.training.objective import FrozenTeacher, micro_batch_loss
+from cllm.training.train import TrainConfig
 
 
 def time_layout(model, teacher, records, draws, layout: str, states: int, block_size: int, pad_id: int,

@@ -1,9 +1,10 @@
-"""Request checking (`cllm.api`, pure): the inputs a hostile or careless client sends are 400s with
+"""Request checking (`cllm.serving.api`, pure): the inputs a hostile or careless client sends are 400s with
 OpenAI's error shape, raised before anything is tokenized or decoded."""
 
 import pytest
 
-from cllm.api import (
+from cllm.decoding import RECOMMENDED_CONFIG
+from cllm.serving.api import (
     ApiError,
     PromptLimits,
     chat_messages,
@@ -11,7 +12,6 @@ from cllm.api import (
     completion_prompt,
     parse_params,
 )
-from cllm.decoding import RECOMMENDED_CONFIG
 
 LIMITS = PromptLimits(max_prompt_tokens=48, max_tokens_limit=64, default_max_tokens=128, context=128,
                       vocab_size=320, max_chars=48 * 4 * 8)

@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import cllm.bench as bench_module
-from cllm.bench import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
+import cllm.bench.run as bench_module
+from cllm.bench.run import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
 from cllm.cli import main
+from cllm.core.machine import load_warning, threads_for_load
 from cllm.data.prompts import EncodedPrompt
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
-from cllm.machine import load_warning, threads_for_load
 from cllm.models import SHIPPED
 from tests.tiny import CODE_TEXTS
 

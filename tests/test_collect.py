@@ -21,13 +21,8 @@ from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cllm.cli import main as cli_main
-from cllm.collect import (
-    LOOP_WINDOW,
-    CollectConfig,
-    augment_states,
-    collect,
-)
-from cllm.config import UserError
+from cllm.core.config import UserError
+from cllm.core.seeds import derived_seed as prompt_seed
 from cllm.data.tokenizer import EOT, train_tokenizer
 from cllm.data.trajectories import (
     TrajectoryReader,
@@ -38,9 +33,14 @@ from cllm.data.trajectories import (
 )
 from cllm.decoding import IterationEvent, greedy_decode
 from cllm.decoding.trajectory import TrajectoryRecorder, block_states
-from cllm.quality import ends_in_loop as _ends_in_loop
-from cllm.quality import is_degenerate
-from cllm.seeds import derived_seed as prompt_seed
+from cllm.evaluation.quality import ends_in_loop as _ends_in_loop
+from cllm.evaluation.quality import is_degenerate
+from cllm.training.collect import (
+    LOOP_WINDOW,
+    CollectConfig,
+    augment_states,
+    collect,
+)
 from tests.tiny import CODE_TEXTS
 
 BLOCK, NEW = 12, 36

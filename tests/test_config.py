@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from cllm.config import (
+from cllm.core.config import (
     UserError,
     add_dataclass_arguments,
     build_config,

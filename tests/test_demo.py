@@ -8,7 +8,7 @@ import re
 import pytest
 
 from cllm.cli import main
-from cllm.demo import DemoConfig, demo
+from cllm.commands.demo import DemoConfig, demo
 from cllm.models import SHIPPED
 from tests.test_bench import make_tiny_setup
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from cllm.cards import evaluation_table
 from cllm.cli import main as cli_main
-from cllm.config import UserError
-from cllm.decoding.ngram import NgramTable
-from cllm.distill import DistillConfig, distill, repetition_warning
+from cllm.core.config import UserError
+from cllm.decoding.draft_table import NgramTable
 from cllm.models import DRAFT_TABLE, fingerprint
+from cllm.training.cards import evaluation_table
+from cllm.training.distill import DistillConfig, distill, repetition_warning
 from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 
 

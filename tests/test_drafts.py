@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cllm.cli import main
-from cllm.decoding.ngram import NgramTable
+from cllm.decoding.draft_table import NgramTable
 from cllm.models import DRAFT_TABLE, fingerprint, load_draft_table
 from tests.test_generate import PROMPTS, Oracle, save_tiny_model
 

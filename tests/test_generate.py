@@ -12,10 +12,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import main
-from cllm.completion import DecodeParams, TextCodec, TextStream, complete
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from cllm.decoding import JacobiConfig, greedy_decode
 from cllm.models import load_model, load_tokenizer
+from cllm.serving.completion import DecodeParams, TextCodec, TextStream, complete
 from tests.tiny import CODE_TEXTS
 
 TEXTS = [
@@ -45,7 +45,7 @@ def save_tiny_model(directory, *, chat_template=None, seed=0):
 
 
 class Oracle:
-    """Greedy decoding of text, computed here independently of cllm.generate."""
+    """Greedy decoding of text, computed here independently of cllm.commands.generate."""
 
     def __init__(self, directory):
         self.model, self.tokenizer = load_model(directory), load_tokenizer(directory)
@@ -235,8 +235,8 @@ def test_unknown_model_directory_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_trim_history_drops_the_oldest_turns_and_keeps_the_system_message():
-    from cllm.config import UserError
-    from cllm.generate import trim_history
+    from cllm.commands.generate import trim_history
+    from cllm.core.config import UserError
 
     def msg(role, n):
         return {"role": role, "content": "x" * n}
@@ -274,7 +274,7 @@ def test_chat_commands_are_not_sent_and_reset_starts_over(plain, oracle, capsys,
 
 
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on_with_what_was_shown(plain, oracle, capsys, monkeypatch):
-    import cllm.generate as generate_module
+    import cllm.commands.generate as generate_module
 
     real, prompts = generate_module.complete, []
 

@@ -1,4 +1,4 @@
-"""Medusa heads (`cllm.heads`) and their training (`cllm.headtrain`) on tiny in-process models:
+"""Medusa heads (`cllm.modeling.heads`) and their training (`cllm.training.heads`) on tiny in-process models:
 a fresh head is the LM head, training lowers the loss and raises the heads' agreement with the
 model's greedy tokens k + 1 ahead, heads survive a save and load (same decoding), and a load for
 another model or with damaged files is a one-line UserError."""
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.decoding import greedy_decode
-from cllm.decoding.medusa import medusa_decode
-from cllm.heads import (
+from cllm.decoding.rivals.medusa import medusa_decode
+from cllm.modeling.heads import (
     CONFIG_FILE,
     HEADS_DIR,
     WEIGHTS_FILE,
@@ -20,7 +20,8 @@ from cllm.heads import (
     load_heads,
     save_heads,
 )
-from cllm.headtrain import (
+from cllm.models import load_model
+from cllm.training.heads import (
     HeadsTrainer,
     Text,
     greedy_texts,
@@ -29,7 +30,6 @@ from cllm.headtrain import (
     texts_from_trajectories,
     train_heads,
 )
-from cllm.models import load_model
 from tests.decoding.conftest import ARCHS, VOCAB, random_prompt, tiny_model
 from tests.test_generate import save_tiny_model
 

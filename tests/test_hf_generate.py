@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationMixin
 
 from cllm import RECOMMENDED
-from cllm.hf_generate import jacobi_generate
+from cllm.serving.hf_generate import jacobi_generate
 from tests.decoding.conftest import left_padded, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif("custom_generate" not in inspect.signature(GenerationMixin.generate).parameters,
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif("custom_generate" not in inspect.signature(Gener
 
 @pytest.mark.parametrize("settings", [{}, {"block_size": 3}, dict(RECOMMENDED)])
 def test_generate_with_jacobi_equals_transformers_greedy(settings, monkeypatch):
-    import cllm.hf_generate as module
+    import cllm.serving.hf_generate as module
 
     calls = []
     real = module.jacobi_decode

@@ -3,7 +3,7 @@ a correct completion passes, a wrong one fails, an endless one is stopped by the
 
 from __future__ import annotations
 
-from cllm.humaneval_exec import completion_text, problems, run_tests, truncate
+from cllm.evaluation.humaneval import completion_text, problems, run_tests, truncate
 
 
 def test_correct_wrong_and_endless_completions():

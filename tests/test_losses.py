@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cllm.losses import (
+from cllm.modeling.losses import (
     ar_loss,
     block_logits,
     consistency_loss,

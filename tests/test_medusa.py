@@ -10,8 +10,8 @@ import torch
 
 from cllm.cli import main
 from cllm.decoding import greedy_decode
-from cllm.decoding.medusa import medusa_decode
-from cllm.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, load_heads
+from cllm.decoding.rivals.medusa import medusa_decode
+from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, load_heads
 from cllm.models import fingerprint, load_model
 from tests.test_drafts import run
 from tests.test_generate import save_tiny_model
@@ -79,7 +79,7 @@ def test_an_interrupted_run_resumes_to_the_same_heads(trained, prompt_file, tmp_
     uninterrupted run (`trained`, same options), byte for byte; --force starts over."""
     from contextlib import contextmanager
 
-    import cllm.runstate
+    import cllm.core.runs
 
     directory, _ = trained
     out = tmp_path / "heads"
@@ -90,7 +90,7 @@ def test_an_interrupted_run_resumes_to_the_same_heads(trained, prompt_file, tmp_
         yield {"set": True}
 
     with monkeypatch.context() as m:
-        m.setattr(cllm.runstate, "sigint_flag", pressed)
+        m.setattr(cllm.core.runs, "sigint_flag", pressed)
         code, out_text, _ = run(capsys, *args)
     assert code == 130 and "resume" in out_text and (out / "checkpoint.pt").exists()
     assert not (out / WEIGHTS_FILE).exists()
@@ -157,8 +157,8 @@ def test_heads_train_on_collected_trajectories_of_the_same_model(trained, prompt
     """`--data`: the fixed points of `cllm collect` are the model's greedy text (the same texts
     `greedy_texts` decodes); trajectories of another model are refused."""
     from cllm.data.trajectories import read_records
-    from cllm.headtrain import greedy_texts, texts_from_trajectories
     from cllm.models import load_tokenizer
+    from cllm.training.heads import greedy_texts, texts_from_trajectories
 
     directory, _ = trained
     data = tmp_path / "trajectories"

@@ -1,4 +1,4 @@
-"""`cllm.memory`: parameter counts against the published ones and transformers', bytes against
+"""`cllm.training.memory`: parameter counts against the published ones and transformers', bytes against
 hand-computed values, and docs/scale.md's tables against the code that prints them."""
 
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.memory import SHAPES, Shape, activation_bytes, logit_bytes, tables, training_memory
-from cllm.steptime import parameter_count, shape_config
+from cllm.profiling.steptime import parameter_count, shape_config
+from cllm.training.memory import SHAPES, Shape, activation_bytes, logit_bytes, tables, training_memory
 
 DOCS = Path(__file__).parents[1] / "docs" / "scale.md"
 
@@ -60,10 +60,10 @@ def test_activation_and_logit_bytes_of_7b_per_1024_tokens():
 
 
 def test_docs_scale_tables_are_the_ones_the_code_prints():
-    assert tables() in DOCS.read_text(), "regenerate with: python -m cllm.memory"
+    assert tables() in DOCS.read_text(), "regenerate with: python -m cllm.training.memory"
 
 
 def test_memory_module_imports_no_torch():
-    code = "import sys, cllm.memory; print('torch' in sys.modules)"
+    code = "import sys, cllm.training.memory; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

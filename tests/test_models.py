@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.models import fingerprint, load_model, load_tokenizer, resolve_dtype
 
 
@@ -130,8 +130,8 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
     calls with the setting spelled out, and against `cllm generate`'s decode: same tokens, same
     forward passes (the count depends on the setting and the table)."""
     from cllm.cli import main
+    from cllm.commands.generate import GenerateConfig, TextCodec, complete
     from cllm.decoding import RECOMMENDED, jacobi_decode
-    from cllm.generate import GenerateConfig, TextCodec, complete
     from cllm.models import load_draft_table, load_for_decoding
     from tests.test_bench import make_tiny_setup
 

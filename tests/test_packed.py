@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.batches import Counts, make_micro_batch, pack, prompt_chains
 from cllm.data.trajectories import TrajectoryRecord
-from cllm.objective import micro_batch_loss
-from cllm.rows import BlockGroup, enable_checkpointing, forward_blocks, forward_packed, rows_from_lists
-from cllm.train import TrainConfig
+from cllm.modeling.forwards import BlockGroup, enable_checkpointing, forward_blocks, forward_packed, rows_from_lists
+from cllm.training.batches import Counts, make_micro_batch, pack, prompt_chains
+from cllm.training.objective import micro_batch_loss
+from cllm.training.train import TrainConfig
 
 V, N = 40, 5
 
@@ -120,7 +120,7 @@ def test_packed_layout_gives_the_records_layouts_loss(teacher):
     """The whole objective (GC, AR on fixed points, KD) on one micro-batch, both layouts."""
     import copy
 
-    from cllm.objective import FrozenTeacher
+    from cllm.training.objective import FrozenTeacher
 
     recs = records(4)
     model = tiny(6).train()

@@ -1,4 +1,4 @@
-"""`cllm.parallel` and the shipped accelerate configs (examples/accelerate/): the options each
+"""`cllm.training.distributed` and the shipped accelerate configs (examples/accelerate/): the options each
 engine allows, the mixed precision accelerate is told, the DeepSpeed values train fills in. FSDP
 and DeepSpeed need GPUs, so their configs are parsed and checked here, not run; DDP runs in
 tests/test_train.py and tests/test_collect.py (2 gloo CPU processes)."""
@@ -13,9 +13,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 from accelerate.utils.dataclasses import get_module_class_from_name
 
-from cllm import parallel
-from cllm.config import UserError
-from cllm.parallel import (
+from cllm.core.config import UserError
+from cllm.training import distributed as parallel
+from cllm.training.distributed import (
     Engine,
     check_engine,
     engine_of,
@@ -23,7 +23,7 @@ from cllm.parallel import (
     load_accelerate_state,
     mixed_precision,
 )
-from cllm.train import TrainConfig, train
+from cllm.training.train import TrainConfig, train
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples" / "accelerate"
@@ -32,7 +32,7 @@ CONFIGS = {"ddp.yaml": DistributedType.MULTI_GPU, "fsdp.yaml": DistributedType.F
 
 
 def launch_env(cfg) -> dict[str, str]:
-    """The variables `accelerate launch` sets from a config that cllm.parallel reads."""
+    """The variables `accelerate launch` sets from a config that cllm.training.distributed reads."""
     return {"ACCELERATE_MIXED_PRECISION": cfg.mixed_precision or "no",
             "ACCELERATE_USE_FSDP": str(cfg.distributed_type == DistributedType.FSDP).lower(),
             "ACCELERATE_USE_DEEPSPEED": str(cfg.distributed_type == DistributedType.DEEPSPEED).lower()}

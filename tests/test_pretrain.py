@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import cllm.pretrain as pretrain_module
-from cllm.config import UserError
-from cllm.pretrain import (
+import cllm.training.pretrain as pretrain_module
+from cllm.core.config import UserError
+from cllm.training.pretrain import (
     PretrainConfig,
     evaluate_target,
     lr_at,

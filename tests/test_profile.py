@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-import cllm.steptime as steptime
+import cllm.profiling.steptime as steptime
 from cllm.cli import main
-from cllm.profile import ProfileConfig, StepProfile, markdown, parse_tpf, profile
+from cllm.profiling.profile import ProfileConfig, StepProfile, markdown, parse_tpf, profile
 
 KS = [1, 2, 4, 8]
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 32,

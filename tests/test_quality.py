@@ -2,7 +2,7 @@
 
 import pytest
 
-from cllm.quality import (
+from cllm.evaluation.quality import (
     QualitySettings,
     compare_models,
     ends_in_loop,

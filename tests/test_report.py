@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.decoding import jacobi_decode
-from cllm.decoding.stats import fast_forwarded_per_update, stationary_count
-from cllm.decoding.trajectory import BlockTrajectory, TrajectoryRecorder
-from cllm.report import (
+from cllm.bench.report import (
     markdown_report,
     methods_table,
     plot_accepted_histograms,
@@ -19,6 +16,9 @@ from cllm.report import (
     token_marks,
     trajectory_html,
 )
+from cllm.decoding import jacobi_decode
+from cllm.decoding.stats import fast_forwarded_per_update, stationary_count
+from cllm.decoding.trajectory import BlockTrajectory, TrajectoryRecorder
 
 
 def scripted_block() -> BlockTrajectory:
@@ -129,7 +129,7 @@ def test_the_methods_table_fits_80_columns_with_no_cell_cut():
     table, so it is split in two, and every figure is printed whole (rich cuts cells with '…')."""
     from rich.console import Console
 
-    from cllm.report import methods_tables
+    from cllm.bench.report import methods_tables
 
     data = fake_bench_json()
     big = dict(data["methods"]["target_jacobi"], tokens_per_second=12345.6, mean_fed_tokens=123.4,

@@ -12,14 +12,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from cllm.batches import pick_states
-from cllm.rows import (
+from cllm.modeling.forwards import (
     BlockGroup,
     enable_checkpointing,
     forward_blocks,
     forward_shared_prefix,
     rows_from_lists,
 )
+from cllm.training.batches import pick_states
 from tests.chisquare import chi_square
 
 

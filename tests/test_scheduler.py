@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (`cllm.scheduler`) on a tiny random model: concurrent jobs
+"""The continuous-batching scheduler (`cllm.serving.scheduler`) on a tiny random model: concurrent jobs
 decode in one batch and each gets its single-request output (greedy: `greedy_decode`'s text;
 seeded sampling: what `complete` samples alone); the batch respects its size and token bounds;
 cancelled and timed-out jobs leave it; stopping fails what is left. A forward pre-hook (`Gate`)
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from cllm.completion import DecodeParams, TextCodec, complete
 from cllm.decoding import JacobiConfig
 from cllm.models import load_model
-from cllm.scheduler import Job, Overloaded, Scheduler
+from cllm.serving.completion import DecodeParams, TextCodec, complete
+from cllm.serving.scheduler import Job, Overloaded, Scheduler
 from tests.test_generate import PROMPTS, Oracle, save_tiny_model
 
 ENGINE = dict(engine=JacobiConfig(block_size=4, recycle=8, recycle_budget=24), seed=0)

@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import COMMANDS, build_parser
-from cllm.config import build_config
+from cllm.core.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from tests.test_server import free_port, wait_until_up
 from tests.tiny import CODE_TEXTS
@@ -104,7 +104,7 @@ def test_evaluate_cllm_writes_the_json_and_the_gates_readme(tiny, tmp_path):
 
 
 def test_layout_speed_times_both_layouts_with_the_same_loss(tiny, tmp_path):
-    from cllm.collect import CollectConfig, collect
+    from cllm.training.collect import CollectConfig, collect
 
     data = tmp_path / "trajectories"
     collect(CollectConfig(model=str(tiny["target"]), prompts=str(tiny["prompts"]), out=str(data), block_size=4,

@@ -25,9 +25,9 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from cllm.cli import main
-from cllm.completion import DecodeParams, TextCodec, complete
 from cllm.models import load_draft_table, load_model
-from cllm.server import ServeConfig, create_app, exposure_warning
+from cllm.serving.app import ServeConfig, create_app, exposure_warning
+from cllm.serving.completion import DecodeParams, TextCodec, complete
 from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
 from tests.test_scheduler import Gate
 
@@ -552,7 +552,7 @@ def test_serve_on_a_taken_port_fails_at_once_in_one_line(model_dir, capsys):
 def test_the_listening_socket_is_tcp_so_streamed_chunks_go_out_at_once():
     """asyncio turns Nagle off (TCP_NODELAY) on accepted connections only for IPPROTO_TCP
     sockets; with proto 0, each streamed chunk waited ~40 ms for the client's delayed ACK."""
-    from cllm.server import bind
+    from cllm.serving.app import bind
 
     sock = bind("127.0.0.1", 0)
     try:

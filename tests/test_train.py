@@ -30,16 +30,17 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from cllm import parallel, rows
-from cllm.batches import Counts, make_micro_batch
 from cllm.cli import main as cli_main
-from cllm.collect import CollectConfig, collect
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.data.trajectories import TrajectoryReader
-from cllm.evaluate import decode_prompts, load_eval_prompts
-from cllm.objective import micro_batch_loss
-from cllm.rows import checkpointed, enable_checkpointing
-from cllm.train import CHECKPOINT, TrainConfig, train
+from cllm.evaluation.heldout import decode_prompts, load_eval_prompts
+from cllm.modeling import forwards as rows
+from cllm.modeling.forwards import checkpointed, enable_checkpointing
+from cllm.training import distributed as parallel
+from cllm.training.batches import Counts, make_micro_batch
+from cllm.training.collect import CollectConfig, collect
+from cllm.training.objective import micro_batch_loss
+from cllm.training.train import CHECKPOINT, TrainConfig, train
 
 FILLER = [f"r{i}" for i in range(16)]
 CONTENT = [f"c{i}" for i in range(8)]

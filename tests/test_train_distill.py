@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cllm.batches import Counts, make_micro_batch, make_rollouts, rollout_prompts
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.data.trajectories import TrajectoryReader
-from cllm.objective import FrozenTeacher, micro_batch_loss
-from cllm.train import train
+from cllm.training.batches import Counts, make_micro_batch, make_rollouts, rollout_prompts
+from cllm.training.objective import FrozenTeacher, micro_batch_loss
+from cllm.training.train import train
 from tests.test_train import BLOCK, build_world, config, foreign_model, step_losses, tiny_llama
 
 
@@ -112,7 +112,7 @@ def test_kd_on_the_models_own_rollouts_pulls_it_back_to_the_target(world, tmp_pa
     """The consistency term alone moves the model's greedy text away from the target's; the same
     run with the distillation term (soft labels on the fixed points and on its rollouts) keeps
     more of the target's greedy text."""
-    from cllm.evaluate import decode_prompts, load_eval_prompts
+    from cllm.evaluation.heldout import decode_prompts, load_eval_prompts
 
     common = dict(max_steps=60, eval_count=0, lr=3e-3, ar_weight=0.0)
     train(config(world, tmp_path / "free", **common))
@@ -143,8 +143,8 @@ def test_bad_distillation_options_are_one_line_errors(world, tmp_path):
 
 
 def test_loop_positions_mark_the_tokens_that_continue_a_loop():
-    from cllm.batches import loop_positions
     from cllm.data.trajectories import TrajectoryRecord
+    from cllm.training.batches import loop_positions
 
     prompt = [9, 8, 7]
     before = [1, 2, 3] * 7  # 21 generated tokens: the loop is 24 long after three more
@@ -174,13 +174,13 @@ def test_cut_loops_drops_loop_positions_from_the_consistency_masks(world, record
 
 
 def loop_positions_of(records):
-    from cllm.batches import loop_positions
+    from cllm.training.batches import loop_positions
 
     return loop_positions(records, BLOCK)  # one state per record (the default): rows align
 
 
 def test_several_trajectory_directories_train_together(world, tmp_path):
-    from cllm.collect import CollectConfig, collect
+    from cllm.training.collect import CollectConfig, collect
     from tests.test_train import NEW, write_prompts
 
     more = tmp_path / "more"
@@ -196,7 +196,7 @@ def test_several_trajectory_directories_train_together(world, tmp_path):
 
 
 def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level():
-    from cllm.batches import pick_states, progressive_keys
+    from cllm.training.batches import pick_states, progressive_keys
 
     fixed = torch.tensor([[1, 2, 3, 4]] * 3)
     # states with noise 1, 3/4, 1/2, 1/4, then the fixed point
@@ -214,8 +214,8 @@ def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level
 def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(world, tmp_path, monkeypatch):
     import json
 
-    import cllm.train as train_module
-    from cllm.train import BEST
+    import cllm.training.train as train_module
+    from cllm.training.train import BEST
 
     common = dict(max_steps=40, eval_interval=10, eval_count=8, select="gated")
     # the synthetic target repeats one word 16 times: every evaluation fails the degenerate gate
@@ -248,7 +248,7 @@ def test_teacher_rollouts_are_the_teachers_own_text(world):
 def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world, tmp_path):
     import json
 
-    from cllm.collect import CollectConfig, collect
+    from cllm.training.collect import CollectConfig, collect
     from tests.test_train import NEW, write_prompts
 
     prompts = write_prompts(tmp_path / "bare.jsonl", 16, seed=3, references=False)
@@ -263,7 +263,7 @@ def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world,
 
 
 def test_copy_positions_are_targets_a_wrong_state_token_before_them_already_shows():
-    from cllm.batches import copy_positions
+    from cllm.training.batches import copy_positions
 
     fixed = torch.tensor([[1, 2, 3, 4, 5]])
     shifted = torch.tensor([[1, 3, 4, 5, 9]])  # the fixed point shifted left by one after a wrong token

@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import main
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.models import DECODE_DEFAULTS, tuned_defaults
-from cllm.tune import TuneConfig, tune
+from cllm.profiling.tune import TuneConfig, tune
 
 KS = [1, 2, 4, 8, 16]
 

@@ -16,28 +16,28 @@ import os
 import sys
 from typing import Any
 
-from cllm.config import UserError, add_dataclass_arguments, build_config, read_config_file
+from cllm.core.config import UserError, add_dataclass_arguments, build_config, read_config_file
 
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "pretrain": ("cllm.pretrain", "PretrainConfig", "pretrain",
+    "pretrain": ("cllm.training.pretrain", "PretrainConfig", "pretrain",
                  "train the embedded target model from scratch on the stdlib corpus"),
-    "collect": ("cllm.collect", "CollectConfig", "collect",
+    "collect": ("cllm.training.collect", "CollectConfig", "collect",
                 "Jacobi-decode a prompt set with the target and record trajectories"),
-    "train": ("cllm.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
-    "distill": ("cllm.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
-    "drafts": ("cllm.drafts", "DraftsConfig", "drafts",
+    "train": ("cllm.training.train", "TrainConfig", "train", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
+    "distill": ("cllm.training.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
+    "drafts": ("cllm.training.drafts", "DraftsConfig", "drafts",
                "build a model's draft table from its own greedy completions (faster Jacobi, same output)"),
-    "medusa": ("cllm.medusa", "MedusaConfig", "medusa",
+    "medusa": ("cllm.training.medusa", "MedusaConfig", "medusa",
                "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact"),
-    "generate": ("cllm.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
-    "chat": ("cllm.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
-    "serve": ("cllm.server", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),
-    "bench": ("cllm.bench", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
-    "profile": ("cllm.profile", "ProfileConfig", "profile",
+    "generate": ("cllm.commands.generate", "GenerateConfig", "generate", "decode a prompt (AR or Jacobi), streaming"),
+    "chat": ("cllm.commands.generate", "ChatConfig", "chat", "multi-turn chat in the terminal"),
+    "serve": ("cllm.serving.app", "ServeConfig", "serve", "OpenAI-compatible HTTP server"),
+    "bench": ("cllm.bench.run", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
+    "profile": ("cllm.profiling.profile", "ProfileConfig", "profile",
                 "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s"),
-    "tune": ("cllm.tune", "TuneConfig", "tune",
+    "tune": ("cllm.profiling.tune", "TuneConfig", "tune",
              "measure a model's step cost here and write its decode defaults beside it"),
-    "demo": ("cllm.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
+    "demo": ("cllm.commands.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
 }
 
 
@@ -78,7 +78,7 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[s
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser for `command` (its module is imported to read its config dataclass);
     the other subcommands get only their summary, so `cllm --help` imports nothing heavy."""
-    from cllm import __version__
+    from cllm.core import __version__
 
     parser = _Parser(
         prog="cllm",

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from cllm.config import UserError
-from cllm.options import is_off
+from cllm.core.config import UserError
+from cllm.core.options import is_off
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -276,7 +276,7 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
     A table built for another tokenizer is refused: its token ids would mean other tokens.
     """
-    from cllm.decoding.ngram import NgramTable
+    from cllm.decoding.draft_table import NgramTable
 
     if spec is None or is_off(spec, ("none", "off", "")):
         return None

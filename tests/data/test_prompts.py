@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.data import prompts as P
 from cllm.data.prompts import Prompt, cut_at_function_end, function_parses, load_prompts
 

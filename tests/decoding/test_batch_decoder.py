@@ -9,7 +9,7 @@ import torch
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import BatchDecoder
-from cllm.decoding.ngram import NgramTable
+from cllm.decoding.draft_table import NgramTable
 from tests.decoding.conftest import assert_same_tokens, random_prompt, tiny_model
 
 # (seed, prompt length, max_new_tokens, the step before which the row joins)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cllm.decoding.costs import (
+from cllm.profiling.costs import (
     COST_2_THREADS,
     COST_K,
     MAX_BLOCK,

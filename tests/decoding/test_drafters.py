@@ -9,6 +9,7 @@ import torch
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import BatchDecoder, JacobiConfig
+from cllm.decoding.draft_table import NgramTable
 from cllm.decoding.jacobi.drafters import (
     GUESS_DRAFTERS,
     CarriedDrafts,
@@ -23,7 +24,6 @@ from cllm.decoding.jacobi.drafters import (
     branches,
     fill,
 )
-from cllm.decoding.ngram import NgramTable
 from cllm.decoding.settings import GUESSES
 from tests.decoding.conftest import random_prompt, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule

@@ -14,7 +14,7 @@ import torch
 
 from cllm import greedy_decode
 from cllm.decoding import cache
-from cllm.decoding.medusa import (
+from cllm.decoding.rivals.medusa import (
     TreeLayout,
     accepted_nodes,
     build_tree,
@@ -23,7 +23,7 @@ from cllm.decoding.medusa import (
     prior_accuracies,
     resolve_tree,
 )
-from cllm.heads import MedusaHeads
+from cllm.modeling.heads import MedusaHeads
 from tests.decoding.conftest import (
     MAX_POSITIONS,
     VOCAB,

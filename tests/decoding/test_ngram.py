@@ -1,11 +1,11 @@
-"""The draft table (`cllm.decoding.ngram`): what it keeps, how it chains, that it round-trips
+"""The draft table (`cllm.decoding.draft_table`): what it keeps, how it chains, that it round-trips
 through its file, and that Jacobi decoding with it stays greedy decoding, token for token."""
 
 import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.ngram import NgramTable
+from cllm.decoding.draft_table import NgramTable
 from tests.decoding.conftest import left_padded, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
 

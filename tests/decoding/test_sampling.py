@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cllm.decoding.jacobi.verifiers as jacobi_module
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.ngram import NgramTable
+from cllm.decoding.draft_table import NgramTable
 from cllm.decoding.sampling import Sampling, draw, sample_decode, verify_drafts
 from tests.chisquare import chi_square, chi_square_tail
 from tests.decoding.law import exact_joint_law, processed_law

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import cllm.decoding.speculative as speculative_module
+import cllm.decoding.rivals.speculative as speculative_module
 from cllm import greedy_decode, speculative_decode
-from cllm.decoding.speculative import accepted_drafts, next_draft_tokens
+from cllm.decoding.rivals.speculative import accepted_drafts, next_draft_tokens
 from tests.chisquare import chi_square
 from tests.decoding.conftest import (
     VOCAB,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from cllm.config import UserError
+from cllm.core.config import UserError
 from cllm.data.corpus import Corpus, load_corpus
 
 NAMED_SETS = ("stdlib-train", "stdlib-val", "humaneval")

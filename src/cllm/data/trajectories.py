@@ -22,7 +22,7 @@ Settings live in meta.json, never in file names. One record per (prompt, block):
                                  the same on every record of the prompt; None when the prompt has
                                  no reference. AR target: prefix_ids[:prompt_len] + labels.
     augmented_states             extra states made by copying fixed-point tokens into real ones
-                                 (`cllm.collect.augment_states`), kept apart so that `states`
+                                 (`cllm.training.collect.augment_states`), kept apart so that `states`
                                  stays a true trajectory whose neighbours are real Jacobi updates
                                  (LC loss). Empty unless collected with --augment.
 
@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from cllm.config import UserError
+from cllm.core.config import UserError
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.json"

@@ -7,10 +7,10 @@ Token ids in, token ids out: nothing here knows about tokenizers.
 
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
-from cllm.decoding.medusa import medusa_decode
+from cllm.decoding.rivals.medusa import medusa_decode
+from cllm.decoding.rivals.speculative import speculative_decode
 from cllm.decoding.sampling import sample_decode
 from cllm.decoding.settings import RECOMMENDED, RECOMMENDED_CONFIG, JacobiConfig
-from cllm.decoding.speculative import speculative_decode
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 __all__ = [

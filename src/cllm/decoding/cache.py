@@ -340,7 +340,7 @@ def _left_pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
 def fork_rows(rc: RowCache, index: torch.Tensor, *, detach: bool = False) -> RowCache:
     """A new cache whose row i is a copy of `rc`'s row ``index[i]`` (rows may repeat); `rc` is
     left as it was. Differentiable unless `detach`: training runs one forward over shared
-    prefixes and several blocks per prefix on their forks (`cllm.rows.forward_shared_prefix`)."""
+    prefixes and several blocks per prefix on their forks (`cllm.modeling.forwards.forward_shared_prefix`)."""
     index = index.to(_cache_device(rc))
     forked = DynamicCache()
     for i, layer in enumerate(rc.kv.layers):

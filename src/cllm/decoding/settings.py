@@ -1,7 +1,7 @@
 """The Jacobi engine's settings: one frozen dataclass, each default and each check in one place.
 
 `jacobi_decode` and `BatchDecoder` take a `JacobiConfig` (or its fields as keywords); the
-commands (`generate`, `chat`, `serve`, `bench`) embed one, and `cllm.config` flattens it into
+commands (`generate`, `chat`, `serve`, `bench`) embed one, and `cllm.core.config` flattens it into
 the same flags as the command's own (`--block-size`, `--recycle`, ...). Speed only: every
 setting leaves greedy output unchanged and sampling's law exact.
 """

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 import cllm.decoding.cache as kv
+from cllm.decoding.draft_table import NgramTable
 from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, make_final, open_blocks
 from cllm.decoding.jacobi.verifiers import choose_verifier
-from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
@@ -71,7 +71,7 @@ def jacobi_decode(
             sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
             the same seed gives the same output.
         draft_table: an n-gram table of the model's own greedy continuations
-            (`cllm.decoding.ngram`, built by `cllm drafts`): a block's unknown tokens start from
+            (`cllm.decoding.draft_table`, built by `cllm drafts`): a block's unknown tokens start from
             its chained continuation (then `guess`), and with recycling its continuation (up
             to a block long) is verified as one more draft. Speed only: the output is unchanged.
 

@@ -30,7 +30,7 @@ import torch
 from cllm.decoding.settings import LOOKUP_NGRAM, JacobiConfig
 
 if TYPE_CHECKING:
-    from cllm.decoding.ngram import NgramTable
+    from cllm.decoding.draft_table import NgramTable
 
 
 @dataclass
@@ -142,7 +142,7 @@ class CarriedDrafts:
 
 @dataclass(frozen=True)
 class TableDrafter:
-    """The chained continuation of the model's own n-gram table (`cllm.decoding.ngram`), at most
+    """The chained continuation of the model's own n-gram table (`cllm.decoding.draft_table`), at most
     `max_width` tokens (None: the width asked for)."""
 
     table: NgramTable

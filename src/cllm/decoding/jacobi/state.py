@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cllm.decoding.draft_table import NgramTable
 from cllm.decoding.inputs import cut_final
 from cllm.decoding.jacobi.drafters import DraftContext, Drafters, fill
 from cllm.decoding.jacobi.rule import IterationEvent, accepted_length, jacobi_update
-from cllm.decoding.ngram import NgramTable
 from cllm.decoding.sampling import Sampling
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeStats

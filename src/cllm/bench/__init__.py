@@ -1,0 +1,1 @@
+"""`cllm bench`: every decoding method on the same prompts, timed and checked, and its report."""

@@ -1,0 +1,252 @@
+"""`cllm demo`: the whole story in a few minutes on the shipped models.
+
+1. a short `cllm bench` (8 HumanEval prompts, 128 tokens, n = 4): every method on the same
+   prompts, the table printed, the report folder written (JSON, Markdown, PNGs, HTML);
+2. one prompt decoded live by Jacobi iteration (the CLLM when there is one), then its first
+   blocks' trajectories coloured: final / correct / wrong, fast-forwarded and stationary marked.
+
+What it falls back to, so that `make demo` never fails on a fresh clone: without the shipped
+CLLM, the target-only story (vanilla Jacobi, ~1.0x: docs/method.md#jacobi-decoding); without the
+shipped target too, a tiny random Llama with a tokenizer trained on the spot, whose text is noise
+but whose exactness and counting are real.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cllm.bench.report import render_block_terminal, token_marks
+from cllm.bench.run import (
+    BenchConfig,
+    BenchModels,
+    load_models,
+    print_results,
+    raise_on_violations,
+    run_bench,
+    write_report,
+)
+from cllm.core.config import write_config
+from cllm.core.machine import load_average_1min, threads_for_load
+from cllm.core.progress import Progress
+from cllm.decoding import RECOMMENDED_CONFIG, jacobi_decode
+from cllm.decoding.trajectory import TrajectoryRecorder
+from cllm.models import SHIPPED
+
+FALLBACK_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+@dataclass
+class DemoConfig:
+    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local dir or hub id (a "
+        "missing shipped one: tiny random fallback)"})
+    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "CLLM ('none' to skip; a missing shipped "
+        "one: target-only story)"})
+    prompts: str = field(default="humaneval", metadata={"help": "prompt set of the short bench"})
+    max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
+    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
+    block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the "
+        "tokens-per-forward sweep"})
+    repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
+    val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: "
+        "skip)"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer "
+        "than 2 cores free)"})
+    out: str = field(default="reports/demo", metadata={"help": "report folder"})
+    prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first "
+        "prompt)"})
+    live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view "
+        "(display only)"})
+    show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live "
+        "decode"})
+    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in "
+        "OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
+
+    def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.live_delay < 0 or self.show_blocks < 0 or self.val_prompts < 0:
+            raise ValueError("--live-delay, --show-blocks and --val-prompts must be >= 0")
+
+
+def _shipped_missing(name: str | None) -> bool:
+    return name in SHIPPED and not (SHIPPED[name] / "config.json").is_file()
+
+
+def fallback_models() -> BenchModels:
+    """A tiny random Llama + a small BPE trained on the spot (HumanEval prompts, or one snippet)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cllm.data.tokenizer import train_tokenizer
+
+    try:
+        from cllm.data.prompts import load_prompts
+
+        texts = [p.text for p in load_prompts("humaneval", limit=40)]
+    except Exception:  # noqa: BLE001 - the fallback must run even without the prompt sets
+        texts = [FALLBACK_PROMPT]
+    tokenizer = train_tokenizer(texts * 2, vocab_size=512, min_frequency=1)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).eval()
+    return BenchModels(model, tokenizer, names={"target": "tiny random Llama (fallback)"})
+
+
+def live_decode(console, model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int, delay: float,
+                seed: int = 0, **engine):
+    """Decode one prompt on the engine (`engine`: jacobi_decode's options, e.g. the bench's
+    cllm_jacobi setting), redrawing the text at every iteration: final tokens coloured by where
+    they came from (`report.SOURCE_STYLES`), the block's not-yet-final tail red. In a log (not a
+    terminal) only the last frame is printed, without pauses. Returns (DecodeOutput, TrajectoryRecorder)."""
+    from rich.live import Live
+    from rich.text import Text
+
+    from cllm.bench.report import SOURCE_STYLES, show_token
+
+    recorder = TrajectoryRecorder()
+    finished: list[tuple[int, str]] = []  # (token, source) of converged blocks
+    live_view = console.is_terminal
+
+    def view(state: tuple[int, ...] = (), committed: int = 0, sources: tuple[str, ...] = (),
+             iteration: int = 0) -> Text:
+        text = Text()
+        for token, source in finished + list(zip(state[:committed], sources)):
+            text.append(tokenizer.decode([token]), style=SOURCE_STYLES.get(source, "green"))
+        for token in state[committed:]:
+            text.append(show_token(tokenizer.decode([token])), style="red dim")
+        text.append(f"\n[{len(finished) + committed} tokens final · block iteration {iteration}]", style="dim")
+        return text
+
+    with Live(view(), console=console, auto_refresh=False, transient=False) as live:
+        def on_iteration(event) -> None:
+            recorder(event)
+            if event.converged:
+                finished.extend(zip(event.state[: event.committed], event.sources))
+            if live_view:
+                live.update(view() if event.converged else
+                            view(event.state, event.committed, event.sources, event.iteration), refresh=True)
+                if delay:
+                    time.sleep(delay)
+
+        out = jacobi_decode(model, torch.tensor([prompt_ids], device=next(model.parameters()).device),
+                            max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            generator=torch.Generator().manual_seed(seed), on_iteration=on_iteration, **engine)
+        final = view()
+        final.right_crop(len(final.plain) - len(final.plain.rsplit("\n", 1)[0]))  # no iteration counter
+        live.update(final, refresh=True)
+    if not console.is_terminal:
+        console.print()  # a non-terminal Live leaves its last frame unterminated
+    return out, recorder
+
+
+def _headline(data: dict) -> str:
+    from cllm.bench.report import sources_summary
+
+    m = data["methods"]
+    busy = " (machine busy: see the warning)" if data["machine"].get("load_warning") else ""
+    parts = [f"{name}: {m[name]['tokens_per_forward']:.2f} tokens/forward, {m[name]['speedup_vs_ar']:.2f}x wall clock"
+             for name in ("target_jacobi", "cllm_jacobi_plain", "prompt_lookup", "target_lookahead", "cllm_jacobi")
+             if name in m]
+    lines = [" · ".join(parts) + busy]
+    for name in ("target_lookahead", "cllm_jacobi"):
+        if m.get(name, {}).get("token_sources"):
+            lines.append(f"{name}'s {sources_summary(m[name]['token_sources'])}")
+    exact = all(e["ok"] for e in data["exactness"].values())
+    lines.append("[bold green]every exact method reproduced greedy decoding token for token[/]" if exact
+                 else "[bold red]an exactness promise broke (see the report)[/]")
+    return "\n".join(lines)
+
+
+def demo(config: DemoConfig) -> int:
+    from rich.console import Console
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress display: ours
+    console = Console()
+    progress = Progress(console)
+    threads = config.threads
+    if not threads:  # a shared CPU: one thread (two that wait on each other made the demo take an hour)
+        load = load_average_1min()
+        threads = threads_for_load(load, os.cpu_count())
+        if threads < 2:
+            console.print(f"[yellow]note:[/] load average {load:.1f} on {os.cpu_count()} cores: the demo uses "
+                          "1 torch thread (--threads 2 to insist)", highlight=False)
+    torch.set_num_threads(threads)
+    cllm, target = config.cllm, config.target
+    if _shipped_missing(config.target):
+        console.print(f"[yellow]No trained target at {SHIPPED[config.target]} yet (`cllm pretrain` builds it): "
+                      "using a tiny random Llama. Its text is noise; its exactness and counting are real.[/]")
+        models, cllm, target = fallback_models(), None, "tiny-random-llama (fallback)"
+    else:
+        models = None
+    bench_config = BenchConfig(target=target, cllm=cllm, prompts=config.prompts, max_prompts=config.max_prompts,
+                               max_new_tokens=config.max_new_tokens,
+                               engine=replace(RECOMMENDED_CONFIG, block_size=config.block_size),
+                               sweep_block_sizes=config.sweep_block_sizes, repeats=config.repeats,
+                               threads=threads, val_prompts=config.val_prompts, out=config.out,
+                               resume=config.resume)
+    if models is None:
+        models = load_models(bench_config)
+        if models.cllm is None:
+            console.print("[yellow]No CLLM yet (`cllm distill` makes one): the target-only story. Plain Jacobi "
+                          "on an AR-trained model gets ~1 token per forward (docs/method.md).[/]")
+    console.rule("[bold]cllm demo[/]")  # a rule's title would be cut at the terminal's width: the details below it
+    console.print(f"short bench: {config.max_prompts} × {config.prompts} · {config.max_new_tokens} tokens · "
+                  f"n = {config.block_size}", highlight=False)
+    start = time.perf_counter()
+    result = run_bench(bench_config, models, progress=progress, log=True)
+    out = write_report(result, config.out, models.tokenizer)
+    write_config(bench_config, out / "config.json")
+    write_config(config, out / "demo_config.json")
+    print_results(console, result.data)
+    console.print(_headline(result.data))
+    losses = ", ".join(f"{role} {m['val_loss']:.3f}" for role, m in result.data["models"].items()
+                       if m["val_loss"] is not None)
+    if losses:
+        console.print(f"validation loss (stdlib-val, nats/token): {losses}")
+    console.print(f"report folder: [bold]{out}[/] (bench.json, report.md, PNGs, trajectory.html) · "
+                  f"{time.perf_counter() - start:.0f} s")
+
+    # 2. one prompt, live, on the engine the headline measures (cllm_jacobi; target_lookahead without a CLLM)
+    from cllm.bench.report import sources_legend, sources_summary, trajectory_legend
+    from cllm.bench.run import engine_settings
+
+    role = "cllm" if models.cllm is not None else "target"
+    model, method = getattr(models, role), {"cllm": "cllm_jacobi", "target": "target_lookahead"}[role]
+    table = models.tables.get(role)
+    if config.prompt is not None:
+        prompt_ids = list(models.tokenizer(config.prompt)["input_ids"]) or [models.tokenizer.eos_token_id or 0]
+        text = config.prompt
+    else:
+        first = next(p for p in result.prompts if p.id == result.data["trajectory_prompt"])
+        prompt_ids, text = first.ids, first.text
+    setting = (f"n = {config.block_size}, {bench_config.engine.recycle} recycled drafts"
+               + (", its draft table" if table is not None else ", no draft table"))
+    console.rule("[bold]live[/]")
+    console.print(f"{method}, the {role.upper() if role == 'cllm' else role} on the engine ({setting})",
+                  highlight=False)
+    console.print(text.rstrip(), style="dim", markup=False, highlight=False)
+    decoded, recorder = live_decode(console, model, models.tokenizer, prompt_ids, max_new_tokens=config.max_new_tokens,
+                                    delay=config.live_delay, draft_table=table, **engine_settings(bench_config))
+    console.print(f"colours: {sources_legend()}")
+    console.print(f"{decoded.forward_passes} forward passes ({decoded.stats.tokens_per_forward:.2f} tokens/forward) "
+                  f"for {sources_summary(decoded.stats.sources)} · accepted per forward "
+                  f"{decoded.stats.accepted_histogram()}", highlight=False)
+    for block in recorder.blocks[0][: config.show_blocks]:
+        ff = sum(m.fast_forwarded for row in token_marks(block)[1:] for m in row)
+        console.print(f"\n[bold]block {block.block_index}[/] ({len(block.states) - 1} updates, {ff} tokens "
+                      f"fast-forwarded; {sources_summary(block.sources)}): {trajectory_legend()}", highlight=False)
+        for line in render_block_terminal(block, lambda t: models.tokenizer.decode([t])):
+            console.print(line)
+    raise_on_violations(result)
+    return 0

@@ -1,0 +1,1 @@
+"""What a decoding step costs on this machine, and the decode defaults that follow from it."""

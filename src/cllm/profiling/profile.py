@@ -1,0 +1,248 @@
+"""`cllm profile`: what a decoding step of k fed tokens costs on this machine, at real model sizes.
+
+No trained weights: a random-initialised Llama-shaped model (the embedded target's shape, ~1B,
+~7B, or any config.json) is built in-process in the chosen dtype, and the engine's own path is
+timed after a cached prefix (`cllm.profiling.steptime`: cache feed and commit, the tree mask of a
+recycling trie, the engine's host time per step). Random weights cost what trained ones do;
+they only make the engine's host-time runs accept other drafts than a trained model would.
+
+From t(k) the cost model (`cllm.profiling.costs`) predicts each method's tokens/s at the tokens
+per forward (TPF) it is given: TPF / t(k), and its speedup over AR, TPF x t(1) / t(k). Read a
+method at the row of the tokens it feeds per forward (`cllm bench` reports both).
+
+    cllm profile --shape small --device cpu --threads 1
+    cllm profile --shape 7b --device cuda --out benchmarks/step-cost-h200
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from cllm.core.config import UserError, config_to_dict
+from cllm.core.options import is_off
+from cllm.decoding import RECOMMENDED
+from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
+
+log = logging.getLogger(__name__)
+
+HOST_REPEATS = 2  # runs of each host-time decode after a warm-up (the least host time kept)
+
+
+def parse_tpf(text: str) -> dict[str, float]:
+    """"ar=1,jacobi=1.09,engine=4.71" -> {"ar": 1.0, ...}; a one-line ValueError otherwise."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, eq, value = part.partition("=")
+        try:
+            tpf = float(value)
+        except ValueError:
+            tpf = float("nan")
+        if not eq or not name.strip() or not tpf > 0:
+            raise ValueError(f"--tpf takes NAME=TOKENS_PER_FORWARD pairs > 0, like ar=1,engine=4.1; got {part!r}")
+        out[name.strip()] = tpf
+    return out
+
+
+@dataclass
+class ProfileConfig:
+    shape: str = field(default="small", metadata={"help": "model shape: small (the embedded target's, 5.3M), 1b "
+        "(~Llama-3.2-1B), 3b, 7b (Llama-2-7B), 13b, or a config.json / model folder (random weights either way)"})
+    dtype: str | None = field(default=None, metadata={"help": "bfloat16, float16 or float32 (default: bfloat16 on "
+        "CUDA, float32 on the CPU)"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "auto: cuda when there is one, "
+        "else cpu"})
+    prefix: int = field(default=512, metadata={"help": "tokens already in the KV cache before every timed step"})
+    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
+        "time (1 is always added: every ratio is against it)"})
+    repeats: int = field(default=20, metadata={"help": "interleaved timing rounds over every k (min and median "
+        "reported)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's own choice; "
+        "reported)"})
+    tpf: str = field(default="ar=1,jacobi=1.09,engine=4.71", metadata={"help": "tokens per forward to predict tokens/s "
+        "at, NAME=TPF pairs (default: the shipped CLLM's plain Jacobi and full engine on HumanEval, README)"})
+    tree: bool = field(default=True, metadata={"help": "also time the tree-mask step (a recycling trie of k tokens)"})
+    host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the "
+        "engine's host time per step (0: skip)"})
+    seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})
+    out: str | None = field(default="reports/profile", metadata={"help": "folder for profile.json and profile.md "
+        "('none': print only)"})
+
+    def __post_init__(self):
+        if any(not isinstance(k, int) or k < 1 for k in self.k) or not self.k:
+            raise ValueError(f"--k must be ints >= 1, got {self.k}")
+        self.k = sorted({1, *self.k})
+        for name in ("prefix", "repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.host_tokens < 0:
+            raise ValueError(f"--host-tokens must be >= 0, got {self.host_tokens}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        parse_tpf(self.tpf)
+        if self.dtype is not None:
+            from cllm.models import resolve_dtype
+
+            resolve_dtype(self.dtype)
+        if is_off(self.out, ("", "none")):
+            self.out = None
+
+
+@dataclass
+class Row:
+    """One k: step times (ms), ratios against k = 1, host time, predictions per method."""
+
+    k: int
+    min_ms: float
+    median_ms: float
+    ratio: float  # t(k)/t(1), min over rounds
+    ratio_median: float
+    tree_min_ms: float | None = None
+    tree_ratio: float | None = None  # tree t(k) / causal t(1)
+    host_jacobi_ms: float | None = None  # engine host ms per step, plain Jacobi at n = k
+    host_engine_ms: float | None = None  # the same, RECOMMENDED with a budget of k fed tokens
+    # method -> {"tokens_per_second": TPF / t(k), "speedup_vs_ar": TPF x t(1) / t(k)}
+    predicted: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class StepProfile:
+    """What `cllm profile` measured, as written to profile.json."""
+
+    model: dict[str, Any]  # shape, parameters, dtype, device, prefix
+    machine: dict[str, Any]
+    tpf: dict[str, float]
+    rows: list[Row]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ks(self) -> list[int]:
+        return [r.k for r in self.rows]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [r.ratio for r in self.rows]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepProfile:
+        return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
+
+
+def host_settings(k: int) -> dict[str, dict[str, Any]]:
+    """The two engine settings whose host time is measured at k fed tokens."""
+    engine = {**RECOMMENDED, "block_size": min(RECOMMENDED["block_size"], k), "recycle_budget": k}
+    return {"jacobi": {"block_size": k, "recycle": 0}, "engine": engine}
+
+
+def measure(model: torch.nn.Module, ks: list[int], *, prefix: int, repeats: int, tree: bool = True,
+            host_tokens: int = 32, tpf: dict[str, float] | None = None, seed: int = 0) -> list[Row]:
+    """Every k's row: step times and ratios, host time per step, predictions at `tpf`."""
+    from cllm.profiling.steptime import summary, time_host, time_steps
+
+    times = time_steps(model, ks, prefix=prefix, rounds=repeats, tree=tree, seed=seed)
+    t1, t1_median = min(times.causal[1]), summary(times.causal[1])["median_ms"] / 1e3
+    rows = []
+    for k in ks:
+        s = summary(times.causal[k])
+        row = Row(k=k, min_ms=s["min_ms"], median_ms=s["median_ms"], ratio=min(times.causal[k]) / t1,
+                  ratio_median=s["median_ms"] / 1e3 / t1_median)
+        if tree:
+            row.tree_min_ms = summary(times.tree[k])["min_ms"]
+            row.tree_ratio = min(times.tree[k]) / t1
+        if host_tokens:
+            for name, settings in host_settings(k).items():
+                host = time_host(model, settings, prefix=prefix, new_tokens=host_tokens, repeats=HOST_REPEATS,
+                                 seed=seed)
+                setattr(row, f"host_{name}_ms", host.host_ms_per_step)
+        tk = min(times.causal[k])
+        row.predicted = {name: {"tokens_per_second": tokens_per_second(t, tk),
+                                "speedup_vs_ar": speedup_vs_ar(t, t1, tk)}
+                         for name, t in (tpf or {}).items()}
+        rows.append(row)
+    return rows
+
+
+def parameters(n: int) -> str:
+    """5.31M, 1.24B: a parameter count for a title."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(p: StepProfile) -> str:
+    """The table: one row per k."""
+    m = p.model
+    head = (f"{m['shape']} ({parameters(m['parameters'])} parameters), {m['dtype']}, {m['device']}, "
+            f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} "
+            f"thread{'s' if p.machine['threads'] != 1 else ''}, "
+            f"load average {p.machine['load_average']}"
+            + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
+    cols = ["k", "t(k) ms (min)", "t(k) ms (median)", "t(k)/t(1)", "tree t(k) ms", "tree t(k)/t(1)",
+            "host ms/step, Jacobi n=k", "host ms/step, engine budget k"]
+    cols += [f"{name} (TPF {t:g}) tok/s, x AR" for name, t in p.tpf.items()]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in p.rows:
+        cells = [str(r.k), _fmt(r.min_ms, 3), _fmt(r.median_ms, 3), _fmt(r.ratio), _fmt(r.tree_min_ms, 3),
+                 _fmt(r.tree_ratio), _fmt(r.host_jacobi_ms, 3), _fmt(r.host_engine_ms, 3)]
+        cells += [f"{v['tokens_per_second']:,.1f}, {v['speedup_vs_ar']:.2f}x" for v in r.predicted.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def profile(config: ProfileConfig) -> StepProfile:
+    """Build the model, time every k, write OUT/profile.json and OUT/profile.md, print the table."""
+    from cllm.profiling.steptime import (
+        build_model,
+        default_dtype,
+        machine,
+        parameter_count,
+        resolve_device,
+        shape_config,
+        write_json,
+    )
+
+    device = resolve_device(config.device)
+    dtype = default_dtype(config.dtype, device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    model_config = shape_config(config.shape)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    need = config.prefix + max(max(config.k), config.host_tokens)
+    if limit is not None and need > limit:
+        raise UserError(f"--prefix {config.prefix} + {max(max(config.k), config.host_tokens)} tokens exceeds the "
+                        f"model's position limit {limit}: lower --prefix")
+    n_params = parameter_count(model_config)
+    print(f"cllm profile: building a random {config.shape} model ({parameters(n_params)} parameters, "
+          f"{str(dtype).removeprefix('torch.')}, {device})", flush=True)
+    model = build_model(model_config, dtype, device, seed=config.seed)
+    print(f"cllm profile: timing k = {', '.join(map(str, config.k))} after {config.prefix} cached tokens, "
+          f"{config.repeats} rounds"
+          + (f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else ""),
+          flush=True)
+    tpf = parse_tpf(config.tpf)
+    rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
+                   host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
+    result = StepProfile(
+        model={"shape": config.shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
+               "device": device.type, "prefix": config.prefix},
+        machine=machine(), tpf=tpf, rows=rows, config=config_to_dict(config))
+    table = markdown(result)
+    print(table, end="")
+    if config.out is not None:
+        out = Path(config.out)
+        write_json(result.to_dict(), out / "profile.json")
+        (out / "profile.md").write_text(table)
+        print(f"cllm profile: wrote {out / 'profile.json'} and {out / 'profile.md'}")
+    return result

@@ -1,0 +1,118 @@
+"""`cllm tune`: decode defaults for one model on this machine, from its measured step cost.
+
+The CLI's RECOMMENDED setting (block size 4, at most 24 fed tokens per forward) is the fastest
+measured on the 2-core development CPU, where a 32-token step costs two 1-token steps; on a GPU
+a wide step costs about a narrow one and a larger block and budget pay. `cllm tune` times the
+model's causal step at k = 1, 2, 4, ..., 64 fed tokens (`cllm.profiling.steptime`, a few seconds), picks
+the block size and fed-token budget by `cllm.profiling.costs.choose_defaults`, and writes them
+as `decode_defaults.json` beside the checkpoint, with the measurements and the rule.
+`cllm.models.load_for_decoding` then decodes with them on a device of the same type.
+
+    cllm tune --model runs/my-cllm
+    cllm tune --model runs/my-cllm --device cuda --force
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from cllm.core.config import UserError
+from cllm.profiling.costs import (
+    BLOCK_MAX_COST,
+    BUDGET_MAX_COST,
+    MAX_BLOCK,
+    Defaults,
+    choose_defaults,
+)
+
+
+@dataclass
+class TuneConfig:
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to tune: shipped name or local checkpoint "
+        "dir"})
+    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, where "
+        "load_for_decoding finds it)"})
+    force: bool = field(default=False, metadata={"help": "overwrite an existing defaults file"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "the device the defaults are for "
+        "(auto: cuda when there is one)"})
+    dtype: str = field(default="float32", metadata={"help": "the dtype you decode in (cllm generate's default is "
+        "float32)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads, as you will decode with (default: "
+        "torch's own choice; recorded)"})
+    prefix: int = field(default=256, metadata={"help": "tokens cached before every timed step (lowered to fit the "
+        "model's position limit)"})
+    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
+        "time (1 is always added)"})
+    repeats: int = field(default=10, metadata={"help": "interleaved timing rounds (the min per k is used)"})
+    block_max_cost: float = field(default=BLOCK_MAX_COST, metadata={"help": "block size: the largest measured k whose "
+        "t(k)/t(1) is at most this"})
+    budget_max_cost: float = field(default=BUDGET_MAX_COST, metadata={"help": "fed-token budget: the largest k whose "
+        "interpolated t(k)/t(1) is at most this"})
+    max_block: int = field(default=MAX_BLOCK, metadata={"help": "block size at most"})
+
+    def __post_init__(self):
+        if any(not isinstance(k, int) or k < 1 for k in self.k) or not self.k:
+            raise ValueError(f"--k must be ints >= 1, got {self.k}")
+        self.k = sorted({1, *self.k})
+        for name in ("prefix", "repeats", "max_block"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if not 1 <= self.block_max_cost <= self.budget_max_cost:
+            raise ValueError("need 1 <= --block-max-cost <= --budget-max-cost, got "
+                             f"{self.block_max_cost} and {self.budget_max_cost}")
+
+
+def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *, device: str, dtype: str,
+                    rule: dict[str, Any], model: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """The JSON written beside the checkpoint: the settings first, then how they were chosen."""
+    return {
+        "settings": {"block_size": defaults.block_size, "recycle_budget": defaults.recycle_budget},
+        "why": defaults.why,
+        "device": device, "dtype": dtype, "model": model,
+        "measured": {"k": ks, "t_ms": [round(t, 4) for t in times_ms],
+                     "ratio": [round(t / times_ms[0], 4) for t in times_ms]},
+        "rule": rule, "machine": machine,
+    }
+
+
+def tune(config: TuneConfig) -> dict[str, Any]:
+    """Time the model's step at every k, choose the defaults, write them; returns the record."""
+    from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
+    from cllm.profiling.steptime import machine, resolve_device, time_steps, write_json
+
+    path = Path(resolve_model_path(config.model))
+    if not path.is_dir():
+        raise UserError(f"--model {config.model}: tune needs a local checkpoint folder to write beside")
+    out = Path(config.out) if config.out else path / DECODE_DEFAULTS
+    if out.exists() and not config.force:
+        raise UserError(f"{out} exists (--force to overwrite it)")
+    device = resolve_device(config.device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    model = load_model(path, dtype=config.dtype, device=device)
+    limit = getattr(model.config, "max_position_embeddings", None) or config.prefix + config.k[-1]
+    prefix = min(config.prefix, limit - config.k[-1])
+    if prefix < 1:
+        raise UserError(f"the model's position limit {limit} leaves no room for k = {config.k[-1]}: lower --k")
+    print(f"cllm tune: timing {path.name} at k = {', '.join(map(str, config.k))} after {prefix} cached tokens "
+          f"({device}, {config.dtype}, {torch.get_num_threads()} thread(s), {config.repeats} rounds)", flush=True)
+    times = time_steps(model, config.k, prefix=prefix, rounds=config.repeats, tree=False)
+    times_ms = [1e3 * min(times.causal[k]) for k in config.k]
+    ratios = [t / times_ms[0] for t in times_ms]
+    rule = {"block_max_cost": config.block_max_cost, "budget_max_cost": config.budget_max_cost,
+            "max_block": config.max_block}
+    chosen = choose_defaults(config.k, ratios, **rule)
+    record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
+                             model=str(path), machine={**machine(), "prefix": prefix})
+    print("| k | " + " | ".join(map(str, config.k)) + " |\n|---|" + "---|" * len(config.k))
+    print("| t(k)/t(1) | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+    print(f"cllm tune: {chosen.why}")
+    write_json(record, out)
+    print(f"cllm tune: wrote {out}")
+    return record

@@ -1,0 +1,1 @@
+"""Text in, text out: completions, the OpenAI API, continuous batching, the HTTP app."""

@@ -1,0 +1,253 @@
+"""Text in, text out as it becomes final: the one place that joins a tokenizer to the
+token-level decoders (`cllm.decoding`). `cllm generate`, `cllm chat`, the HTTP server and its
+scheduler all decode through it, so that they produce the same text:
+
+- "jacobi": greedy Jacobi decoding; text is emitted as soon as its tokens are final (after
+  every step of the engine's `BatchDecoder`);
+- "ar": greedy autoregressive decoding, token by token: the Jacobi engine with n = 1, which is
+  greedy decoding exactly (one token per forward);
+- Medusa heads (`heads=`, `cllm medusa`): greedy Medusa decoding, each forward's final tokens
+  emitted as they come;
+- temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
+  verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
+  autoregressive sampling ("ar" = n = 1); reproducible with a seed.
+
+Text is detokenized incrementally (`TextStream`): a chunk is released only when it cannot change
+any more (no half UTF-8 character at its end, no possible start of a stop string). Output is cut
+at the first stop string and decoding stops there: the loop over the decoder's steps breaks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
+from cllm.decoding.draft_table import NgramTable
+
+METHODS = ("jacobi", "ar")
+
+
+class TextCodec:
+    """A tokenizer behind a lock (fast tokenizers must not be used by two threads at once)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The prompt for the assistant's next turn: the chat template when the tokenizer has
+        one, else the plain concatenation of every message's text (a base model continues it)."""
+        if not self.has_chat_template:
+            return self.encode("".join(m["content"] for m in messages))
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+            # the template writes any BOS itself
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class TextStream:
+    """Token ids in, final text out (`on_text(chunk)`), cut at the first stop string."""
+
+    def __init__(self, codec: TextCodec, stop: Sequence[str] = (), on_text=None) -> None:
+        self.codec, self.stop, self.on_text = codec, tuple(stop), on_text
+        self.tokens: list[int] = []
+        self.text = ""  # released so far
+        self.stopped = False  # a stop string was seen
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        if self.stopped:
+            return
+        self.tokens.extend(tokens)
+        full = self.codec.decode(self.tokens)
+        hits = [i for i in (full.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._release(full[: max(min(hits), len(self.text))])
+            return
+        end = len(full.rstrip("\ufffd"))  # a trailing U+FFFD may be half a UTF-8 character
+        end -= _held_back(full[:end], self.stop)
+        self._release(full[:end])
+
+    def finish(self) -> None:
+        """Release whatever was held back: decoding is over."""
+        if not self.stopped:
+            self._release(self.codec.decode(self.tokens))
+
+    def _release(self, upto: str) -> None:
+        if len(upto) > len(self.text) and upto.startswith(self.text):
+            chunk, self.text = upto[len(self.text) :], upto
+            if self.on_text is not None:
+                self.on_text(chunk)
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could be the start of a stop string."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """How to decode one request (validated by the CLI configs and the server)."""
+
+    method: str = "jacobi"  # "jacobi" or "ar" (the Jacobi engine with n = 1)
+    engine: JacobiConfig = JacobiConfig()  # Jacobi's settings (block size, recycling, ...)
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0  # > 0: lossless sampling
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
+
+    @property
+    def label(self) -> str:
+        """The decoder used: "jacobi", "ar", "jacobi_sample" or "ar_sample" (logs, metrics)."""
+        return f"{self.method}_sample" if self.temperature > 0 else self.method
+
+
+@dataclass
+class Completion:
+    text: str  # cut at the first stop string
+    tokens: list[int]  # new tokens decoded (EOS included if produced)
+    prompt_tokens: int
+    forward_passes: int  # model calls, prefill included
+    seconds: float  # wall clock of the decode
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    method: str  # DecodeParams.label
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / self.forward_passes if self.forward_passes else 0.0
+
+    def summary(self) -> str:
+        return (f"[{self.method}] {len(self.tokens)} tokens · {self.forward_passes} forward passes · "
+                f"{self.tokens_per_forward:.2f} tokens/forward · {self.tokens_per_second:.1f} tokens/s"
+                f" · finish: {self.finish_reason}")
+
+
+def complete(
+    model: torch.nn.Module,
+    codec: TextCodec,
+    prompt_ids: Sequence[int],
+    params: DecodeParams,
+    *,
+    on_text: Callable[[str], None] | None = None,
+    on_iteration: Callable[[IterationEvent], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    draft_table: NgramTable | None = None,
+    heads: torch.nn.Module | None = None,
+) -> Completion:
+    """Decode one prompt, calling `on_text` with each final chunk of text.
+
+    Args:
+        model: a causal LM in eval mode.
+        codec: its tokenizer.
+        prompt_ids: the prompt's token ids (non-empty).
+        params: method, budget, stop strings, sampling.
+        on_text: gets the text as it becomes final; the chunks add up to `Completion.text`.
+        on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
+        cancelled: polled after every step; True stops decoding (e.g. the client went away).
+        draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
+        heads: Medusa heads (`cllm.modeling.heads.load_heads`): greedy Medusa decoding instead of
+            `params.method` (its default tree; `on_iteration` is not called).
+    """
+    stream = TextStream(codec, params.stop, on_text)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
+    start = time.perf_counter()
+    if heads is not None:
+        forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
+    else:
+        forward_passes = _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration,
+                                 cancelled, draft_table)
+    seconds = time.perf_counter() - start
+    stream.finish()
+    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
+    return Completion(
+        text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
+        forward_passes=forward_passes, seconds=seconds,
+        finish_reason="stop" if ended else "length", method="medusa" if heads is not None else params.label,
+    )
+
+
+def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> int:
+    """Jacobi (or AR: n = 1) on the engine, one step at a time; the tokens each step made final
+    go to the text stream at once. Returns the forward passes, the prefill included."""
+    decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **engine_settings(params, draft_table))
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
+                             generator=torch.Generator(device=device).manual_seed(params.seed or 0))
+        stream.feed(decoder.tokens(row))  # the prefill's token
+
+        def more() -> bool:
+            return not (decoder.done(row) or stream.stopped or (cancelled is not None and cancelled()))
+
+        if more():
+            for event in decoder.steps():
+                stream.feed(event.new_tokens[row])
+                if not more():
+                    break
+    return decoder.forward_passes(row)
+
+
+@torch.inference_mode()
+def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> int:
+    """Greedy Medusa decoding, each forward's final tokens streamed as they come. Returns the
+    forward passes, the prefill included."""
+    from cllm.decoding.inputs import eos_set
+    from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
+    from cllm.decoding.stats import DecodeStats
+
+    device = next(model.parameters()).device
+    stats = DecodeStats()
+    steps = medusa_steps(model, heads, input_ids.to(device), None, resolve_tree(heads, None),
+                         max_new_tokens=params.max_new_tokens, eos=eos_set(eos), stats=stats)
+    for tokens in steps:
+        stream.feed(tokens)
+        if stream.stopped or (cancelled is not None and cancelled()):
+            break
+    return stats.forward_passes
+
+
+def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:
+    """The engine's keyword settings for `params` (`jacobi_decode` / `BatchDecoder`), all but
+    the budget and the generator: "ar" is the engine with n = 1 and no drafts; sampling keeps
+    one block in flight."""
+    jacobi, sampling = params.method == "jacobi", params.temperature > 0
+    engine = params.engine if jacobi else replace(params.engine, block_size=1, recycle=0)
+    if sampling or not jacobi:
+        engine = replace(engine, blocks_in_flight=1)
+    return dict(
+        config=engine,
+        temperature=params.temperature,
+        top_p=params.top_p if sampling and params.top_p < 1 else None,
+        top_k=params.top_k if sampling else None,
+        draft_table=draft_table if jacobi else None,
+    )

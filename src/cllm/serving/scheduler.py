@@ -1,0 +1,299 @@
+"""Continuous batching: one thread decodes every admitted request together, step by step.
+
+Requests (`Job`s: prompt ids + `DecodeParams`) wait in a bounded FIFO queue. Between two steps
+the worker admits waiting jobs while the batch has room (`max_batch_size` rows, and at most
+`max_tokens_in_flight` prompt + budget tokens in all, which bounds the KV cache), prefills them
+in one forward per group, and appends them to the running batch (`cllm.decoding.BatchDecoder`).
+Each step is one batched forward per group in which every row advances by its own acceptance
+(with recycling, a row's drafts shrink to its share of `forward_width` fed tokens as the batch
+grows: speed only);
+a row's new final tokens go through its `TextStream` (detokenized, cut at a stop string) to its
+`on_event` callback; a row leaves the batch when it is done, stopped, cancelled or past its
+deadline.
+
+Requests that decode with different engine settings (greedy vs sampled, Jacobi vs AR, another
+temperature) cannot share a forward: each setting has its own `BatchDecoder` (a *group*), and
+every group takes one step per round. A row's output is what it gets decoded alone (greedy:
+token for token; sampled: the same draws from its own seeded generator), whatever its batch
+mates: `tests/decoding/test_batch_decoder.py` and `tests/test_server.py` check it.
+
+Nothing here knows HTTP: `cllm.serving.app` turns events into responses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cllm.decoding import BatchDecoder
+from cllm.decoding.inputs import left_pad
+from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, engine_settings
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The waiting queue is full."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request. `on_event(kind, value)` is called from the worker thread with ("text", str)
+    for each final chunk (when `stream_text`), then once ("done", Completion) or ("error",
+    reason), reason one of "timeout", "shutdown", "failed"; a cancelled job gets no more events."""
+
+    prompt_ids: list[int]
+    params: DecodeParams  # params.seed must be set: it seeds the row's generator
+    on_event: Callable[[str, Any], None]
+    stream_text: bool = False
+    deadline: float | None = None  # time.monotonic() past which the job is dropped ("timeout")
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0
+    # the worker's, while the job runs
+    row: int = -1
+    text: TextStream | None = None
+    seen: int = 0  # tokens of the row fed to `text` so far
+
+    @property
+    def tokens_needed(self) -> int:
+        """Prompt + budget: the most cache entries it can hold."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+@dataclass
+class _Group:
+    decoder: BatchDecoder
+    recycle_budget: int | None  # the requests' own (per row, with recycling; None: no limit)
+    jobs: dict[int, Job] = field(default_factory=dict)  # by row id
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (read by /metrics)."""
+
+    steps: int = 0  # batched forwards after the prefills, over all groups
+    rows_stepped: int = 0  # rows in those forwards, summed (/ steps = mean batch size)
+    prefills: int = 0
+    admitted: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    max_batch: int = 0  # most rows decoding at once
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "rows_stepped": self.rows_stepped, "prefills": self.prefills,
+                "admitted": self.admitted,
+                "cancelled": self.cancelled, "timed_out": self.timed_out, "max_batch": self.max_batch,
+                "mean_batch": round(self.rows_stepped / self.steps, 3) if self.steps else 0.0}
+
+
+class Scheduler:
+    """The decode thread: admits waiting jobs between steps, steps every group, delivers text."""
+
+    def __init__(self, model, codec: TextCodec, *, draft_table=None, queue_size: int = 256,
+                 max_batch_size: int = 32, max_tokens_in_flight: int = 65536,
+                 forward_width: int | None = None) -> None:
+        self.model, self.codec, self.draft_table = model, codec, draft_table
+        self.queue_size, self.max_batch_size = queue_size, max_batch_size
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.forward_width = forward_width
+        self.device = next(model.parameters()).device
+        self.stats = SchedulerStats()
+        self.running = 0  # rows decoding (written by the worker only)
+        self._waiting: deque[Job] = deque()
+        self._groups: dict[tuple, _Group] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="cllm-decode", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                job.on_event("error", "shutdown")
+                return
+            if len(self._waiting) >= self.queue_size:
+                raise Overloaded
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (its client left): it leaves the batch before the next step."""
+        job.cancelled = True
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail what waits, let the current step end, fail what runs; join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # -- the worker thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._groups and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                newcomers = self._admit()
+            try:
+                if newcomers:  # their first token (from the prefill) goes out before the step
+                    self._prefill(newcomers)
+                    self._deliver()
+                self._step()
+                self._deliver()
+            except Exception:  # noqa: BLE001 - a bug must not kill the worker: fail what runs
+                log.exception("decode step failed")
+                self._fail_all("failed")
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            job.on_event("error", "shutdown")
+        self._fail_all("shutdown")
+
+    def _admit(self) -> list[Job]:
+        """Waiting jobs that fit now, in arrival order (the first that does not fit waits, and
+        the ones behind it too: no request is overtaken forever). Called under the lock."""
+        rows = sum(len(g.jobs) for g in self._groups.values())
+        tokens = sum(j.tokens_needed for g in self._groups.values() for j in g.jobs.values())
+        admitted = []
+        now = time.monotonic()
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled or (job.deadline is not None and now > job.deadline):
+                self._waiting.popleft()
+                if not job.cancelled:
+                    self.stats.timed_out += 1
+                    job.on_event("error", "timeout")
+                continue
+            fits = rows + 1 <= self.max_batch_size and tokens + job.tokens_needed <= self.max_tokens_in_flight
+            if rows and not fits:  # alone, a job always runs (it passed the server's limits)
+                break
+            admitted.append(self._waiting.popleft())
+            rows, tokens = rows + 1, tokens + job.tokens_needed
+        return admitted
+
+    def _prefill(self, jobs: list[Job]) -> None:
+        """Newcomers join their group's batch: one prefill forward per group."""
+        by_key: dict[tuple, list[Job]] = {}
+        for job in jobs:
+            by_key.setdefault(_group_key(job.params), []).append(job)
+        for key, group_jobs in by_key.items():
+            group = self._groups.get(key)
+            if group is None:
+                settings = engine_settings(group_jobs[0].params, self.draft_table)
+                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **settings),
+                               settings["config"].recycle_budget)
+            ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
+            generators = [torch.Generator(device=self.device).manual_seed(j.params.seed) for j in group_jobs]
+            try:
+                rows = group.decoder.add(ids.to(self.device), mask.to(self.device), generator=generators,
+                                         max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
+            except Exception:  # noqa: BLE001 - these requests fail, the batch goes on
+                log.exception("prefill failed")
+                for job in group_jobs:
+                    job.on_event("error", "failed")
+                continue
+            self._groups[key] = group
+            self.stats.prefills += 1
+            self.stats.admitted += len(group_jobs)
+            for job, row in zip(group_jobs, rows, strict=True):
+                job.row, job.started_at = row, time.monotonic()
+                on_text = (lambda text, job=job: job.on_event("text", text)) if job.stream_text else None
+                job.text = TextStream(self.codec, job.params.stop, on_text)
+                group.jobs[row] = job
+
+    def _step(self) -> None:
+        self.running = sum(len(g.jobs) for g in self._groups.values())
+        self.stats.max_batch = max(self.stats.max_batch, self.running)
+        for group in list(self._groups.values()):
+            self._drop_gone(group)
+            rows = group.decoder.running
+            cfg = group.decoder.cfg
+            if self.forward_width and cfg.recycle and rows:
+                share = _share(group.recycle_budget, self.forward_width, rows, floor=cfg.block_size)
+                group.decoder.set_recycle_budget(share)
+            if group.decoder.step():
+                self.stats.steps += 1
+                self.stats.rows_stepped += rows
+            group.decoder.take_stats()  # per-step counters: not kept (the decoder runs for good)
+
+    def _drop_gone(self, group: _Group) -> None:
+        """Cancelled and timed-out rows leave before the forward they would waste."""
+        now = time.monotonic()
+        for row, job in list(group.jobs.items()):
+            late = job.deadline is not None and now > job.deadline
+            if job.cancelled or late:
+                group.decoder.remove(row)
+                del group.jobs[row]
+                if job.cancelled:
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.timed_out += 1
+                    job.on_event("error", "timeout")
+
+    def _deliver(self) -> None:
+        """New final tokens -> text; finished rows -> their Completion, and they leave."""
+        for key, group in list(self._groups.items()):
+            decoder = group.decoder
+            for row, job in list(group.jobs.items()):
+                tokens = decoder.tokens(row)
+                if len(tokens) > job.seen:
+                    job.text.feed(tokens[job.seen :])
+                    job.seen = len(tokens)
+                if not (job.text.stopped or decoder.done(row)):
+                    continue
+                result = self._completion(job, tokens, decoder.forward_passes(row))
+                decoder.remove(row)
+                del group.jobs[row]
+                if not job.cancelled:
+                    job.on_event("done", result)
+            if not group.jobs and not decoder.running:
+                del self._groups[key]  # its cache went with its last row
+        self.running = sum(len(g.jobs) for g in self._groups.values())
+
+    def _completion(self, job: Job, tokens: list[int], forwards: int) -> Completion:
+        job.text.finish()
+        eos = self.codec.eos_token_id
+        ended = job.text.stopped or (bool(tokens) and tokens[-1] == eos)
+        return Completion(text=job.text.text, tokens=list(tokens), prompt_tokens=len(job.prompt_ids),
+                          forward_passes=forwards, seconds=time.monotonic() - job.started_at,
+                          finish_reason="stop" if ended else "length", method=job.params.label)
+
+    def _fail_all(self, reason: str) -> None:
+        groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            for job in group.jobs.values():
+                if not job.cancelled:
+                    job.on_event("error", reason)
+
+
+def _share(own: int | None, width: int, rows: int, floor: int) -> int:
+    """A row's recycling budget in a batch of `rows`: its share of the forward's `width`, at
+    least `floor` (a block: between blocks, the next block's drafts still ride along with the
+    one token fed), at most its own. Speed only: a narrower budget verifies fewer drafts, the
+    tokens are the same. A forward costs a fixed part plus a part per fed token; the fixed part
+    is shared by the rows, so the more rows, the less a draft token pays for itself."""
+    share = max(floor, width // rows)
+    return share if own is None else min(own, share)
+
+
+def _group_key(params: DecodeParams) -> tuple:
+    """Requests with equal keys decode in one batch (the engine's settings hold for a batch)."""
+    settings = engine_settings(params, None)
+    return (params.method, *sorted(settings.items()))

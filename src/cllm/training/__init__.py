@@ -1,0 +1,1 @@
+"""Making a CLLM: trajectory collection, consistency training, distillation, pretraining, heads."""

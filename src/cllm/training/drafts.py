@@ -1,0 +1,108 @@
+"""`cllm drafts`: build a model's draft table from its own greedy completions.
+
+Decodes a prompt set greedily (batched, left-padded) and counts which token the model wrote
+after each context of 4, 3 and 2 tokens (`cllm.decoding.draft_table`). The table is saved beside the
+checkpoint, in `drafts/ngram.safetensors` (a subfolder, so the checkpoint's own files and
+fingerprint do not change), where `generate`, `chat`, `serve` and `bench` find it
+(`--draft-table auto`). Jacobi decoding then starts blocks from the table's guesses and
+verifies its continuation as one more recycled draft: faster, and exactly as greedy as before.
+
+Build it from prompts like the ones you will serve (never from the benchmark's own prompts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cllm.core.config import UserError, write_config
+
+
+@dataclass
+class DraftsConfig:
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: "
+        "shipped name or local checkpoint dir"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
+        "or a JSONL/Parquet file (not the prompts you benchmark on)"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: "
+        "all)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
+    batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
+    min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at "
+        "least this often"})
+    min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's "
+        "occurrences"})
+    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
+        "found there by --draft-table auto)"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "min_count"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        if not 0 < self.min_share <= 1:
+            raise UserError(f"--min-share must be in (0, 1], got {self.min_share}")
+        if self.threads < 0:
+            raise UserError(f"--threads must be >= 0, got {self.threads}")
+
+
+def drafts(config: DraftsConfig) -> int:
+    from tqdm.auto import tqdm
+
+    from cllm.core import __version__
+    from cllm.data.prompts import encode_prompts
+    from cllm.decoding.autoregressive import greedy_completions
+    from cllm.decoding.draft_table import ORDERS, NgramTable
+    from cllm.decoding.inputs import position_limit
+    from cllm.models import (
+        DRAFT_TABLE,
+        fingerprint,
+        load_model,
+        load_tokenizer,
+        pad_token_id,
+        resolve_model_path,
+        tokenizer_fingerprint,
+    )
+
+    path = Path(resolve_model_path(config.model))
+    if not path.is_dir() and config.out is None:
+        raise UserError(f"{config.model!r} is not a local checkpoint: give --out for the table")
+    out = Path(config.out) if config.out else path / DRAFT_TABLE
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tokenizer = load_tokenizer(config.model)
+    model = load_model(config.model, dtype=config.dtype, device=config.device)
+    limit, new = position_limit(model), config.max_new_tokens
+    if limit and new > limit // 2:  # leave half the context to the prompt
+        new = limit // 2
+        print(f"cllm drafts: {new} new tokens per prompt instead of {config.max_new_tokens} (the model's context "
+              f"is {limit} tokens)")
+    prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
+    eos = tokenizer.eos_token_id
+
+    started = time.perf_counter()
+    with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
+        outputs = greedy_completions(model, [p.ids for p in prompts], max_new_tokens=new,
+                                     batch_size=config.batch_size, eos_token_id=eos,
+                                     pad_id=pad_token_id(tokenizer), progress=bar.update)
+    seconds = time.perf_counter() - started
+    # each completion with the prompt's last tokens before it: what the model writes after them
+    context = max(ORDERS)
+    sequences = [p.ids[-context:] + o for p, o in zip(prompts, outputs, strict=True)]
+    meta = {"model": config.model, "model_fingerprint": fingerprint(config.model),
+            "tokenizer": tokenizer_fingerprint(config.model), "prompts": config.prompts,
+            "num_prompts": len(prompts), "max_new_tokens": new,
+            "new_tokens": sum(len(o) for o in outputs), "cllm_version": __version__}
+    table = NgramTable.build(sequences, min_count=config.min_count, min_share=config.min_share, meta=meta)
+    table.save(out)
+    write_config(config, out.with_suffix(".config.json"))
+    print(f"cllm drafts: {len(table):,} contexts from {meta['new_tokens']:,} greedy tokens of {len(prompts)} "
+          f"prompts ({seconds:.0f} s) -> {out}")
+    return 0

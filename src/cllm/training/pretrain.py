@@ -1,0 +1,508 @@
+"""cllm pretrain: train the embedded target model from scratch on the stdlib corpus.
+
+A small `LlamaForCausalLM` (tied embeddings) learns next-token prediction on the Python standard
+library (`cllm.data.corpus`, train split) with its own byte-level BPE tokenizer
+(`cllm.data.tokenizer`). Documents are joined with `<|endoftext|>` into one token stream and
+each step reads `batch_size` random windows of `context + 1` tokens from it, drawn by a seeded
+generator whose state is checkpointed: rerunning the same command continues from the last
+checkpoint and reproduces the loss curve of an uninterrupted run exactly.
+
+Everything lands in `--out`: the HF checkpoint (safetensors, config, generation config), the
+tokenizer, `pretrain_config.json` (resolved config), `pretrain_log.jsonl` (one record per step,
+validation records at each eval), `pretrain_summary.json` (corpus hash, time, losses) and the
+trainer state in `checkpoints/last.pt` (not meant to be shipped).
+
+`evaluate_target` and `write_model_card` measure a finished model for its MODEL_CARD.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from cllm.core.config import UserError, config_to_dict, write_config
+from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
+from cllm.data.corpus import load_corpus
+from cllm.data.tokenizer import (
+    EOT,
+    save_tokenizer,
+    token_stream,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+from cllm.evaluation.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate, stream_loss, window_loss
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoints/last.pt"
+LOG = "pretrain_log.jsonl"
+SUMMARY = "pretrain_summary.json"
+CONFIG = "pretrain_config.json"
+# Fields that may change between a run and its resumption without changing the result.
+_RESUME_FREE = {"resume", "threads", "eval_interval", "eval_batches", "checkpoint_interval"}
+
+
+@dataclass
+class PretrainConfig:
+    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, "
+        "logs, checkpoints)"})
+    vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
+    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
+        "training one (a draft model must share its target's; its size must equal --vocab-size)"})
+    width: int = field(default=256, metadata={"help": "hidden size"})
+    layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    heads: int = field(default=4, metadata={"help": "attention heads (width must divide evenly)"})
+    mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up "
+        "to 64"})
+    context: int = field(default=512, metadata={"help": "training window length in tokens (= max positions)"})
+    steps: int = field(default=3200, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={"help": "windows per step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
+    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (not norms)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
+    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer "
+        "stay float32)"})
+    eval_interval: int = field(default=100, metadata={"help": "validation every N steps (and at the end)"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches of batch_size windows"})
+    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the "
+        "end, and on Ctrl-C)"})
+    seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
+        "starts over"})
+    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "
+        "tests)"})
+    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported "
+        "weights"})
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "width", "layers", "heads", "context", "steps", "batch_size",
+                    "eval_interval", "eval_batches", "checkpoint_interval", "threads")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.vocab_size < 257:
+            raise ValueError(f"vocab_size must be at least 257 (bytes + {EOT}), got {self.vocab_size}")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        if self.mlp_width is None:
+            self.mlp_width = math.ceil(self.width * 8 / 3 / 64) * 64
+        if self.max_files is not None and self.max_files <= 0:
+            raise ValueError(f"max_files must be positive, got {self.max_files}")
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def sample_windows(stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, context + 1) random windows; the generator's state is the whole sampler state."""
+    starts = torch.randint(0, len(stream) - context, (batch_size,), generator=generator)
+    return stream[starts[:, None] + torch.arange(context + 1)]
+
+
+def eval_windows(stream: torch.Tensor, n: int, context: int) -> torch.Tensor:
+    """(n, context + 1) evenly spaced windows: the same validation set at every eval."""
+    starts = torch.linspace(0, len(stream) - context - 1, n).long()
+    return stream[starts[:, None] + torch.arange(context + 1)]
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+def build_model(config: PretrainConfig, eot_id: int):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    model_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.width,
+        intermediate_size=config.mlp_width,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.heads,
+        max_position_embeddings=config.context,
+        tie_word_embeddings=True,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        pad_token_id=eot_id,
+    )
+    torch.manual_seed(config.seed)
+    model = LlamaForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id, do_sample=False
+    )
+    return model
+
+
+def lr_at(step: int, config: PretrainConfig) -> float:
+    """Linear warm-up to lr, then cosine decay to min_lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, config: PretrainConfig):
+    # Decay matrices only: norms (1-D) are left alone, as in nanoGPT.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config) / config.lr)
+    return optimizer, scheduler
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, batch_size: int, bf16: bool) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [window_loss(model, chunk, bf16).item() * len(chunk) for chunk in windows.split(batch_size)]
+    model.train(was_training)
+    return sum(losses) / len(windows)
+
+
+def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: PretrainConfig) -> float:
+    loss = window_loss(model, windows, config.bf16)
+    loss.backward()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def _prepare(config: PretrainConfig, out: Path, resuming: bool):
+    """Corpus, tokenizer (trained once, then reloaded), token streams."""
+    from transformers import AutoTokenizer
+
+    train_corpus = load_corpus("train", max_files=config.max_files)
+    val_corpus = load_corpus("validation", max_files=config.max_files)
+    if resuming:
+        tokenizer = AutoTokenizer.from_pretrained(out)
+    elif config.tokenizer is not None:
+        from cllm.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer)
+        if len(tokenizer) != config.vocab_size or tokenizer.convert_tokens_to_ids(EOT) is None:
+            raise UserError(f"{config.tokenizer}: its tokenizer has {len(tokenizer)} tokens, not --vocab-size "
+                            f"{config.vocab_size} with {EOT}")
+        save_tokenizer(tokenizer, out)
+    else:
+        tokenizer = train_tokenizer((d.text for d in train_corpus.documents), vocab_size=config.vocab_size)
+        save_tokenizer(tokenizer, out)
+    train_ids = token_stream(train_corpus, tokenizer)
+    val_ids = token_stream(val_corpus, tokenizer)
+    if min(len(train_ids), len(val_ids)) <= config.context + 1:
+        raise UserError(f"corpus too small for context {config.context}: use more files or a shorter context")
+    return train_corpus, val_corpus, tokenizer, train_ids, val_ids
+
+
+def pretrain(config: PretrainConfig) -> Path:
+    """Train (or resume) and export; returns the output directory.
+
+    Args:
+        config: a validated `PretrainConfig`. Rerunning with the same config resumes from the
+            last checkpoint; Ctrl-C saves one before stopping.
+    """
+    out = Path(config.out)
+    ckpt_path, log_path = out / CHECKPOINT, out / LOG
+    torch.set_num_threads(config.threads)
+    state = None
+    if config.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        check_same_run(state["config"], config, free=_RESUME_FREE)
+    elif ckpt_path.exists():
+        ckpt_path.unlink()
+        log_path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    train_corpus, val_corpus, tokenizer, train_ids, val_ids = _prepare(config, out, state is not None)
+
+    # 1. model, optimizer, schedule, sampler; restored when resuming
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    model = build_model(config, eot)
+    optimizer, scheduler = build_optimizer(model, config)
+    generator = torch.Generator().manual_seed(config.seed)
+    step, elapsed, val_loss = 0, 0.0, None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        step, elapsed, val_loss = state["step"], state["elapsed_s"], state.get("val_loss")
+        truncate_log(log_path, step)
+        logger.info("resuming %s from step %d", out, step)
+    else:
+        log_path.unlink(missing_ok=True)
+    write_config(config, out / CONFIG)
+    val_windows = eval_windows(val_ids, config.eval_batches * config.batch_size, config.context)
+
+    def snapshot() -> dict:
+        return {
+            "step": step, "elapsed_s": elapsed, "val_loss": val_loss, "config": config_to_dict(config),
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "sampler": generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    # 2. the loop: sample, step, log; eval and checkpoint on their intervals
+    model.train()
+    tokens_per_step = config.batch_size * config.context
+    bar = tqdm(total=config.steps, initial=step, desc="pretrain", unit="step",
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    with sigint_flag() as interrupted:
+        while step < config.steps:
+            t0 = time.perf_counter()
+            windows = sample_windows(train_ids, config.batch_size, config.context, generator)
+            lr = scheduler.get_last_lr()[0]
+            loss = train_step(model, optimizer, scheduler, windows, config)
+            dt = time.perf_counter() - t0
+            step += 1
+            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1)}
+            if step % config.eval_interval == 0 or step == config.steps:
+                val_loss = evaluate(model, val_windows, config.batch_size, config.bf16)
+                record["val_loss"] = val_loss
+            elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
+            record["elapsed_s"] = round(elapsed, 3)
+            append_jsonl(log_path, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-",
+                            tok_s=f"{tokens_per_step / dt:.0f}")
+            if step % config.checkpoint_interval == 0 or step == config.steps or interrupted["set"]:
+                save_checkpoint(ckpt_path, snapshot())
+            if interrupted["set"] and step < config.steps:
+                bar.close()
+                raise KeyboardInterrupt(f"stopped at step {step}; rerun the command to resume")
+    bar.close()
+
+    # 3. export the HF checkpoint and the record of how it was made
+    export(model, tokenizer, config, out)
+    summary = {
+        "corpus": {"train": train_corpus.describe(), "validation": val_corpus.describe()},
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": step,
+        "tokens_seen": step * tokens_per_step,
+        "train_tokens": len(train_ids),
+        "validation_tokens": len(val_ids),
+        "train_time_s": round(elapsed, 1),
+        "final_train_loss": _last_train_loss(log_path),
+        "final_val_loss": val_loss,
+        "val_loss_definition": f"mean nats/token over {len(val_windows)} evenly spaced validation windows",
+        "machine": {"platform": platform.platform(), "threads": config.threads, "torch": torch.__version__},
+    }
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+def _last_train_loss(log_path: Path) -> float | None:
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else None
+
+
+def export(model, tokenizer, config: PretrainConfig, out: Path) -> None:
+    dtype = torch.bfloat16 if config.save_dtype == "bfloat16" else torch.float32
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    save_tokenizer(tokenizer, out)
+
+
+# ---------------------------------------------------------------------------------- model card
+
+
+@dataclass
+class TargetEvaluation:
+    """What MODEL_CARD.md reports about a pretrained target."""
+
+    val_loss: float  # nats/token over the whole stdlib validation split
+    val_tokens: int
+    n_prompts: int  # stdlib-val prompts completed greedily
+    max_new_tokens: int
+    parse_rate: float  # completions whose function parses with `ast` once cut at its end
+    degenerate_rate: float  # completions repeating one token DEGENERATE_RUN+ times in a row
+    looping_rate: float  # completions ending in a loop: a pattern of <= 8 tokens repeated over 24+ tokens
+    corpus_sha256: str  # of the validation split
+    parameters: int
+    samples: list[dict]  # {"id", "prompt", "completion"}: completion cut at the function end
+
+
+def evaluate_target(
+    model_dir: str | Path,
+    *,
+    n_prompts: int = 100,
+    max_new_tokens: int = 128,
+    n_samples: int = 4,
+    threads: int | None = None,
+) -> TargetEvaluation:
+    """Validation loss and greedy-completion quality of a pretrained target, float32.
+
+    Args:
+        model_dir: an HF checkpoint directory with its tokenizer.
+        n_prompts: stdlib-val prompts, evenly spaced over the set, completed greedily
+            (`model.generate(do_sample=False)`, one prompt at a time).
+        max_new_tokens: completion budget per prompt.
+        n_samples: how many completions to keep as samples.
+        threads: torch CPU threads (default: leave as is).
+    """
+    from cllm.data.prompts import cut_at_function_end, function_parses, load_prompts
+    from cllm.models import load_model, load_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(model_dir, dtype=torch.float32)  # eval mode, CPU
+    tokenizer = load_tokenizer(model_dir)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+
+    # 1. validation loss over the whole split, in windows of the model's context
+    val_corpus = load_corpus("validation")
+    val_ids = token_stream(val_corpus, tokenizer)
+    val_loss = stream_loss(model, val_ids, model.config.max_position_embeddings - 1)
+
+    # 2. greedy completions of evenly spaced stdlib-val prompts
+    prompts = load_prompts("stdlib-val")
+    prompts = [prompts[i * len(prompts) // n_prompts] for i in range(min(n_prompts, len(prompts)))]
+    parsed = degenerate = looping = 0
+    samples = []
+    for prompt in tqdm(prompts, desc="completions", unit="prompt"):
+        input_ids = tokenizer(prompt.text, return_tensors="pt", add_special_tokens=False).input_ids
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eot, pad_token_id=eot)
+        new = out[0, input_ids.shape[1]:].tolist()
+        finished = eot in new
+        new = new[: new.index(eot)] if finished else new
+        completion = tokenizer.decode(new)
+        parsed += function_parses(prompt.text, completion, finished=finished)
+        degenerate += is_degenerate(new)
+        looping += ends_in_loop(new)
+        if len(samples) < n_samples:  # shown whole, unfinished last line included
+            cut = cut_at_function_end(prompt.text, completion, finished=True)
+            samples.append({"id": prompt.id, "prompt": prompt.text, "completion": cut[len(prompt.text):]})
+    return TargetEvaluation(
+        val_loss=val_loss, val_tokens=len(val_ids), n_prompts=len(prompts), max_new_tokens=max_new_tokens,
+        parse_rate=parsed / len(prompts), degenerate_rate=degenerate / len(prompts),
+        looping_rate=looping / len(prompts),
+        corpus_sha256=val_corpus.fingerprint, samples=samples,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+TARGET_ROLE = ("It is the embedded *target* of the cllm toolkit: small enough to Jacobi-decode and "
+               "consistency-train on a CPU.")
+
+
+def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None = None, *, name: str = "stdlib-coder",
+                     role: str = TARGET_ROLE, **evaluate_kwargs) -> Path:
+    """Write MODEL_CARD.md (and evaluation.json) into a pretrained model directory. `role`: the
+    sentence that says what the model is for (the embedded target, a draft model, ...)."""
+    import dataclasses
+
+    model_dir = Path(model_dir)
+    evaluation = evaluation or evaluate_target(model_dir, **evaluate_kwargs)
+    arch = json.loads((model_dir / "config.json").read_text())
+    cfg = _read_json(model_dir / CONFIG)
+    summary = _read_json(model_dir / SUMMARY)
+    (model_dir / "evaluation.json").write_text(json.dumps(dataclasses.asdict(evaluation), indent=2) + "\n")
+    corpus = summary.get("corpus", {})
+    lines = [
+        f"# {name}",
+        "",
+        f"A {evaluation.parameters / 1e6:.2f}M-parameter Llama-architecture causal LM trained from",
+        "scratch by `cllm pretrain` on the Python standard library, with "
+        + (f"the byte-level BPE tokenizer of `{cfg['tokenizer']}`." if cfg.get("tokenizer")
+           else "its own byte-level BPE tokenizer."),
+        role,
+        "It completes Python code in stdlib style; it is not a useful assistant.",
+        "",
+        "## Architecture",
+        "",
+        "| | |", "|---|---|",
+        f"| layers x width | {arch['num_hidden_layers']} x {arch['hidden_size']} |",
+        f"| heads (head dim) | {arch['num_attention_heads']} ({arch['hidden_size'] // arch['num_attention_heads']}) |",
+        f"| MLP (SwiGLU) | {arch['intermediate_size']} |",
+        f"| vocabulary | {arch['vocab_size']} (byte-level BPE, `<|endoftext|>` = EOS = BOS = pad, id "
+        f"{arch['eos_token_id']}) |",
+        f"| context | {arch['max_position_embeddings']} tokens |",
+        f"| embeddings | tied; weights stored as {arch.get('dtype', arch.get('torch_dtype', 'float32'))} |",
+        "",
+        "## Training",
+        "",
+        "| | |", "|---|---|",
+    ]
+    for split in ("train", "validation"):
+        c = corpus.get(split)
+        if c:
+            lines.append(f"| corpus, {split} | Python {c['python']} stdlib, {c['files']} files, {c['chars']:,} chars, "
+                         f"sha256 `{c['sha256'][:16]}` |")
+    if cfg:
+        lines += [
+            f"| steps x batch x context | {cfg['steps']} x {cfg['batch_size']} x {cfg['context']} = "
+            f"{cfg['steps'] * cfg['batch_size'] * cfg['context']:,} tokens |",
+            f"| optimiser | AdamW (0.9, 0.95), lr {cfg['lr']} -> {cfg['min_lr']} cosine, {cfg['warmup_steps']} warm-up "
+            f"steps, weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}, bf16 autocast {cfg['bf16']} |",
+            f"| seed, threads | {cfg['seed']}, {cfg['threads']} |",
+        ]
+    if summary:
+        lines.append(f"| training time | {summary['train_time_s'] / 60:.1f} min ({summary['machine']['platform']}, "
+                     f"torch {summary['machine']['torch']}) |")
+        lines.append(f"| tokenizer sha256 | `{summary['tokenizer_sha256'][:16]}` |")
+    lines += [
+        "",
+        "## Evaluation (float32, greedy)",
+        "",
+        "| | |", "|---|---|",
+        f"| validation loss | {evaluation.val_loss:.3f} nats/token over all {evaluation.val_tokens:,} tokens of the "
+        f"validation split (sha256 `{evaluation.corpus_sha256[:16]}`) |",
+        f"| function parses | {evaluation.parse_rate:.0%} of {evaluation.n_prompts} stdlib-val prompts (signature + "
+        f"docstring, ending at its closing quotes): {evaluation.max_new_tokens}-token completion cut at the end of the "
+        "function, `ast.parse` succeeds and the body has a statement |",
+        f"| degenerate | {evaluation.degenerate_rate:.0%} (one token repeated {DEGENERATE_RUN}+ times in a row) |",
+        f"| looping | {evaluation.looping_rate:.0%} (the last 24 tokens repeat a pattern of at most 8 tokens) |",
+        "",
+        "## Samples (stdlib-val prompts; the completion follows the docstring)",
+        "",
+    ]
+    for sample in evaluation.samples:
+        lines += [f"`{sample['id']}`", "", "```python", sample["prompt"] + sample["completion"].rstrip("\n"), "```", ""]
+    lines += [
+        "## Reproduce",
+        "",
+        "```",
+        f"cllm pretrain --config {model_dir / CONFIG} --out runs/{name}",
+        "```",
+        "",
+        "The corpus is the running interpreter's stdlib: another Python version gives another corpus",
+        "(compare the sha256 above).",
+    ]
+    path = model_dir / "MODEL_CARD.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
