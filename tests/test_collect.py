@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cllm.cli import main as cli_main
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed as prompt_seed
 from cllm.data.tokenizer import EOT, train_tokenizer
 from cllm.data.trajectories import (

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from cllm.cli import main as cli_main
-from cllm.core.config import UserError
-from cllm.decoding.draft_table import NgramTable
+from cllm.core.errors import UserError
+from cllm.decoding.draft_table import DraftTable
 from cllm.models import DRAFT_TABLE, fingerprint
 from cllm.training.cards import evaluation_table
 from cllm.training.distill import DistillConfig, distill, repetition_warning
@@ -53,7 +53,7 @@ def test_one_command_gives_a_faster_exact_cllm_and_an_evaluation(setup, distille
     assert "## Distillation evaluation" in (out / "model" / "MODEL_CARD.md").read_text()
     assert json.loads((out / "distill_config.json").read_text())["block_size"] == BLOCK
     # the CLLM's draft table, built from its own greedy completions of the training prompts
-    table = NgramTable.load(out / "model" / DRAFT_TABLE)
+    table = DraftTable.load(out / "model" / DRAFT_TABLE)
     assert len(table) > 0 and table.meta["model_fingerprint"] == fingerprint(out / "model")
 
 

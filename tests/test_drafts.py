@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cllm.cli import main
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.models import DRAFT_TABLE, fingerprint, load_draft_table
 from tests.test_generate import PROMPTS, Oracle, save_tiny_model
 
@@ -33,7 +33,7 @@ def drafted(tmp_path_factory, prompt_file):
 
 def test_drafts_saves_a_table_beside_the_checkpoint_without_changing_it(drafted):
     directory, before = drafted
-    table = NgramTable.load(directory / DRAFT_TABLE)
+    table = DraftTable.load(directory / DRAFT_TABLE)
     assert len(table) > 0 and table.meta["num_prompts"] == 8 and table.meta["new_tokens"] > 0
     assert table.meta["model_fingerprint"] == before == fingerprint(directory)
     assert json.loads((directory / DRAFT_TABLE).with_suffix(".config.json").read_text())["min_count"] == 1
@@ -62,14 +62,14 @@ def test_generate_with_the_table_is_still_greedy(drafted, capsys, spec, monkeypa
     oracle = Oracle(directory)
     table = str(directory / DRAFT_TABLE) if spec == "explicit" else spec
     drafted_tokens = []
-    lookup = NgramTable.continuation
+    lookup = DraftTable.continuation
 
     def spy(self, history, count):
         found = lookup(self, history, count)
         drafted_tokens.extend(found)
         return found
 
-    monkeypatch.setattr(NgramTable, "continuation", spy)
+    monkeypatch.setattr(DraftTable, "continuation", spy)
     for prompt in PROMPTS:
         code, out, _ = run(capsys, "generate", "--model", directory, "--prompt", prompt, "--max-new-tokens", NEW,
                            "--block-size", 5, "--draft-table", table)
@@ -86,7 +86,7 @@ def test_a_missing_or_foreign_table_is_a_one_line_error(drafted, tmp_path, capsy
     code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table",
                        tmp_path / "no.safetensors")
     assert code == 2 and "draft table not found" in err and "Traceback" not in err
-    foreign = NgramTable.build([[1, 2, 3, 4, 5] * 3], meta={"tokenizer": "someone-else", "model": "other"})
+    foreign = DraftTable.build([[1, 2, 3, 4, 5] * 3], meta={"tokenizer": "someone-else", "model": "other"})
     foreign.save(tmp_path / "foreign.safetensors")
     code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table",
                        tmp_path / "foreign.safetensors")

@@ -236,7 +236,7 @@ def test_unknown_model_directory_is_a_one_line_error(tmp_path, capsys):
 
 def test_trim_history_drops_the_oldest_turns_and_keeps_the_system_message():
     from cllm.commands.generate import trim_history
-    from cllm.core.config import UserError
+    from cllm.core.errors import UserError
 
     def msg(role, n):
         return {"role": role, "content": "x" * n}

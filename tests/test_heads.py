@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.decoding import greedy_decode
 from cllm.decoding.rivals.medusa import medusa_decode
 from cllm.modeling.heads import (

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.models import fingerprint, load_model, load_tokenizer, resolve_dtype
 
 
@@ -115,7 +115,7 @@ def test_a_mistyped_shipped_name_suggests_it(tmp_path, monkeypatch):
     ("2.13.0+cpu", "5.24.0", True), ("2.6.0", "5.0.0", True), ("2.5.1+cu121", "5.24.0", False),
     ("2.5.1", "4.57.6", True), ("2.1.0", "4.56.0", True), ("2.0.1", "4.56.0", False)])
 def test_a_torch_that_transformers_would_disable_is_named_in_one_line(torch_v, tf_v, fine):
-    from cllm.models import version_problem
+    from cllm.core.versions import version_problem
 
     problem = version_problem(torch_v, tf_v)
     assert (problem is None) == fine

@@ -13,7 +13,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 from accelerate.utils.dataclasses import get_module_class_from_name
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.training import distributed as parallel
 from cllm.training.distributed import (
     Engine,

@@ -11,14 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cllm.training.pretrain as pretrain_module
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.training.pretrain import (
     PretrainConfig,
     evaluate_target,
-    lr_at,
     pretrain,
     write_model_card,
 )
+from cllm.training.schedule import lr_factor
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "stdlib-coder"
 
@@ -110,8 +110,7 @@ def test_invalid_config_raises_one_line_value_error(tmp_path, bad):
 
 
 def test_lr_warms_up_then_decays_to_min_lr():
-    config = tiny("unused", steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
-    lrs = [lr_at(s, config) for s in range(100)]
+    lrs = [lr_factor(s, 100, 10, floor=0.1) for s in range(100)]
     assert lrs[:10] == sorted(lrs[:10]) and lrs[9] == 1.0
     assert lrs[10:] == sorted(lrs[10:], reverse=True) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
 

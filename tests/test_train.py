@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from cllm.cli import main as cli_main
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.evaluation.heldout import decode_prompts, load_eval_prompts
 from cllm.modeling import forwards as rows

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.training.batches import Counts, make_micro_batch, make_rollouts, rollout_prompts
 from cllm.training.objective import FrozenTeacher, micro_batch_loss

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import main
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.models import DECODE_DEFAULTS, tuned_defaults
 from cllm.profiling.tune import TuneConfig, tune

@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Any
 
-from cllm.core.config import UserError, add_dataclass_arguments, build_config, read_config_file
+from cllm.core.config import add_dataclass_arguments, build_config, read_config_file
+from cllm.core.errors import UserError, first_line
 
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "pretrain": ("cllm.training.pretrain", "PretrainConfig", "pretrain",
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
               f"commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if command is not None:
-        from cllm.models import check_versions
+        from cllm.core.versions import check_versions
 
         try:  # before any command module imports transformers
             check_versions()
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError, FileNotFoundError) as exc:
         if os.environ.get("CLLM_DEBUG"):
             raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     return int(result) if isinstance(result, int) else 0

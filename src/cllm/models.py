@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from cllm.core.config import UserError
-from cllm.core.options import is_off
+from cllm.core.config import is_off
+from cllm.core.errors import UserError, first_line
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,38 +45,6 @@ SHIPPED = {
 DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 # Decode settings measured for a checkpoint on one type of device (`cllm tune`), beside it.
 DECODE_DEFAULTS = "decode_defaults.json"
-
-
-def version_problem(torch_version: str, transformers_version: str) -> str | None:
-    """Why this torch cannot run under this transformers, or None. Transformers 5 disables a
-    torch older than 2.6 at import (everything then fails far from the cause); pip cannot see it,
-    because transformers does not require torch. 4.56-4.57 take torch >= 2.1."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        torch_v, tf_v = Version(torch_version), Version(transformers_version)
-    except InvalidVersion:
-        return None
-    floor = (2, 6) if tf_v.major >= 5 else (2, 1)
-    if torch_v.release >= floor:
-        return None
-    fix = ("pip install 'transformers>=4.56,<5' or a newer torch"
-           if tf_v.major >= 5 and torch_v.release >= (2, 1) else "install a newer torch")
-    return (f"transformers {transformers_version} needs torch >= {floor[0]}.{floor[1]}, "
-            f"but torch {torch_version} is installed: {fix}")
-
-
-def check_versions() -> None:
-    """A one-line `UserError` when the installed torch and transformers do not work together
-    (read from the package records: nothing is imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        problem = version_problem(version("torch"), version("transformers"))
-    except PackageNotFoundError:
-        return
-    if problem:
-        raise UserError(problem)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -158,7 +126,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:
-        raise UserError(f"cannot load tokenizer {path!r}: {_first_line(exc)}") from None
+        raise UserError(f"cannot load tokenizer {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (JSON, protobuf...): say which
         raise UserError(f"cannot load tokenizer {path!r}: {_damage(path, exc, 'tokenizer.json')}") from None
 
@@ -180,15 +148,10 @@ def load_model(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
     except OSError as exc:
-        raise UserError(f"cannot load model {path!r}: {_first_line(exc)}") from None
+        raise UserError(f"cannot load model {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (safetensors, JSON...): say which
         raise UserError(f"cannot load model {path!r}: {_damage(path, exc)}") from None
     return model.to(device).eval()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _damage(path: str, exc: Exception, suspect: str | None = None) -> str:
@@ -196,7 +159,7 @@ def _damage(path: str, exc: Exception, suspect: str | None = None) -> str:
     the `suspect` file when there is one, else say what failed. The files are only opened: a
     safetensors header, a JSON document."""
     folder = Path(path)
-    failure = f"{type(exc).__name__}: {_first_line(exc)}"
+    failure = f"{type(exc).__name__}: {first_line(exc)}"
     if folder.is_dir():
         for file in sorted(folder.iterdir()):
             problem = _unreadable(file)
@@ -220,7 +183,7 @@ def _unreadable(file: Path) -> str | None:
         elif file.suffix == ".json":
             json.loads(file.read_text(encoding="utf-8"))
     except Exception as exc:  # noqa: BLE001 - any failure to parse is the answer
-        return _first_line(exc)
+        return first_line(exc)
     return None
 
 
@@ -256,9 +219,9 @@ def tokenizer_fingerprint(path_or_tokenizer) -> str:
         path_or_tokenizer = load_tokenizer(path)
     tok = path_or_tokenizer
     if getattr(tok, "backend_tokenizer", None) is not None:
-        from cllm.data.tokenizer import tokenizer_fingerprint as full_fingerprint
+        from cllm.data.tokenizer import tokenizer_sha256
 
-        return full_fingerprint(tok)[:16]
+        return tokenizer_sha256(tok)[:16]
     return hashlib.sha256(repr(sorted(tok.get_vocab().items())).encode()).hexdigest()[:16]
 
 
@@ -276,7 +239,7 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
     A table built for another tokenizer is refused: its token ids would mean other tokens.
     """
-    from cllm.decoding.draft_table import NgramTable
+    from cllm.decoding.draft_table import DraftTable
 
     if spec is None or is_off(spec, ("none", "off", "")):
         return None
@@ -290,9 +253,9 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
         if not file.is_file():
             raise UserError(f"draft table not found: {file}")
     try:
-        table = NgramTable.load(file)
+        table = DraftTable.load(file)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one line naming it
-        raise UserError(f"cannot read draft table {file}: {_first_line(exc)}") from None
+        raise UserError(f"cannot read draft table {file}: {first_line(exc)}") from None
     built_for = table.meta.get("tokenizer")
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
@@ -306,7 +269,7 @@ class DecodingModel:
 
     model: torch.nn.Module
     tokenizer: Any
-    draft_table: Any  # its NgramTable (`cllm drafts`), or None when its folder has none
+    draft_table: Any  # its DraftTable (`cllm drafts`), or None when its folder has none
     settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
     name: str
 
@@ -355,7 +318,7 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
         record = json.loads(file.read_text(encoding="utf-8"))
         settings = record["settings"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot read {file}: {_first_line(exc)} (rerun cllm tune --force)") from None
+        raise UserError(f"cannot read {file}: {first_line(exc)} (rerun cllm tune --force)") from None
     if record.get("device") != torch.device(device).type:
         return {}
     return {k: v for k, v in settings.items() if k in RECOMMENDED}

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.data import prompts as P
 from cllm.data.prompts import Prompt, cut_at_function_end, function_parses, load_prompts
 
@@ -112,7 +112,14 @@ def test_missing_file_is_a_one_line_user_error(tmp_path):
 def test_malformed_jsonl_is_a_one_line_user_error_with_line_number(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    assert "bad.jsonl:2" in _one_line_user_error(path)
+    assert "bad.jsonl, line 2, is not valid JSON: no JSON value at column 12" in _one_line_user_error(path)
+
+
+def test_a_raw_tab_in_a_jsonl_string_is_named_in_words(tmp_path):
+    path = tmp_path / "tabs.jsonl"
+    path.write_text('{"prompt": "def f():\treturn 1"}\n')  # a real tab inside the string
+    message = _one_line_user_error(path)
+    assert "tabs.jsonl, line 1" in message and "raw tab or newline inside a string" in message
 
 
 def test_malformed_parquet_is_a_one_line_user_error(tmp_path):
@@ -142,7 +149,7 @@ def test_record_errors_name_the_files_line_counting_blank_lines_and_parquet_rows
 def test_invalid_utf8_is_a_one_line_user_error_with_its_line_and_column(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
-    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 16)" in _one_line_user_error(path)
+    assert f"{path}, line 2, is not valid UTF-8 (byte 0xe9 at column 16)" in _one_line_user_error(path)
 
 
 def test_default_ids_are_unchanged_by_blank_lines_in_the_count(tmp_path):

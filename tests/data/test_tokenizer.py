@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from cllm.data.corpus import load_corpus
-from cllm.data.tokenizer import EOT, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from cllm.data.tokenizer import EOT, save_tokenizer, tokenizer_sha256, train_tokenizer
 
 SAMPLES = [
     "def f(x):\n    return x + 1\n",
@@ -50,9 +50,9 @@ def test_saved_tokenizer_loads_offline_with_autotokenizer(tokenizer, tmp_path):
     for text in SAMPLES:
         assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert loaded.eos_token_id == 0 and loaded.pad_token_id == 0
-    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(tokenizer)
+    assert tokenizer_sha256(loaded) == tokenizer_sha256(tokenizer)
 
 
 def test_training_is_deterministic(tokenizer):
     texts = [d.text for d in load_corpus("train", max_files=5).documents]
-    assert tokenizer_fingerprint(train_tokenizer(texts, vocab_size=400)) == tokenizer_fingerprint(tokenizer)
+    assert tokenizer_sha256(train_tokenizer(texts, vocab_size=400)) == tokenizer_sha256(tokenizer)

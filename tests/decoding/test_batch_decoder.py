@@ -9,7 +9,7 @@ import torch
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import BatchDecoder
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from tests.decoding.conftest import assert_same_tokens, random_prompt, tiny_model
 
 # (seed, prompt length, max_new_tokens, the step before which the row joins)
@@ -57,7 +57,7 @@ def test_rows_with_eos_and_a_draft_table_join_and_leave_and_stay_greedy(arch):
     stop = next(i for i in range(5, 30) if full[i] not in full[:i])
     eos = full[stop]  # a token the first row produces: it stops there, mid-batch
     seqs = [greedy_decode(model, random_prompt(s, 6), max_new_tokens=40).new_tokens[0] for s in range(3)]
-    table = NgramTable.build(seqs, min_count=1, min_share=0.0)
+    table = DraftTable.build(seqs, min_count=1, min_share=0.0)
     decoder = BatchDecoder(model, block_size=4, recycle=4, eos_token_id=eos, draft_table=table)
     got = _run_staggered(decoder, ARRIVALS)
     for k, (seed, length, budget, _) in enumerate(ARRIVALS):

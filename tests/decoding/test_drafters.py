@@ -9,7 +9,7 @@ import torch
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import BatchDecoder, JacobiConfig
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.jacobi.drafters import (
     GUESS_DRAFTERS,
     CarriedDrafts,
@@ -52,7 +52,7 @@ def test_guesses_fill_the_width():
 def test_carried_table_and_pool_drafters_propose_nothing_when_they_know_nothing():
     assert CarriedDrafts().propose(context([1], carried=[4, 5, 6]), 2) == [[4, 5]]
     assert CarriedDrafts().propose(context([1]), 2) == []
-    table = NgramTable(orders=(2,), next_token={(1, 2): 3, (2, 3): 4, (3, 4): 5})
+    table = DraftTable(orders=(2,), next_token={(1, 2): 3, (2, 3): 4, (3, 4): 5})
     assert TableDrafter(table).propose(context([9, 1, 2]), 10) == [[3, 4, 5]]  # the chain stops at (4, 5)
     assert TableDrafter(table, max_width=2).propose(context([9, 1, 2]), 10) == [[3, 4]]
     assert TableDrafter(table).propose(context([9, 9]), 10) == []
@@ -65,7 +65,7 @@ def test_carried_table_and_pool_drafters_propose_nothing_when_they_know_nothing(
 
 
 def test_a_fill_chain_uses_each_drafter_in_turn_and_ends_with_a_guess():
-    table = NgramTable(orders=(1,), next_token={(4,): 5, (5,): 6})
+    table = DraftTable(orders=(1,), next_token={(4,): 5, (5,): 6})
     chain = (CarriedDrafts(), TableDrafter(table), RepeatGuess())
     tokens, sources = fill(chain, context([1, 2], carried=[3, 4]), 6)
     # carried 3, 4; the table continues after 4: 5, 6; the guess repeats the last token
@@ -93,7 +93,7 @@ def test_branches_skip_the_tails_own_drafts_duplicates_and_extras():
 
 
 def test_the_settings_choose_the_drafters():
-    table = NgramTable(orders=(1,), next_token={(1,): 2})
+    table = DraftTable(orders=(1,), next_token={(1,): 2})
     plain = Drafters.from_settings(JacobiConfig(), None, sampling=False)
     assert plain.block == (CarriedDrafts(), PromptGuess()) and not plain.tree and plain.swap is None
     greedy = Drafters.from_settings(JacobiConfig(recycle=3, guess="lookup", block_size=5), table, sampling=False)

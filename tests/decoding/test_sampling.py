@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cllm.decoding.jacobi.verifiers as jacobi_module
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.sampling import Sampling, draw, sample_decode, verify_drafts
 from tests.chisquare import chi_square, chi_square_tail
 from tests.decoding.law import exact_joint_law, processed_law
@@ -42,7 +42,7 @@ from tests.decoding.law import exact_joint_law, processed_law
 VOCAB, LENGTH, N = 3, 4, 4000
 PROMPT = [2, 0, 2, 2, 1, 2, 2]
 # a table whose chained continuation drafts every block whole (a point mass given the history)
-TABLE = NgramTable((2,), {(a, b): (a + 2 * b + 1) % VOCAB for a in range(VOCAB)
+TABLE = DraftTable((2,), {(a, b): (a + 2 * b + 1) % VOCAB for a in range(VOCAB)
                           for b in range(VOCAB)})
 
 

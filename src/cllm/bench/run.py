@@ -51,10 +51,7 @@ near-tie (reported); any other breaks the promise: the report is written all the
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -66,9 +63,9 @@ from typing import Any, Literal
 import torch
 
 from cllm.bench.log import PROGRESS, BenchLog, run_key, stats_from
-from cllm.core.config import UserError, config_to_dict
-from cllm.core.machine import load_warning
-from cllm.core.options import OFF, is_off
+from cllm.core.config import OFF, config_to_dict, is_off
+from cllm.core.errors import UserError
+from cllm.core.machine import load_warning, machine_info, sync
 from cllm.core.progress import Progress
 from cllm.core.seeds import derived_seed
 from cllm.data.prompts import EncodedPrompt, encode_prompts
@@ -81,7 +78,7 @@ from cllm.decoding import (
     medusa_decode,
     speculative_decode,
 )
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import position_limit
 from cllm.evaluation.humaneval import QUALITIES
 from cllm.evaluation.quality import ends_in_loop, is_degenerate
@@ -226,7 +223,7 @@ class BenchModels:
     draft: torch.nn.Module | None = None
     heads: torch.nn.Module | None = None  # the target's Medusa heads (`cllm.modeling.heads`)
     names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
-    tables: dict[str, NgramTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
+    tables: dict[str, DraftTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
 
 
@@ -335,7 +332,7 @@ class Method:
     added: dict[str, float] = field(default_factory=lambda: added_memory())
 
 
-def added_memory(module: torch.nn.Module | None = None, table: NgramTable | None = None) -> dict[str, float]:
+def added_memory(module: torch.nn.Module | None = None, table: DraftTable | None = None) -> dict[str, float]:
     """`added_parameters` (a draft model's or heads') and `added_mb`: their weights at their
     dtype, plus a draft table's entries as stored (int32 context and next token)."""
     weights = list(module.parameters()) if module is not None else []
@@ -491,19 +488,14 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
 # Timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(method: Method, prompt: EncodedPrompt, device: torch.device) -> tuple[Decoded, float]:
     """One decode, wall clock between two device syncs."""
     for counter in method.counters:
         counter.reset()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     decoded = method.run(prompt)
-    _sync(device)
+    sync(device)
     return decoded, time.perf_counter() - t0
 
 
@@ -667,26 +659,6 @@ def check_exact(model, prompts: list[EncodedPrompt], got: list[list[int]], expec
 
 # ------------------------------------------------------------------------------------------
 # The run
-
-
-def machine_info(config: BenchConfig, device: torch.device) -> dict[str, Any]:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": config.dtype, "seed": config.seed,
-        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def sweep(models: BenchModels, config: BenchConfig, prompts: list[EncodedPrompt],
@@ -897,7 +869,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPro
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     device = next(models.target.parameters()).device
-    machine = machine_info(config, device)  # load average before we add ours
+    machine = {**machine_info(device), "dtype": config.dtype, "seed": config.seed}  # load before ours
     machine["load_warning"] = load_warning(machine["load_average_1min"], machine["cores"], config.threads)
     notes = list(models.notes)
     if machine["load_warning"]:

@@ -13,8 +13,8 @@ from typing import Literal
 
 import torch
 
-from cllm.core.config import UserError
-from cllm.core.options import is_off
+from cllm.core.config import is_off
+from cllm.core.errors import UserError, first_line
 from cllm.decoding import RECOMMENDED_CONFIG, IterationEvent, JacobiConfig
 from cllm.serving.completion import (
     METHODS,
@@ -300,7 +300,7 @@ def chat(config: ChatConfig) -> int:
             continue
         except ValueError as exc:  # the prompt does not fit a model without a known position limit
             messages.pop()
-            print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+            print(f"error: {first_line(exc)}", file=sys.stderr)
             continue
         _write("\n")
         print(result.summary(), file=sys.stderr)

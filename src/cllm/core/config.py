@@ -15,14 +15,26 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from cllm.core.errors import UserError, first_line, json_problem
 
 C = TypeVar("C")
 
 
-class UserError(ValueError):
-    """A mistake in the user's input; the CLI prints it as one line, without a traceback."""
+# Option text that means "nothing": `--cllm none`, `--ar-text ''`, `--out none`, `--draft-table off`.
+OFF = ("", "none", "null", "false")
+
+
+def is_off(value: str | None, words: Sequence[str] = OFF) -> bool:
+    """Whether an option's text is one of `words` (blanks around it and case ignored); None is not.
+
+    Each option keeps the words it has always taken: `OFF` for model and text options, fewer
+    where a word could be a real file name (`--out false` writes to ./false).
+    """
+    return value is not None and value.strip().lower() in words
 
 
 def _flag(name: str) -> str:
@@ -117,8 +129,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"cannot parse config file {path}: {json_problem(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
-        raise UserError(f"cannot parse config file {path}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot parse config file {path}: {first_line(exc)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping of option names to values")
     return data

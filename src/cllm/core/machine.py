@@ -1,4 +1,5 @@
-"""The CPU we share: its load, how many torch threads to take, and when timings can't be trusted.
+"""The machine a timing depends on: what it is, its load, how many torch threads to take, when
+timings can't be trusted, and the device sync before a clock read.
 
 On a shared CPU, torch threads that wait on each other make every step many times slower, so
 `bench`, `demo` and `serve` size their threads from the 1-minute load average, by one rule.
@@ -6,7 +7,12 @@ On a shared CPU, torch threads that wait on each other make every step many time
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
+from typing import Any
+
+import torch
 
 
 def load_average_1min() -> float | None:
@@ -32,3 +38,36 @@ def load_warning(load_1min: float | None, cores: int | None, threads: int) -> st
     return (f"load average {load_1min:.1f} on {cores} cores before the bench's {threads} thread(s): other "
             "processes are using the CPU, so tokens/s and speedups are unreliable (tokens per forward "
             f"and exactness are not affected); rerun on a quiet machine for timings{advice}")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work: a clock read after it times what ran (gpt-fast's habit)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo where there is one)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), name)
+    except OSError:
+        return name
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What a timing depends on: versions, CPU, cores, torch threads, device, load, date. Read the
+    load before starting one's own work."""
+    import transformers
+
+    device = torch.device(device)
+    load = load_average_1min()
+    return {
+        "cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "load_average_1min": round(load, 2) if load is not None else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

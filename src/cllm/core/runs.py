@@ -4,7 +4,6 @@ rewound on resume, and a Ctrl-C that stops between steps instead of in the middl
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -26,7 +25,8 @@ def check_same_run(saved: dict, config, *, free: frozenset[str] | set[str] = fro
     """Refuse to resume `config.out` with options other than those of the run it holds (`saved`,
     its config as written): the `free` ones may change; an option added since the run started,
     left at its default, is no change."""
-    from cllm.core.config import UserError, config_to_dict
+    from cllm.core.config import config_to_dict
+    from cllm.core.errors import UserError
 
     current, defaults = config_to_dict(config), config_to_dict(type(config)())
     for key in sorted(set(saved) | set(current)):
@@ -75,9 +75,3 @@ def sigint_flag():
     finally:
         signal.signal(signal.SIGINT, previous)
 
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up to 1, then cosine decay to 0 at `total` steps (a LambdaLR factor)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError, first_line, json_problem
 from cllm.data.corpus import Corpus, load_corpus
 
 NAMED_SETS = ("stdlib-train", "stdlib-val", "humaneval")
@@ -203,16 +203,16 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                raise UserError(f"{path}, line {lineno}, is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
                                 f"{exc.start + 1})") from None
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg}, column {exc.colno})") from None
+                raise UserError(f"{path}, line {lineno}, is not valid JSON: {json_problem(exc)}") from None
             if not isinstance(record, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                raise UserError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
             records.append((f"{path}:{lineno}", record))
     return records
 
@@ -223,8 +223,7 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # noqa: BLE001 - any reader error means a bad file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"cannot read Parquet file {path}: {first}") from None
+        raise UserError(f"cannot read Parquet file {path}: {first_line(exc)}") from None
     return [(f"{path}, row {i + 1}", row) for i, row in enumerate(rows)]
 
 

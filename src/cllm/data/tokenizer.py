@@ -59,7 +59,7 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
+def tokenizer_sha256(tokenizer: PreTrainedTokenizerFast) -> str:
     """sha256 of the serialized tokenizer (vocab, merges, normalisation, special tokens)."""
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 

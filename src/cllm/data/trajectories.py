@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError, first_line, json_problem
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -157,8 +157,10 @@ def read_meta(directory: str | Path) -> TrajectoryMeta:
         raise TrajectoryError(f"no {META_FILE} in {directory}: not a trajectory directory")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as exc:
-        raise TrajectoryError(f"cannot parse {path}: {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:
+        raise TrajectoryError(f"cannot parse {path}: {json_problem(exc)}") from None
+    except OSError as exc:
+        raise TrajectoryError(f"cannot read {path}: {first_line(exc)}") from None
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         found = data.get("schema_version") if isinstance(data, dict) else None
         raise TrajectoryError(
@@ -238,7 +240,7 @@ class ShardInfo:
 
 
 def _damaged(path: Path, why: object) -> TrajectoryError:
-    first = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+    first = first_line(why) if isinstance(why, BaseException) else str(why)
     return TrajectoryError(f"damaged trajectory shard {path}: {first} (delete it to recollect)")
 
 

@@ -31,7 +31,7 @@ FORMAT = "cllm-ngram-drafts/1"
 
 
 @dataclass
-class NgramTable:
+class DraftTable:
     """Per context (a tuple of `order` token ids): the token the model wrote next most often."""
 
     orders: tuple[int, ...]
@@ -59,7 +59,7 @@ class NgramTable:
 
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]], *, orders: Sequence[int] = ORDERS, min_count: int = 2,
-              min_share: float = 0.3, meta: dict | None = None) -> NgramTable:
+              min_share: float = 0.3, meta: dict | None = None) -> DraftTable:
         """Count, in every sequence, which token follows each context of each order."""
         if not orders or any(o < 1 for o in orders):
             raise ValueError(f"orders must be ints >= 1, got {orders!r}")
@@ -102,7 +102,7 @@ class NgramTable:
         return meta
 
     @classmethod
-    def load(cls, path: str | Path) -> NgramTable:
+    def load(cls, path: str | Path) -> DraftTable:
         meta = cls.read_meta(path)
         tensors = load_file(str(path))
         orders = tuple(meta["orders"])

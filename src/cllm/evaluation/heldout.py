@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.modeling import losses

@@ -1,4 +1,4 @@
-"""Rows: prefix (left-padded) + block (right-padded), the one shape every training and
+"""PrefixBlocks: prefix (left-padded) + block (right-padded), the one shape every training and
 evaluation forward takes. Positions count real tokens only, as in the decoders."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from cllm.modeling import losses
 
 
 @dataclass
-class Rows:
+class PrefixBlocks:
     prefix_ids: torch.Tensor  # (R, P) left-padded
     prefix_mask: torch.Tensor  # (R, P) 1 on real tokens
     block_ids: torch.Tensor  # (R, N) right-padded
@@ -25,11 +25,12 @@ class Rows:
     def width(self) -> int:
         return self.block_ids.shape[1]
 
-    def to(self, device) -> Rows:
-        return Rows(*(t.to(device) for t in (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)))
+    def to(self, device) -> PrefixBlocks:
+        tensors = (self.prefix_ids, self.prefix_mask, self.block_ids, self.block_mask)
+        return PrefixBlocks(*(t.to(device) for t in tensors))
 
 
-def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> Rows:
+def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], pad_id: int) -> PrefixBlocks:
     P, N = max(map(len, prefixes)), max(map(len, blocks))
     ids = torch.full((len(prefixes), P), pad_id, dtype=torch.long)
     pmask = torch.zeros_like(ids)
@@ -40,10 +41,10 @@ def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence
             ids[r, P - len(p):], pmask[r, P - len(p):] = torch.tensor(list(p)), 1
         if b:
             bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
-    return Rows(ids, pmask, bids, bmask)
+    return PrefixBlocks(ids, pmask, bids, bmask)
 
 
-def forward_blocks(model, rows: Rows, *, logits_to_keep: bool = True) -> torch.Tensor:
+def forward_blocks(model, rows: PrefixBlocks, *, logits_to_keep: bool = True) -> torch.Tensor:
     """Block-aligned logits (R, N, V) of one forward over ``prefix + block``: [:, i] predicts
     block token i. Positions count real tokens only, as in the decoders."""
     input_ids = torch.cat([rows.prefix_ids, rows.block_ids], 1)  # (R, P + N)
@@ -102,7 +103,7 @@ def forward_prefix_per_block(model, prefix_ids: torch.Tensor, prefix_mask: torch
     out = []
     for g in groups:
         owner = g.owner.to(prefix_ids.device)
-        rows = Rows(prefix_ids[owner], prefix_mask[owner], g.block_ids, g.block_mask)
+        rows = PrefixBlocks(prefix_ids[owner], prefix_mask[owner], g.block_ids, g.block_mask)
         with torch.enable_grad() if g.grad else torch.no_grad():
             out.append(forward_blocks(model, rows, logits_to_keep=logits_to_keep))
     return out

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def load_heads(source: str | os.PathLike, model: nn.Module, *,
         num_heads, own = int(record["num_heads"]), bool(record["own_projection"])
         sizes = (int(record["vocab_size"]), int(record["hidden_size"]))
     except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot read {found / CONFIG_FILE}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot read {found / CONFIG_FILE}: {first_line(exc)}") from None
     lm_head = model.get_output_embeddings()
     if lm_head is None or tuple(lm_head.weight.shape) != sizes:
         have = None if lm_head is None else tuple(lm_head.weight.shape)
@@ -190,7 +190,7 @@ def load_heads(source: str | os.PathLike, model: nn.Module, *,
         state = load_file(str(found / WEIGHTS_FILE))
         heads.load_state_dict(state)
     except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
-        raise UserError(f"cannot load {found / WEIGHTS_FILE}: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"cannot load {found / WEIGHTS_FILE}: {first_line(exc)}") from None
     heads.accuracies, heads.tree = record.get("accuracies"), record.get("tree")
     heads.meta = {k: v for k, v in record.items() if k not in ("accuracies", "tree")}
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()

@@ -24,8 +24,9 @@ from typing import Any, Literal
 
 import torch
 
-from cllm.core.config import UserError, config_to_dict
-from cllm.core.options import is_off
+from cllm.core.config import config_to_dict, is_off
+from cllm.core.errors import UserError
+from cllm.core.machine import machine_info
 from cllm.decoding import RECOMMENDED
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
 
@@ -187,7 +188,7 @@ def markdown(p: StepProfile) -> str:
     head = (f"{m['shape']} ({parameters(m['parameters'])} parameters), {m['dtype']}, {m['device']}, "
             f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} "
             f"thread{'s' if p.machine['threads'] != 1 else ''}, "
-            f"load average {p.machine['load_average']}"
+            f"load average {p.machine['load_average_1min']}"
             + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
     cols = ["k", "t(k) ms (min)", "t(k) ms (median)", "t(k)/t(1)", "tree t(k) ms", "tree t(k)/t(1)",
             "host ms/step, Jacobi n=k", "host ms/step, engine budget k"]
@@ -206,7 +207,6 @@ def profile(config: ProfileConfig) -> StepProfile:
     from cllm.profiling.steptime import (
         build_model,
         default_dtype,
-        machine,
         parameter_count,
         resolve_device,
         shape_config,
@@ -237,7 +237,7 @@ def profile(config: ProfileConfig) -> StepProfile:
     result = StepProfile(
         model={"shape": config.shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
                "device": device.type, "prefix": config.prefix},
-        machine=machine(), tpf=tpf, rows=rows, config=config_to_dict(config))
+        machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config))
     table = markdown(result)
     print(table, end="")
     if config.out is not None:

@@ -21,7 +21,6 @@ only ever adds time). Nothing here prints or knows about the command line.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,8 @@ from typing import Any
 
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError, first_line
+from cllm.core.machine import sync
 from cllm.decoding import cache as kv
 from cllm.modeling.shapes import LLAMA_SHAPES
 
@@ -54,7 +54,7 @@ def shape_config(shape: str):
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure to read it is the user's file
-        raise UserError(f"cannot read model config {path}: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"cannot read model config {path}: {first_line(exc)}") from None
 
 
 def parameter_count(config) -> int:
@@ -110,11 +110,6 @@ def default_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is not None:
         return resolve_dtype(dtype)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[int], list[list[bool]]]:
@@ -251,20 +246,6 @@ def time_host(model: torch.nn.Module, settings: dict[str, Any], *, prefix: int, 
 def summary(times: list[float]) -> dict[str, float]:
     """min and median, in milliseconds."""
     return {"min_ms": 1e3 * min(times), "median_ms": 1e3 * statistics.median(times)}
-
-
-def machine() -> dict[str, Any]:
-    """What a timing depends on: versions, device, threads, load."""
-    import platform
-
-    import transformers
-
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 2)}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def write_json(data: dict[str, Any], path: Path) -> Path:

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
+from cllm.core.machine import machine_info
 from cllm.profiling.costs import (
     BLOCK_MAX_COST,
     BUDGET_MAX_COST,
@@ -84,7 +85,7 @@ def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *,
 def tune(config: TuneConfig) -> dict[str, Any]:
     """Time the model's step at every k, choose the defaults, write them; returns the record."""
     from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
-    from cllm.profiling.steptime import machine, resolve_device, time_steps, write_json
+    from cllm.profiling.steptime import resolve_device, time_steps, write_json
 
     path = Path(resolve_model_path(config.model))
     if not path.is_dir():
@@ -109,7 +110,7 @@ def tune(config: TuneConfig) -> dict[str, Any]:
             "max_block": config.max_block}
     chosen = choose_defaults(config.k, ratios, **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
-                             model=str(path), machine={**machine(), "prefix": prefix})
+                             model=str(path), machine={**machine_info(device), "prefix": prefix})
     print("| k | " + " | ".join(map(str, config.k)) + " |\n|---|" + "---|" * len(config.k))
     print("| t(k)/t(1) | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
     print(f"cllm tune: {chosen.why}")

@@ -51,7 +51,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.inputs import position_limit
 from cllm.serving.api import (

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 
 METHODS = ("jacobi", "ar")
 
@@ -160,7 +160,7 @@ def complete(
     on_text: Callable[[str], None] | None = None,
     on_iteration: Callable[[IterationEvent], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
-    draft_table: NgramTable | None = None,
+    draft_table: DraftTable | None = None,
     heads: torch.nn.Module | None = None,
 ) -> Completion:
     """Decode one prompt, calling `on_text` with each final chunk of text.
@@ -236,7 +236,7 @@ def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> i
     return stats.forward_passes
 
 
-def engine_settings(params: DecodeParams, draft_table: NgramTable | None = None) -> dict:
+def engine_settings(params: DecodeParams, draft_table: DraftTable | None = None) -> dict:
     """The engine's keyword settings for `params` (`jacobi_decode` / `BatchDecoder`), all but
     the budget and the generator: "ar" is the engine with n = 1 and no drafts; sampling keeps
     one block in flight."""

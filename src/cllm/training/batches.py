@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.data.trajectories import TrajectoryRecord, collate
 from cllm.modeling import losses
-from cllm.modeling.forwards import Packing, Rows, rows_from_lists
+from cllm.modeling.forwards import Packing, PrefixBlocks, rows_from_lists
 
 if TYPE_CHECKING:
     from cllm.training.train import TrainConfig
@@ -33,15 +33,15 @@ NOISE_WINDOW = 16  # Jacobi Forcing's W: noise levels cycle over this many conse
 class MicroBatch:
     """B records with k sampled states each; state row i belongs to record ``owner[i]``."""
 
-    fixed_point: Rows  # (B) prefix + y*
+    fixed_point: PrefixBlocks  # (B) prefix + y*
     state: torch.Tensor  # (B*k, N) y^(j), the sampled non-fixed states
     next_state: torch.Tensor  # (B*k, N) y^(j+1) (the fixed point after the last non-fixed state)
     owner: torch.Tensor  # (B*k,) the record of each state row
-    labels: Rows | None  # prompt + ground truth before this block + its slice of the ground truth
+    labels: PrefixBlocks | None  # prompt + ground truth before this block + its slice of the ground truth
     gc_mask: torch.Tensor  # (B*k, N) bool
     lc_mask: torch.Tensor  # (B*k, N) bool
     text: torch.Tensor | None = None  # (W, L + 1) text windows for the AR term (--ar-text)
-    rollout: Rows | None = None  # prompt + the model's own continuation (--rollout-prompts)
+    rollout: PrefixBlocks | None = None  # prompt + the model's own continuation (--rollout-prompts)
     packing: Packing | None = None  # --layout packed: the records as one sequence per prompt
 
     def to(self, device) -> MicroBatch:
@@ -119,7 +119,7 @@ def pack(records: Sequence[TrajectoryRecord], pad_id: int) -> Packing:
     return Packing(clean, torch.tensor([len(t) for t in texts]), sequence, start)
 
 
-def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> Rows:
+def label_rows(records: Sequence[TrajectoryRecord], block_size: int, pad_id: int) -> PrefixBlocks:
     """The AR rows on the ground truth: record k of a prompt counts labels[k*n : (k+1)*n], after
     the prompt and the labels before them, so each label token (within the trajectories' token
     budget) counts once per epoch however many blocks its prompt has."""
@@ -215,7 +215,7 @@ def make_micro_batch(
     if config.skip_copies:
         valid = valid & ~copy_positions(state, fixed)
     return MicroBatch(
-        fixed_point=Rows(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
+        fixed_point=PrefixBlocks(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
         state=state, next_state=next_state, owner=owner,
         labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
         gc_mask=losses.gc_mask(state, fixed, valid, window=config.gc_window),
@@ -269,8 +269,8 @@ def rollout_prompts(records: Sequence[TrajectoryRecord]) -> list[list[int]]:
 
 @torch.no_grad()
 def make_rollouts(model, prompts: Sequence[Sequence[int]], config: TrainConfig, seeds: Sequence[int], *,
-                  eos_token_id, pad_id: int) -> Rows:
-    """Rows ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
+                  eos_token_id, pad_id: int) -> PrefixBlocks:
+    """PrefixBlocks ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
     temperature, one generator per prompt seeded by `seeds`), decoded with the KV cache."""
     from cllm.decoding import greedy_decode, sample_decode
 

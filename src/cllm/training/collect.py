@@ -47,7 +47,8 @@ from typing import Literal
 
 import torch
 
-from cllm.core.config import UserError, write_config
+from cllm.core.config import write_config
+from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.data import trajectories as tj
 from cllm.data.prompts import prompt_ids

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cllm.core.config import UserError, config_to_dict, write_config
-from cllm.core.options import is_off
+from cllm.core.config import config_to_dict, is_off, write_config
+from cllm.core.errors import UserError
 from cllm.modeling import losses
 from cllm.training.train import ArTarget, Consistency, TrainConfig
 
@@ -315,14 +315,14 @@ def _evaluation_done(path: Path, config: DistillConfig, cllm_dir: Path) -> dict 
 def _drafts_done(config, model_dir: Path) -> bool:
     """The table beside the CLLM was built from this very CLLM with these settings."""
     from cllm.core.config import config_to_dict
-    from cllm.decoding.draft_table import NgramTable
+    from cllm.decoding.draft_table import DraftTable
     from cllm.models import DRAFT_TABLE, fingerprint
 
     table, settings = model_dir / DRAFT_TABLE, (model_dir / DRAFT_TABLE).with_suffix(".config.json")
     if not table.is_file() or not settings.is_file():
         return False
     same = json.loads(settings.read_text()) == config_to_dict(config)
-    return same and NgramTable.read_meta(table).get("model_fingerprint") == fingerprint(model_dir)
+    return same and DraftTable.read_meta(table).get("model_fingerprint") == fingerprint(model_dir)
 
 
 def distill(config: DistillConfig) -> DistillSummary:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.core.runs import save_checkpoint
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from cllm.core.config import UserError, write_config
+from cllm.core.config import write_config
+from cllm.core.errors import UserError
 
 
 @dataclass
@@ -59,7 +60,7 @@ def drafts(config: DraftsConfig) -> int:
     from cllm.core import __version__
     from cllm.data.prompts import encode_prompts
     from cllm.decoding.autoregressive import greedy_completions
-    from cllm.decoding.draft_table import ORDERS, NgramTable
+    from cllm.decoding.draft_table import ORDERS, DraftTable
     from cllm.decoding.inputs import position_limit
     from cllm.models import (
         DRAFT_TABLE,
@@ -100,7 +101,7 @@ def drafts(config: DraftsConfig) -> int:
             "tokenizer": tokenizer_fingerprint(config.model), "prompts": config.prompts,
             "num_prompts": len(prompts), "max_new_tokens": new,
             "new_tokens": sum(len(o) for o in outputs), "cllm_version": __version__}
-    table = NgramTable.build(sequences, min_count=config.min_count, min_share=config.min_share, meta=meta)
+    table = DraftTable.build(sequences, min_count=config.min_count, min_share=config.min_share, meta=meta)
     table.save(out)
     write_config(config, out.with_suffix(".config.json"))
     print(f"cllm drafts: {len(table):,} contexts from {meta['new_tokens']:,} greedy tokens of {len(prompts)} "

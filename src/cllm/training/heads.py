@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cllm.core.config import UserError
-from cllm.core.runs import lr_factor
+from cllm.core.errors import UserError
 from cllm.decoding import cache as kv
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.inputs import eos_set, left_pad, model_device
 from cllm.modeling import losses
 from cllm.modeling.heads import MedusaHeads
+from cllm.training.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class HeadsTrainer:
         self.optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr,
                                            weight_decay=weight_decay)
         warmup = min(warmup, steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, steps, warmup))
+        self.scheduler = warmup_cosine(self.optimizer, steps, warmup)
         self.generator = torch.Generator().manual_seed(seed)
         self.step_index = 0
 

@@ -24,7 +24,8 @@ from typing import Literal
 
 import torch
 
-from cllm.core.config import UserError, write_config
+from cllm.core.config import write_config
+from cllm.core.errors import UserError
 from cllm.decoding.rivals.medusa import DEFAULT_NODES, DEFAULT_TOP_K
 from cllm.modeling.heads import CONFIG_FILE, WEIGHTS_FILE
 

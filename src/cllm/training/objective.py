@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cllm.core.config import UserError
+from cllm.core.errors import UserError
 from cllm.modeling import losses
-from cllm.modeling.forwards import BlockGroup, Rows, forward_blocks, forward_packed, forward_shared_prefix
+from cllm.modeling.forwards import BlockGroup, PrefixBlocks, forward_blocks, forward_packed, forward_shared_prefix
 from cllm.training.batches import Counts, MicroBatch
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def micro_batch_loss(model, mb: MicroBatch, counts: Counts, config: TrainConfig,
                                                                              logits_to_keep=logits_to_keep)[0])
             if config.uses_lc and target_teacher:
                 o = mb.owner
-                frozen["next_state"] = blocks(Rows(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state,
+                frozen["next_state"] = blocks(PrefixBlocks(fp.prefix_ids[o], fp.prefix_mask[o], mb.next_state,
                                                    fp.block_mask[o]))
             if kd:
                 for name in ("labels", "rollout"):

@@ -30,17 +30,19 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from cllm.core.config import UserError, config_to_dict, write_config
+from cllm.core.config import config_to_dict, write_config
+from cllm.core.errors import UserError
 from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 from cllm.data.corpus import load_corpus
 from cllm.data.tokenizer import (
     EOT,
     save_tokenizer,
     token_stream,
-    tokenizer_fingerprint,
+    tokenizer_sha256,
     train_tokenizer,
 )
 from cllm.evaluation.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate, stream_loss, window_loss
+from cllm.training.schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +153,6 @@ def build_model(config: PretrainConfig, eot_id: int):
     return model
 
 
-def lr_at(step: int, config: PretrainConfig) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr at the last step."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 def build_optimizer(model, config: PretrainConfig):
     # Decay matrices only: norms (1-D) are left alone, as in nanoGPT.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -167,7 +161,7 @@ def build_optimizer(model, config: PretrainConfig):
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config) / config.lr)
+    scheduler = warmup_cosine(optimizer, config.steps, config.warmup_steps, floor=config.min_lr / config.lr)
     return optimizer, scheduler
 
 
@@ -305,7 +299,7 @@ def pretrain(config: PretrainConfig) -> Path:
     export(model, tokenizer, config, out)
     summary = {
         "corpus": {"train": train_corpus.describe(), "validation": val_corpus.describe()},
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": step,
         "tokens_seen": step * tokens_per_step,

@@ -56,8 +56,9 @@ from typing import Any, Literal
 
 import torch
 
-from cllm.core.config import UserError, config_to_dict, write_config
-from cllm.core.runs import append_jsonl, check_same_run, lr_factor, save_checkpoint, sigint_flag, truncate_log
+from cllm.core.config import config_to_dict, write_config
+from cllm.core.errors import UserError, first_line
+from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 from cllm.core.seeds import derived_seed
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord
 from cllm.decoding.cache import accepts_logits_to_keep
@@ -79,6 +80,7 @@ from cllm.training.batches import (
 )
 from cllm.training.cards import cllm_card, fmt
 from cllm.training.objective import load_teacher, micro_batch_loss
+from cllm.training.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +377,7 @@ def add_lora(model, config: TrainConfig):
     try:
         return get_peft_model(model, lora)
     except ValueError as exc:
-        raise UserError(f"cannot add LoRA: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot add LoRA: {first_line(exc)}") from None
 
 
 def export(accelerator, model, tokenizer, out: Path, *, lora: bool) -> None:
@@ -556,7 +558,7 @@ def _build_model(run: _Run) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     warmup = round(config.warmup_ratio * run.total)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, run.total, warmup))
+    run.scheduler = warmup_cosine(optimizer, run.total, warmup)
     # accelerate's `accumulate` syncs gradients (DDP, FSDP) and steps DeepSpeed's engine on the
     # last of a step's micro-batches; DeepSpeed reads its batch geometry from the same numbers
     accelerator.gradient_accumulation_steps = run.accumulation

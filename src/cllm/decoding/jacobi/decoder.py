@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import cllm.decoding.cache as kv
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
@@ -48,7 +48,7 @@ def jacobi_decode(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    draft_table: NgramTable | None = None,
+    draft_table: DraftTable | None = None,
     **settings: Any,
 ) -> DecodeOutput:
     """Greedy Jacobi decoding; `new_tokens` equals `greedy_decode`'s, token for token. With
@@ -135,7 +135,7 @@ class BatchDecoder:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        draft_table: NgramTable | None = None,
+        draft_table: DraftTable | None = None,
         drafters: Drafters | None = None,
         **settings: Any,
     ) -> None:
@@ -243,7 +243,7 @@ class BatchDecoder:
 
     @property
     def running(self) -> int:
-        """Rows still decoding."""
+        """PrefixBlocks still decoding."""
         return sum(not row.done for row in self._active)
 
     def take_stats(self) -> DecodeStats:
@@ -274,7 +274,7 @@ class BatchDecoder:
 
     def steps(self) -> Iterator[StepEvent]:
         """`step` until no row is running, yielding after each forward what it made final per
-        row. Rows may be added or removed between events; a caller that has what it needs
+        row. PrefixBlocks may be added or removed between events; a caller that has what it needs
         stops with `break` (the decoder stays usable)."""
         while True:
             stepped = [row for row in self._active if not row.done]

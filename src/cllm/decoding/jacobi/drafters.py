@@ -30,7 +30,7 @@ import torch
 from cllm.decoding.settings import LOOKUP_NGRAM, JacobiConfig
 
 if TYPE_CHECKING:
-    from cllm.decoding.draft_table import NgramTable
+    from cllm.decoding.draft_table import DraftTable
 
 
 @dataclass
@@ -145,7 +145,7 @@ class TableDrafter:
     """The chained continuation of the model's own n-gram table (`cllm.decoding.draft_table`), at most
     `max_width` tokens (None: the width asked for)."""
 
-    table: NgramTable
+    table: DraftTable
     max_width: int | None = None
     source: ClassVar[str] = "table"
     most: ClassVar[int] = 1
@@ -265,7 +265,7 @@ class Drafters:
     swap: Drafter | None = None  # sampling with recycling: the draft that replaces the tail's
 
     @classmethod
-    def from_settings(cls, config: JacobiConfig, draft_table: NgramTable | None, sampling: bool) -> Drafters:
+    def from_settings(cls, config: JacobiConfig, draft_table: DraftTable | None, sampling: bool) -> Drafters:
         guess = GUESS_DRAFTERS[config.guess]
         table = (TableDrafter(draft_table),) if draft_table is not None else ()
         tree: tuple[Drafter, ...] = ()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cllm.decoding.draft_table import NgramTable
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import cut_final
 from cllm.decoding.jacobi.drafters import DraftContext, Drafters, fill
 from cllm.decoding.jacobi.rule import IterationEvent, accepted_length, jacobi_update
@@ -46,7 +46,7 @@ class Settings(JacobiConfig):
     device: torch.device = torch.device("cpu")
     on_iteration: Callable[[IterationEvent], None] | None = None
     sampling: Sampling | None = None  # None: greedy
-    draft_table: NgramTable | None = None  # the model's own n-gram continuations (guesses, drafts)
+    draft_table: DraftTable | None = None  # the model's own n-gram continuations (guesses, drafts)
     drafters: Drafters | None = None  # chosen from the above by the decoder
 
 
