@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cllm.evaluation.quality import QualitySettings, compare_models, gates, gates_table
+from cllm.evaluation.gates import QualitySettings, compare_models, gates, gates_table
 from cllm.models import load_model, load_tokenizer, pad_token_id
 
 

@@ -17,7 +17,7 @@ import cllm.bench.run as bench_module
 from cllm.bench.run import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
 from cllm.cli import main
 from cllm.core.machine import load_warning, threads_for_load
-from cllm.data.prompts import EncodedPrompt
+from cllm.data.prompts import Prompt
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
 from cllm.models import SHIPPED
@@ -226,7 +226,7 @@ def test_bench_fails_loudly_when_an_exactness_promise_breaks(tiny, tmp_path, mon
 
 def test_a_mismatch_is_excused_only_as_a_near_tie(tiny):
     model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
-    prompt = EncodedPrompt("p", "x", [5, 6, 7])
+    prompt = Prompt("p", "x", [5, 6, 7])
     expected = greedy_decode(model, torch.tensor([prompt.ids]), max_new_tokens=4).new_tokens[0]
     wrong = expected[:2] + [(expected[2] + 1) % 320] + expected[3:]
     strict = check_exact(model, [prompt], [wrong], [expected], tolerance=0.0)

@@ -33,8 +33,8 @@ from cllm.data.trajectories import (
 )
 from cllm.decoding import IterationEvent, greedy_decode
 from cllm.decoding.trajectory import TrajectoryRecorder, block_states
-from cllm.evaluation.quality import ends_in_loop as _ends_in_loop
-from cllm.evaluation.quality import is_degenerate
+from cllm.evaluation.text import ends_in_loop as _ends_in_loop
+from cllm.evaluation.text import is_degenerate
 from cllm.training.collect import (
     LOOP_WINDOW,
     CollectConfig,

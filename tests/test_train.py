@@ -33,7 +33,7 @@ from transformers import (
 from cllm.cli import main as cli_main
 from cllm.core.errors import UserError
 from cllm.data.trajectories import TrajectoryReader
-from cllm.evaluation.heldout import decode_prompts, load_eval_prompts
+from cllm.evaluation.heldout import decode_prompts, heldout_prompts
 from cllm.modeling import forwards as rows
 from cllm.modeling.forwards import checkpointed, enable_checkpointing
 from cllm.training import distributed as parallel
@@ -179,7 +179,7 @@ def test_consistency_training_raises_jacobi_tokens_per_forward_on_held_out_promp
 def test_trained_model_decodes_by_jacobi_exactly_as_by_greedy(world, trained):
     out, _ = trained
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    prompts = load_eval_prompts(str(world.val_prompts), world.tokenizer, count=16,
+    prompts = heldout_prompts(str(world.val_prompts), world.tokenizer, count=16,
                                 max_new_tokens=2 * NEW, context=64)
     greedy = decode_prompts(model, prompts, method="greedy", max_new_tokens=2 * NEW, eos_token_id=0)
     for n in (BLOCK, 2 * BLOCK):

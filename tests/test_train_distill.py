@@ -112,13 +112,13 @@ def test_kd_on_the_models_own_rollouts_pulls_it_back_to_the_target(world, tmp_pa
     """The consistency term alone moves the model's greedy text away from the target's; the same
     run with the distillation term (soft labels on the fixed points and on its rollouts) keeps
     more of the target's greedy text."""
-    from cllm.evaluation.heldout import decode_prompts, load_eval_prompts
+    from cllm.evaluation.heldout import decode_prompts, heldout_prompts
 
     common = dict(max_steps=60, eval_count=0, lr=3e-3, ar_weight=0.0)
     train(config(world, tmp_path / "free", **common))
     train(config(world, tmp_path / "kd", kd_weight=3.0, ar_target="fixed_points", rollout_prompts=8,
                  rollout_tokens=16, **common))
-    prompts = load_eval_prompts(str(world.val_prompts), world.tokenizer, count=16, max_new_tokens=16, context=64)
+    prompts = heldout_prompts(str(world.val_prompts), world.tokenizer, count=16, max_new_tokens=16, context=64)
 
     def greedy(path):
         model = AutoModelForCausalLM.from_pretrained(path).eval()

@@ -9,7 +9,8 @@ import pytest
 
 from cllm.core.errors import UserError
 from cllm.data import prompts as P
-from cllm.data.prompts import Prompt, cut_at_function_end, function_parses, load_prompts
+from cllm.data.prompts import PromptText, load_prompts
+from cllm.evaluation.text import function_parses
 
 
 def _path(prompt_id: str) -> str:
@@ -79,7 +80,7 @@ def test_user_jsonl_with_chosen_fields(tmp_path):
         {"question": "def b():\n"},
     ])
     prompts = load_prompts(path, text_field="question")
-    assert prompts == [Prompt("x", "def a():\n", "    pass\n"), Prompt("p:1", "def b():\n", None)]
+    assert prompts == [PromptText("x", "def a():\n", "    pass\n"), PromptText("p:1", "def b():\n", None)]
     assert load_prompts(path, text_field="question", limit=1) == prompts[:1]
 
 
@@ -163,28 +164,3 @@ def test_unsupported_suffix_and_duplicate_ids_are_user_errors(tmp_path):
     _one_line_user_error(tmp_path / "p.csv")
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}])
     assert "duplicate" in _one_line_user_error(path)
-
-
-def test_cut_at_function_end_stops_at_the_next_top_level_line():
-    prompt = 'def f(x):\n    """Doc."""'
-    completion = "\n    y = x + 1\n\n    return y\n\ndef g(\n"
-    assert cut_at_function_end(prompt, completion) == prompt + "\n    y = x + 1\n\n    return y\n\n"
-    assert function_parses(prompt, completion)
-
-
-def test_the_rest_of_the_prompts_last_line_is_never_a_cut_point():
-    prompt = "def f(x):\n    return ("
-    assert cut_at_function_end(prompt, "x)\nprint(1)\n") == prompt + "x)\n"
-
-
-def test_unfinished_body_drops_its_partial_last_line():
-    prompt = 'def f(x):\n    """Doc."""\n'
-    assert cut_at_function_end(prompt, "    return x\n    if (") == prompt + "    return x\n"
-    assert function_parses(prompt, "    return x\n    if (")
-    assert not function_parses(prompt, "    return (x,\n    1")
-
-
-def test_a_body_with_only_the_docstring_is_not_a_parsing_completion():
-    prompt = 'def f(x):\n    """Doc."""'
-    assert not function_parses(prompt, "\n\ndef g():\n    pass\n")
-    assert function_parses("def f(x):\n", "    return x\n", finished=True)

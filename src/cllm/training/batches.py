@@ -161,7 +161,7 @@ def copy_positions(state: torch.Tensor, fixed_point: torch.Tensor, reach: int = 
 
 def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
     """(B, width) bool: block positions whose token ends a loop of the generated text so far."""
-    from cllm.evaluation.quality import ends_in_loop
+    from cllm.evaluation.text import ends_in_loop
 
     out = torch.zeros(len(records), width, dtype=torch.bool)
     for r, record in enumerate(records):

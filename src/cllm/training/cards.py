@@ -93,7 +93,8 @@ def evaluation_table(ev: dict) -> str:
         for n in c["tpf_not_looping"]:
             lines.append(f"| Jacobi tokens per forward, n = {n}, completions that do not loop | "
                          f"{fmt(t['tpf_not_looping'][n])} | {fmt(c['tpf_not_looping'][n])} |")
-        lines.append(f"| greedy completions that parse | {t['parse_rate']:.0%} | {c['parse_rate']:.0%} |")
+        if t["parse_rate"] is not None:  # Python prompt sets only
+            lines.append(f"| greedy completions that parse | {t['parse_rate']:.0%} | {c['parse_rate']:.0%} |")
         lines.append(f"| target's NLL of the greedy completions (nats/token) | {fmt(t['target_nll'])} | "
                      f"{fmt(c['target_nll'])} |")
         lines.append(f"| first token that differs from the target's greedy text (mean index) | | "

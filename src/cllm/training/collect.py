@@ -51,9 +51,9 @@ from cllm.core.config import write_config
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.data import trajectories as tj
-from cllm.data.prompts import prompt_ids
+from cllm.data.prompts import Prompt, prompt_ids, reference_ids
 from cllm.decoding.trajectory import TrajectoryRecorder, block_states
-from cllm.evaluation.quality import ends_in_loop, is_degenerate
+from cllm.evaluation.text import ends_in_loop, is_degenerate
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,6 @@ class CollectSummary:
 
 
 @dataclass
-class _Prompt:
-    index: int  # position in the prompt set
-    id: str
-    ids: list[int]  # prompt token ids, unpadded
-    labels: list[int] | None
-
-
-@dataclass
 class _Counts:
     records: int = 0
     states: int = 0
@@ -188,14 +180,15 @@ def augment_states(states: Sequence[Sequence[int]], fixed_point: Sequence[int]) 
 
 
 def decode_batch(
-    model, prompts: list[_Prompt], config: CollectConfig, *, eos_token_id, pad_id, device
+    model, prompts: list[tuple[int, Prompt]], config: CollectConfig, *, eos_token_id, pad_id, device
 ) -> tuple[list[tj.TrajectoryRecord], _Counts]:
-    """Jacobi-decode one batch of prompts and turn its trajectories into records."""
+    """Jacobi-decode one batch of (position in the set, prompt) and turn its trajectories into
+    records."""
     from cllm.decoding import jacobi_decode
     from cllm.decoding.inputs import left_pad
 
-    input_ids, attention_mask = left_pad([p.ids for p in prompts], pad_id)  # (B, T)
-    generators = [torch.Generator().manual_seed(derived_seed(config.seed, p.id)) for p in prompts]
+    input_ids, attention_mask = left_pad([p.ids for _, p in prompts], pad_id)  # (B, T)
+    generators = [torch.Generator().manual_seed(derived_seed(config.seed, p.id)) for _, p in prompts]
     recorder = TrajectoryRecorder()
     out = jacobi_decode(
         model, input_ids.to(device), attention_mask.to(device),
@@ -205,7 +198,7 @@ def decode_batch(
     )
     records: list[tj.TrajectoryRecord] = []
     counts = _Counts(row_forwards=out.stats.row_forwards)
-    for row, prompt in enumerate(prompts):
+    for row, (index, prompt) in enumerate(prompts):
         blocks = [(b.block_index, block_states(b), list(b.fixed_point)) for b in recorder.blocks[row]]
         # The hook and the output must tell the same story; anything else is an engine bug.
         joined = [t for _, _, fixed in blocks for t in fixed]
@@ -224,9 +217,9 @@ def decode_batch(
             else:
                 extra = augment_states(states, fixed) if config.augment else []
                 records.append(tj.TrajectoryRecord(
-                    prompt_id=prompt.id, prompt_index=prompt.index, block_index=block_index,
+                    prompt_id=prompt.id, prompt_index=index, block_index=block_index,
                     prompt_len=len(prompt.ids), prefix_ids=list(prefix), states=states,
-                    fixed_point=fixed, labels=prompt.labels, augmented_states=extra,
+                    fixed_point=fixed, labels=prompt.reference or None, augmented_states=extra,
                 ))
                 counts.records += 1
                 counts.states += len(states)
@@ -256,7 +249,7 @@ def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta, model_dir: Path | None)
                         "use a new directory")
 
 
-def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[_Prompt], int]:
+def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[tuple[int, Prompt]], int]:
     """Token ids of the prompts (and of their references, as labels). Prompts longer than the
     model's context allows are cut from the left; returns how many were cut."""
     encoded, cut = [], 0
@@ -264,10 +257,7 @@ def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[_Prompt], 
         ids = prompt_ids(tokenizer, p.text)
         if len(ids) > max_prompt_len:
             ids, cut = ids[-max_prompt_len:], cut + 1
-        labels = None
-        if p.reference is not None:
-            labels = tokenizer(p.reference, add_special_tokens=False)["input_ids"]
-        encoded.append(_Prompt(index, p.id, ids, labels))
+        encoded.append((index, Prompt(p.id, p.text, ids, reference_ids(tokenizer, p.reference))))
     return encoded, cut
 
 
@@ -354,7 +344,7 @@ def _plan(config: CollectConfig) -> tuple[list, object, tj.TrajectoryMeta]:
     return all_prompts[: config.max_prompts], tokenizer, meta
 
 
-def _load_inputs(config: CollectConfig, mine: list, tokenizer, device) -> tuple[torch.nn.Module | None, list[_Prompt]]:
+def _load_inputs(config: CollectConfig, mine: list, tokenizer, device) -> tuple[torch.nn.Module | None, list[tuple[int, Prompt]]]:
     """This process's model and encoded prompts (None and [] when it has nothing to do)."""
     from cllm.decoding.inputs import position_limit
     from cllm.models import load_model
@@ -381,7 +371,7 @@ def _write_run_files(out: Path, meta: tj.TrajectoryMeta, config: CollectConfig) 
     tj.remove_partial_files(out)
 
 
-def _decode_shards(model, encoded: list[_Prompt], config: CollectConfig, meta: tj.TrajectoryMeta, out: Path,
+def _decode_shards(model, encoded: list[tuple[int, Prompt]], config: CollectConfig, meta: tj.TrajectoryMeta, out: Path,
                    state) -> tuple[_Counts, float]:
     """Jacobi-decode this process's prompts, a shard at a time; a prompt's records all go to
     one atomically written shard. Returns the counts and the seconds it took."""
@@ -393,8 +383,8 @@ def _decode_shards(model, encoded: list[_Prompt], config: CollectConfig, meta: t
     start = time.perf_counter()
     for s in range(0, len(encoded), config.shard_size):
         # Batch prompts of similar length together (less padding); records don't care.
-        chunk = sorted(encoded[s : s + config.shard_size], key=lambda p: len(p.ids))
-        decodable = [p for p in chunk if p.ids]  # an empty prompt is done, with no records
+        chunk = sorted(encoded[s : s + config.shard_size], key=lambda item: len(item[1].ids))
+        decodable = [item for item in chunk if item[1].ids]  # an empty prompt is done, with no records
         bar.update(len(chunk) - len(decodable))
         records, dropped = [], 0
         for b in range(0, len(decodable), config.batch_size):
@@ -408,7 +398,7 @@ def _decode_shards(model, encoded: list[_Prompt], config: CollectConfig, meta: t
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{totals.new_tokens / (time.perf_counter() - start):.0f}", refresh=False)
         records.sort(key=lambda r: (r.prompt_index, r.block_index))
-        done_ids = [p.id for p in sorted(chunk, key=lambda p: p.index)]
+        done_ids = [p.id for _, p in sorted(chunk, key=lambda item: item[0])]
         tj.write_shard(out / tj.shard_name(state.process_index, seq), records,
                        completed_prompt_ids=done_ids, dropped=dropped)
         seq += 1

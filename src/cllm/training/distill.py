@@ -242,10 +242,9 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     greedy, per prompt / per token), degenerate[model] / looping[model]; and ar_loss[model]:
     nats/token on the prompts' references.
     """
-    from cllm.decoding.cache import accepts_logits_to_keep
     from cllm.decoding.inputs import position_limit
-    from cllm.evaluation.heldout import ar_validation_loss, load_eval_prompts
-    from cllm.evaluation.quality import QualitySettings, compare_models, gates
+    from cllm.evaluation.gates import QualitySettings, compare_models, gates
+    from cllm.evaluation.heldout import heldout_prompts, reference_loss
     from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
 
     tokenizer = load_tokenizer(cllm_dir)
@@ -256,7 +255,7 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
                                batch_size=config.eval_batch_size, seed=config.seed, val_loss=False, spread=[])
     quality = compare_models(models, tokenizer, settings, pad_id=pad)
     per_model = quality["sets"][config.eval_prompts]
-    prompts = load_eval_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
+    prompts = heldout_prompts(config.eval_prompts, tokenizer, count=config.eval_count,
                                 max_new_tokens=config.eval_max_new_tokens, context=position_limit(models["cllm"]))
     cllm = per_model["cllm"]
     return {
@@ -264,8 +263,8 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
         "cllm_fingerprint": fingerprint(cllm_dir), "target_fingerprint": fingerprint(target_name),
         "tokens_per_forward": {name: dict(q["tpf"]) for name, q in per_model.items()},
         "cllm_jacobi_equals_greedy": dict(cllm["jacobi_exact"]),
-        "ar_loss": {name: ar_validation_loss(m, prompts, batch_size=config.eval_batch_size, pad_id=pad,
-                                             logits_to_keep=accepts_logits_to_keep(m)) for name, m in models.items()},
+        "ar_loss": {name: reference_loss(m, prompts, batch_size=config.eval_batch_size, pad_id=pad)
+                    for name, m in models.items()},
         "greedy_agreement": cllm["same_as_target"], "token_agreement": cllm["token_agreement"],
         "degenerate": {name: q["degenerate_rate"] for name, q in per_model.items()},
         "looping": {name: q["looping_rate"] for name, q in per_model.items()},

@@ -41,7 +41,9 @@ from cllm.data.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
-from cllm.evaluation.quality import DEGENERATE_RUN, ends_in_loop, is_degenerate, stream_loss, window_loss
+from cllm.evaluation.lm_loss import stream_windows, text_loss
+from cllm.evaluation.text import DEGENERATE_RUN, ends_in_loop, is_degenerate
+from cllm.modeling.forwards import window_loss
 from cllm.training.schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -165,15 +167,6 @@ def build_optimizer(model, config: PretrainConfig):
     return optimizer, scheduler
 
 
-@torch.no_grad()
-def evaluate(model, windows: torch.Tensor, batch_size: int, bf16: bool) -> float:
-    was_training = model.training
-    model.eval()
-    losses = [window_loss(model, chunk, bf16).item() * len(chunk) for chunk in windows.split(batch_size)]
-    model.train(was_training)
-    return sum(losses) / len(windows)
-
-
 def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: PretrainConfig) -> float:
     loss = window_loss(model, windows, config.bf16)
     loss.backward()
@@ -280,7 +273,7 @@ def pretrain(config: PretrainConfig) -> Path:
             step += 1
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1)}
             if step % config.eval_interval == 0 or step == config.steps:
-                val_loss = evaluate(model, val_windows, config.batch_size, config.bf16)
+                val_loss = text_loss(model, val_windows, batch_size=config.batch_size, bf16=config.bf16)
                 record["val_loss"] = val_loss
             elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
             record["elapsed_s"] = round(elapsed, 3)
@@ -364,7 +357,8 @@ def evaluate_target(
         n_samples: how many completions to keep as samples.
         threads: torch CPU threads (default: leave as is).
     """
-    from cllm.data.prompts import cut_at_function_end, function_parses, load_prompts
+    from cllm.data.prompts import load_prompts
+    from cllm.evaluation.text import cut_at_function_end, function_parses
     from cllm.models import load_model, load_tokenizer
 
     if threads:
@@ -376,7 +370,7 @@ def evaluate_target(
     # 1. validation loss over the whole split, in windows of the model's context
     val_corpus = load_corpus("validation")
     val_ids = token_stream(val_corpus, tokenizer)
-    val_loss = stream_loss(model, val_ids, model.config.max_position_embeddings - 1)
+    val_loss = text_loss(model, stream_windows(val_ids, model.config.max_position_embeddings - 1))
 
     # 2. greedy completions of evenly spaced stdlib-val prompts
     prompts = load_prompts("stdlib-val")

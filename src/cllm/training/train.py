@@ -62,8 +62,8 @@ from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint
 from cllm.core.seeds import derived_seed
 from cllm.data.trajectories import TrajectoryReader, TrajectoryRecord
 from cllm.decoding.cache import accepts_logits_to_keep
-from cllm.evaluation.heldout import evaluate, load_eval_prompts
-from cllm.evaluation.quality import passes_text_gates
+from cllm.evaluation.gates import passes_text_gates
+from cllm.evaluation.heldout import evaluate_heldout, heldout_prompts
 from cllm.modeling import losses
 from cllm.modeling.forwards import enable_checkpointing
 from cllm.training import distributed as parallel
@@ -597,9 +597,9 @@ def _load_side_inputs(run: _Run) -> None:
     run.prompts = [p[-rollout_room:] for p in rollout_prompts(run.records)] if config.rollout_prompts else []
     run.eval_block = config.eval_block_size or run.meta.block_size
     if config.eval_count and run.is_main:
-        run.eval_prompts = load_eval_prompts(config.eval_prompts, run.tokenizer, count=config.eval_count,
-                                             max_new_tokens=config.eval_max_new_tokens, context=context,
-                                             text_field=config.text_field)
+        run.eval_prompts = heldout_prompts(config.eval_prompts, run.tokenizer, count=config.eval_count,
+                                           max_new_tokens=config.eval_max_new_tokens, context=context,
+                                           text_field=config.text_field)
 
 
 def _evaluate(run: _Run) -> dict | None:
@@ -607,7 +607,7 @@ def _evaluate(run: _Run) -> dict | None:
     process waits for it."""
     config, result = run.config, None
     if run.eval_prompts:
-        result = evaluate(run.base, run.eval_prompts, block_size=run.eval_block,
+        result = evaluate_heldout(run.base, run.eval_prompts, block_size=run.eval_block,
                           max_new_tokens=config.eval_max_new_tokens, batch_size=config.eval_batch_size,
                           eos_token_id=run.meta.eos_token_id, pad_id=run.meta.pad_token_id,
                           bf16=config.dtype == "bfloat16", seed=config.seed)

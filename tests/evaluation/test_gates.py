@@ -1,41 +1,9 @@
-"""Quality measures of free-running text and the gates of a CLLM against its target."""
+"""The gates of a CLLM against its target, and the comparison they read."""
 
 import pytest
 
-from cllm.evaluation.quality import (
-    QualitySettings,
-    compare_models,
-    ends_in_loop,
-    first_divergence,
-    gates,
-    gates_table,
-    is_degenerate,
-    pooled,
-    strip_eos,
-)
+from cllm.evaluation.gates import QualitySettings, compare_models, gates, gates_table, measures_line, pooled
 from tests.test_train import build_world, tiny_llama
-
-
-def test_degenerate_means_one_token_ten_times_in_a_row():
-    assert is_degenerate([1, 2] + [3] * 10 + [4])
-    assert not is_degenerate([3] * 9 + [4] + [3] * 9)
-
-
-def test_ends_in_loop_sees_short_periodic_tails_only():
-    assert ends_in_loop([9, 8] + [1, 2, 3] * 8)
-    assert ends_in_loop([5] * 24)
-    assert not ends_in_loop(list(range(40)))
-    assert not ends_in_loop([1, 2] * 5)  # too short to tell
-    assert not ends_in_loop(list(range(9)) * 3)  # period 9 > 8
-    assert ends_in_loop([1, 2, 3] * 6, min_length=16)  # the collector's shorter window
-
-
-def test_first_divergence_and_eos_stripping():
-    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
-    assert first_divergence([], [1]) == 0
-    assert strip_eos([4, 5, 0, 7], 0) == ([4, 5], True)
-    assert strip_eos([4, 5], 0) == ([4, 5], False)
 
 
 def fake_result(**cllm) -> dict:
@@ -106,3 +74,17 @@ def test_compare_models_measures_each_model_against_the_target(world):
         assert all(v == 1.0 for v in m["jacobi_exact"].values())  # Jacobi reproduced greedy
         assert all(1.0 <= v <= 8 for v in m["tpf"].values())
     assert "| looping |" in gates_table(result, list(models))
+
+
+def test_a_set_that_is_not_python_has_no_parse_gate_and_says_so():
+    result = fake_result(looping_rate=0.2)
+    for per_model in result["sets"]["a"].values():
+        per_model["parse_rate"] = None
+    assert "parses" not in [g.name for g in gates(result, "cllm")]
+    line = measures_line(result)
+    assert "a (10 prompts, not Python, no parse rate)" in line and "stdlib-val loss" in line
+    # beside a Python set, the parse gate reads the Python set alone
+    result["sets"]["py"] = {"target": dict(result["sets"]["a"]["target"], parse_rate=0.5),
+                            "cllm": dict(result["sets"]["a"]["cllm"], parse_rate=0.4)}
+    parse = {g.name: g for g in gates(result, "cllm")}["parses"]
+    assert parse.value == pytest.approx(0.4) and not parse.passed
