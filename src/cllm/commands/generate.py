@@ -1,0 +1,103 @@
+"""`cllm generate`: one prompt decoded and its text streamed to stdout as it becomes final,
+through `cllm.serving.completion` (which `cllm chat` and the HTTP server share); the speed line
+goes to stderr. `--show-trajectory` prints every Jacobi iteration instead, tokens coloured.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from cllm.bench.report import render_block_terminal, sources_summary, trajectory_legend
+from cllm.core.config import is_off
+from cllm.core.errors import UserError
+from cllm.decoding import IterationEvent
+from cllm.decoding.trajectory import TrajectoryRecorder
+from cllm.serving.completion import TextCodec, complete
+from cllm.serving.options import DecodeOptions
+
+
+@dataclass
+class GenerateConfig(DecodeOptions):
+    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when "
+        "no prompt is given)"})
+    prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
+    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
+        "(final / correct / wrong)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("give either --prompt or --prompt-file, not both")
+        if self.show_trajectory and (self.method != "jacobi" or self.temperature > 0 or not is_off(self.medusa)):
+            raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
+
+
+Config = GenerateConfig
+
+
+def read_prompt(config: GenerateConfig) -> str:
+    if config.prompt_file is not None:
+        path = Path(config.prompt_file)
+        if not path.is_file():
+            raise UserError(f"prompt file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    elif config.prompt == "-" or (config.prompt is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    elif config.prompt is None:
+        raise UserError("no prompt: give --prompt TEXT, --prompt-file FILE, or pipe it on stdin")
+    else:
+        text = config.prompt
+    if not text:
+        raise UserError("the prompt is empty")
+    return text
+
+
+def _write(chunk: str) -> None:
+    """Text to stdout at once (a stream's chunks are shown as they come)."""
+    sys.stdout.write(chunk)
+    sys.stdout.flush()
+
+
+def _trajectory_printer(codec: TextCodec):
+    """The engine's `on_iteration` hook for `--show-trajectory`: each block's iterations printed
+    when it converges, tokens coloured; returns (hook, console)."""
+    console, recorder = Console(file=sys.stdout, highlight=False), TrajectoryRecorder()
+    console.print(trajectory_legend())
+
+    def on_iteration(event: IterationEvent) -> None:
+        recorder(event)
+        if event.converged:
+            block = recorder.blocks[event.row][-1]
+            console.print(f"[bold]block {block.block_index}[/] · {len(block.states) - 1} iterations · "
+                          f"{sources_summary(block.sources)}")
+            for line in render_block_terminal(block, lambda t: codec.decode([t])):
+                console.print(line)
+
+    return on_iteration, console
+
+
+def run(config: Config) -> int:
+    """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
+    prompt = read_prompt(config)
+    served = config.load()
+    prompt_ids = served.codec.encode(prompt)
+    if not prompt_ids:
+        raise UserError("the prompt encodes to no tokens")
+
+    on_iteration, on_text = None, _write
+    if config.show_trajectory:
+        on_iteration, console = _trajectory_printer(served.codec)
+        on_text = None  # the text comes after the trajectories
+    result = complete(served.model, served.codec, prompt_ids, config.params(), on_text=on_text,
+                      on_iteration=on_iteration, draft_table=served.draft_table, heads=served.heads)
+    if config.show_trajectory:
+        console.rule("text")
+        _write(result.text)
+    _write("\n")
+    print(result.summary(), file=sys.stderr)
+    return 0
+

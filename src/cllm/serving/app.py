@@ -1,0 +1,211 @@
+"""`cllm serve`: an OpenAI-compatible HTTP server over one model (FastAPI + uvicorn).
+
+Thin on purpose: requests are checked and turned into token ids and `DecodeParams` by
+`cllm.serving.api`, and decoded by `cllm.serving.scheduler.Scheduler`: one decode thread that batches
+concurrent requests continuously (they join the running batch between steps and leave when
+done), on the same engine and text streaming as `cllm generate`, so CLI and HTTP agree and a
+request's output does not depend on what else is being served. The event loop only parses,
+tokenizes (in a thread), queues and streams (`cllm.serving.service.Service`). This module holds
+the routes, and how the app is bound to a socket and run.
+
+Limits: request bodies over `--max-body-bytes` get 413 (Starlette's body-limit middleware,
+checked against Content-Length before the body is read, and while reading); a body that takes
+longer than `--read-timeout` to arrive gets 408; a prompt is bounded in characters before it is
+tokenized and in tokens after; a request that waits and decodes longer than
+`--request-timeout` is stopped (504); a full queue answers 503; a client that goes away
+(streamed or not) takes its row out of the batch before the next step; on SIGTERM / Ctrl-C,
+running requests get `--shutdown-grace` seconds to finish.
+
+Security: loopback by default; `--api-key` (or CLLM_API_KEY) is enforced as a bearer token on
+every /v1 route; bodies are accepted only as `Content-Type: application/json` (so a web page
+cannot send one as a "simple" cross-origin request); `--allowed-hosts` checks the Host header
+(Starlette's TrustedHostMiddleware); a 500 says nothing of the failure (it is logged).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE chunks ending with
+`data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from cllm.core.errors import UserError
+from cllm.serving.api import ApiError, chat_messages, check_prompt_ids, completion_prompt
+from cllm.serving.config import ServeConfig, api_key
+from cllm.serving.loading import ServedModel, free_cores, load_served
+from cllm.serving.service import Service
+
+log = logging.getLogger(__name__)
+
+
+def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_table=None) -> FastAPI:
+    """The FastAPI app serving `model` (Jacobi with `draft_table`, when given: `cllm drafts`);
+    its decode thread starts now and stops with the app. The API key is `settings.api_key`,
+    else the CLLM_API_KEY environment variable."""
+    cfg = settings or ServeConfig()
+    service = Service(model, tokenizer, cfg, draft_table)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        # after uvicorn's grace period: what waits or runs is failed; a step in progress gets
+        # a few seconds to end (the thread is a daemon: it never holds the process)
+        await asyncio.to_thread(service.scheduler.stop, 5.0)
+
+    app = FastAPI(title="cllm", lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=cfg.max_body_bytes)
+    if cfg.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts)
+    _add_error_handlers(app, service)
+    app.include_router(_v1_routes(service, api_key(cfg)))
+    _add_status_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, service: Service) -> None:
+    """Every failure answers with OpenAI's error shape, and is counted by status."""
+
+    def error_response(err: ApiError) -> JSONResponse:
+        service.metrics.error(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, err: ApiError):
+        return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, err: HTTPException):
+        return error_response(ApiError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, err: RequestValidationError):
+        return error_response(ApiError(400, f"invalid request: {err.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, err: Exception):
+        log.exception("request failed")  # the details stay in the server's log
+        return error_response(ApiError(500, "internal server error", type="server_error"))
+
+
+def _v1_routes(service: Service, key: str | None) -> APIRouter:
+    """The OpenAI routes, behind the bearer token `key` when there is one."""
+    cfg, metrics = service.cfg, service.metrics
+    created = int(time.time())
+    bearer = HTTPBearer(auto_error=False)
+
+    async def check_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
+        if key is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        metrics.request("/v1/completions")
+        body = await service.read_body(request)
+        ids = await service.encode(completion_prompt(body, service.limits))
+        return await service.respond(request, body, ids, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        metrics.request("/v1/chat/completions")
+        body = await service.read_body(request)
+        messages = chat_messages(body, service.limits)
+        ids = check_prompt_ids(await asyncio.to_thread(service.codec.chat_ids, messages))
+        return await service.respond(request, body, ids, chat=True)
+
+    @v1.get("/models")
+    async def models():
+        metrics.request("/v1/models")
+        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model",
+                                            "created": created, "owned_by": "cllm"}]}
+
+    return v1
+
+
+def _add_status_routes(app: FastAPI, service: Service) -> None:
+    """/health and /metrics: open to anyone who reaches the port (no key)."""
+    cfg, metrics, scheduler = service.cfg, service.metrics, service.scheduler
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": cfg.model_id, "queued": scheduler.waiting, "running": scheduler.running}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return {**metrics.snapshot(), "queued": scheduler.waiting, "running": scheduler.running,
+                "batching": scheduler.stats.snapshot()}
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), before anything slow: a taken port fails at once
+    (one line), and clients that connect while the model loads wait in the backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, as asyncio's own sockets: it sets TCP_NODELAY on accepted connections
+    # only then (with proto 0, Nagle held each streamed chunk back ~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class BoundApp:
+    """An app ready to serve: its listening socket, and the model it decodes with."""
+
+    app: FastAPI
+    sock: socket.socket
+    served: ServedModel
+
+    @property
+    def port(self) -> int:
+        """The port bound (the one asked for, or the one the system chose for port 0)."""
+        return self.sock.getsockname()[1]
+
+
+def open_app(config: ServeConfig) -> BoundApp:
+    """Bind the port first (a taken port fails before anything slow), then load the model
+    (`--threads 0`: the cores the load average leaves free) and build its app."""
+    sock = bind(config.host, config.port)
+    try:
+        served = load_served(config.model, dtype=config.dtype, device=config.device,
+                             threads=config.threads or free_cores(), draft_table=config.draft_table)
+        app = create_app(served.model, served.codec.tokenizer, config, served.draft_table)
+    except BaseException:
+        sock.close()
+        raise
+    return BoundApp(app, sock, served)
+
+
+def serve_app(bound: BoundApp, config: ServeConfig) -> None:
+    """Serve until SIGTERM / Ctrl-C (uvicorn), running requests given `--shutdown-grace` seconds."""
+    server = uvicorn.Server(uvicorn.Config(
+        bound.app, log_level=config.log_level, access_log=False, limit_concurrency=config.max_connections,
+        timeout_graceful_shutdown=config.shutdown_grace))  # type: ignore[arg-type] - seconds, 0 = none
+    server.run(sockets=[bound.sock])
