@@ -9,7 +9,7 @@ import pytest
 from cllm.cli import main
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import DRAFT_TABLE, fingerprint, load_draft_table
-from tests.test_generate import PROMPTS, Oracle, save_tiny_model
+from tests.commands.test_generate import PROMPTS, Oracle, save_tiny_model
 
 NEW = 24
 

@@ -30,8 +30,8 @@ from cllm.training.heads import (
     texts_from_trajectories,
     train_heads,
 )
+from tests.commands.test_generate import save_tiny_model
 from tests.decoding.conftest import ARCHS, VOCAB, random_prompt, tiny_model
-from tests.test_generate import save_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from cllm.decoding import greedy_decode
 from cllm.decoding.rivals.medusa import medusa_decode
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, load_heads
 from cllm.models import fingerprint, load_model
+from tests.commands.test_generate import save_tiny_model
 from tests.test_drafts import run
-from tests.test_generate import save_tiny_model
 
 TINY = ["--heads", "2", "--max-new-tokens", "16", "--holdout", "2", "--steps", "6", "--batch-size", "3",
         "--eval-every", "3", "--eval-count", "2", "--eval-max-new-tokens", "12", "--top-k", "3", "--tree-nodes", "5"]
@@ -131,7 +131,7 @@ def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tm
 
 @pytest.mark.parametrize("spec", ["auto", "folder"])
 def test_generate_with_the_heads_writes_greedy_text(trained, capsys, spec):
-    from tests.test_generate import PROMPTS, Oracle
+    from tests.commands.test_generate import PROMPTS, Oracle
 
     directory, _ = trained
     oracle = Oracle(directory)

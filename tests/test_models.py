@@ -130,9 +130,10 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
     calls with the setting spelled out, and against `cllm generate`'s decode: same tokens, same
     forward passes (the count depends on the setting and the table)."""
     from cllm.cli import main
-    from cllm.commands.generate import GenerateConfig, TextCodec, complete
+    from cllm.commands.generate import GenerateConfig
     from cllm.decoding import RECOMMENDED, jacobi_decode
     from cllm.models import load_draft_table, load_for_decoding
+    from cllm.serving.completion import TextCodec, complete
     from tests.test_bench import make_tiny_setup
 
     paths = make_tiny_setup(tmp_path)
@@ -175,7 +176,7 @@ def _damage(path, how: str) -> None:
 ])
 def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path, file, how, loader):
     from cllm.models import load_draft_table
-    from tests.test_generate import save_tiny_model
+    from tests.commands.test_generate import save_tiny_model
 
     directory = save_tiny_model(tmp_path / "m")
     (directory / "drafts").mkdir()
@@ -190,7 +191,7 @@ def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path, file, how, lo
 
 def test_generate_and_serve_on_damaged_weights_exit_with_one_line_naming_the_file(tmp_path, capsys):
     from cllm.cli import main
-    from tests.test_generate import save_tiny_model
+    from tests.commands.test_generate import save_tiny_model
 
     directory = save_tiny_model(tmp_path / "m")
     _damage(directory / "model.safetensors", "garbage")

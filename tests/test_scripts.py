@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.cli import COMMANDS, build_parser
 from cllm.core.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
-from tests.test_server import free_port, wait_until_up
+from tests.serving.test_server import free_port, wait_until_up
 from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,6 +28,9 @@ import torch
 
 from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
 from cllm.decoding.draft_table import DraftTable
+from cllm.decoding.inputs import eos_set
+from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
+from cllm.decoding.stats import DecodeStats
 
 METHODS = ("jacobi", "ar")
 
@@ -199,7 +202,7 @@ def complete(
 def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> int:
     """Jacobi (or AR: n = 1) on the engine, one step at a time; the tokens each step made final
     go to the text stream at once. Returns the forward passes, the prefill included."""
-    decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **engine_settings(params, draft_table))
+    decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **decoder_kwargs(params, draft_table))
     device = next(model.parameters()).device
     with torch.inference_mode():
         (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
@@ -221,10 +224,6 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
 def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> int:
     """Greedy Medusa decoding, each forward's final tokens streamed as they come. Returns the
     forward passes, the prefill included."""
-    from cllm.decoding.inputs import eos_set
-    from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
-    from cllm.decoding.stats import DecodeStats
-
     device = next(model.parameters()).device
     stats = DecodeStats()
     steps = medusa_steps(model, heads, input_ids.to(device), None, resolve_tree(heads, None),
@@ -236,10 +235,10 @@ def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> i
     return stats.forward_passes
 
 
-def engine_settings(params: DecodeParams, draft_table: DraftTable | None = None) -> dict:
-    """The engine's keyword settings for `params` (`jacobi_decode` / `BatchDecoder`), all but
-    the budget and the generator: "ar" is the engine with n = 1 and no drafts; sampling keeps
-    one block in flight."""
+def decoder_kwargs(params: DecodeParams, draft_table: DraftTable | None = None) -> dict:
+    """The keyword arguments `BatchDecoder` (or `jacobi_decode`) takes to decode as `params`
+    says, all but the budget and the generator: "ar" is the engine with n = 1 and no drafts;
+    sampling keeps one block in flight."""
     jacobi, sampling = params.method == "jacobi", params.temperature > 0
     engine = params.engine if jacobi else replace(params.engine, block_size=1, recycle=0)
     if sampling or not jacobi:

@@ -15,9 +15,9 @@ Requests that decode with different engine settings (greedy vs sampled, Jacobi v
 temperature) cannot share a forward: each setting has its own `BatchDecoder` (a *group*), and
 every group takes one step per round. A row's output is what it gets decoded alone (greedy:
 token for token; sampled: the same draws from its own seeded generator), whatever its batch
-mates: `tests/decoding/test_batch_decoder.py` and `tests/test_server.py` check it.
+mates: `tests/decoding/test_batch_decoder.py` and `tests/serving/test_server.py` check it.
 
-Nothing here knows HTTP: `cllm.serving.app` turns events into responses.
+Nothing here knows HTTP: `cllm.serving.service` turns events into responses.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
-from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, engine_settings
+from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, decoder_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +196,9 @@ class Scheduler:
         for key, group_jobs in by_key.items():
             group = self._groups.get(key)
             if group is None:
-                settings = engine_settings(group_jobs[0].params, self.draft_table)
-                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **settings),
-                               settings["config"].recycle_budget)
+                kwargs = decoder_kwargs(group_jobs[0].params, self.draft_table)
+                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **kwargs),
+                               kwargs["config"].recycle_budget)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             generators = [torch.Generator(device=self.device).manual_seed(j.params.seed) for j in group_jobs]
             try:
@@ -295,5 +295,5 @@ def _share(own: int | None, width: int, rows: int, floor: int) -> int:
 
 def _group_key(params: DecodeParams) -> tuple:
     """Requests with equal keys decode in one batch (the engine's settings hold for a batch)."""
-    settings = engine_settings(params, None)
-    return (params.method, *sorted(settings.items()))
+    kwargs = decoder_kwargs(params, None)
+    return (params.method, *sorted(kwargs.items()))

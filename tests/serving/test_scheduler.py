@@ -13,7 +13,7 @@ from cllm.decoding import JacobiConfig
 from cllm.models import load_model
 from cllm.serving.completion import DecodeParams, TextCodec, complete
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
-from tests.test_generate import PROMPTS, Oracle, save_tiny_model
+from tests.commands.test_generate import PROMPTS, Oracle, save_tiny_model
 
 ENGINE = dict(engine=JacobiConfig(block_size=4, recycle=8, recycle_budget=24), seed=0)
 WAIT = 60  # seconds: a bound against hangs, never a speed requirement

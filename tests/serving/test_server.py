@@ -26,10 +26,11 @@ from fastapi.testclient import TestClient
 
 from cllm.cli import main
 from cllm.models import load_draft_table, load_model
-from cllm.serving.app import ServeConfig, create_app, exposure_warning
+from cllm.serving.app import create_app
 from cllm.serving.completion import DecodeParams, TextCodec, complete
-from tests.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
-from tests.test_scheduler import Gate
+from cllm.serving.config import ServeConfig, exposure_warning
+from tests.commands.test_generate import CHAT_TEMPLATE, PROMPTS, Oracle, save_tiny_model
+from tests.serving.test_scheduler import Gate
 
 NEW, BLOCK, NAME = 24, 8, "tiny"
 LIMITS = {"max_tokens_limit": 64, "max_prompt_tokens": 48, "max_body_bytes": 65536, "read_timeout": 2}

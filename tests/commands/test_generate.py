@@ -235,8 +235,8 @@ def test_unknown_model_directory_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_trim_history_drops_the_oldest_turns_and_keeps_the_system_message():
-    from cllm.commands.generate import trim_history
     from cllm.core.errors import UserError
+    from cllm.serving.history import trim_history
 
     def msg(role, n):
         return {"role": role, "content": "x" * n}
@@ -274,7 +274,7 @@ def test_chat_commands_are_not_sent_and_reset_starts_over(plain, oracle, capsys,
 
 
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on_with_what_was_shown(plain, oracle, capsys, monkeypatch):
-    import cllm.commands.generate as generate_module
+    import cllm.commands.chat as generate_module
 
     real, prompts = generate_module.complete, []
 

@@ -1,0 +1,112 @@
+"""`cllm serve`'s settings (`ServeConfig`, checked on construction) and what they imply for
+who can reach the server: whether a host is loopback, the warning for an open port without a
+key, the API key in force.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.serving.completion import METHODS
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "CLLM_API_KEY"
+
+
+@dataclass
+class ServeConfig:
+    model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default; beyond it, set "
+        "--api-key)"})
+    port: int = field(default=8000, metadata={"help": "TCP port"})
+    served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the "
+        "model dir's name)"})
+    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does "
+        "not name one"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings (flags --block-size, --recycle, ...)"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
+        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+    default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by "
+        "--max-tokens-limit)"})
+    max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
+    max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
+    max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous "
+        "batching); more wait in the queue"})
+    max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at "
+        "most (bounds the KV cache); a request alone always runs"})
+    forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds "
+        "over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: "
+        "each keeps --recycle-budget)"})
+    queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the "
+        "body is read"})
+    read_timeout: float = field(default=30.0, metadata={"help": "seconds a request body may take to arrive (408)"})
+    request_timeout: float = field(default=600.0, metadata={"help": "seconds a request may wait and decode in all "
+        "(504); 0: no limit"})
+    shutdown_grace: float = field(default=10.0, metadata={"help": "seconds running requests get to finish on SIGTERM / "
+        "Ctrl-C"})
+    max_connections: int = field(default=1024, metadata={"help": "open connections at most (uvicorn's "
+        "limit_concurrency: 503 beyond)"})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "bearer token every /v1 request must send "
+        f"(default: the {API_KEY_ENV} environment variable, which keeps it out of the process list; unset: no check)"})
+    allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. "
+        "localhost,127.0.0.1 (default: any)"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
+        "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower)"})
+    log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        for name in ("default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size",
+                     "max_batch_size", "max_tokens_in_flight", "max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("read_timeout", "request_timeout", "shutdown_grace"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.read_timeout == 0:
+            raise ValueError("--read-timeout must be > 0")
+        if self.threads < 0 or self.forward_width < 0:
+            raise ValueError("--threads and --forward-width must be >= 0")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, port: int, keyed: bool) -> str | None:
+    """What to say when the server can be reached from other machines without a key."""
+    if keyed or is_loopback(host):
+        return None
+    return (f"listening on {host}, beyond this machine, without an API key: anyone who can reach "
+            f"port {port} can use the model (set {API_KEY_ENV} or --api-key)")
+
+
+def api_key(cfg: ServeConfig) -> str | None:
+    """The bearer token every /v1 request must send: `--api-key`, else the CLLM_API_KEY
+    environment variable; None: no check."""
+    return cfg.api_key or os.environ.get(API_KEY_ENV) or None

@@ -1,0 +1,73 @@
+"""A model loaded for decoding text, the one way `cllm generate`, `cllm chat` and `cllm serve`
+load it: its tokenizer (as a `TextCodec`), its draft table and, when asked, its Medusa heads.
+
+The loading itself is `cllm.models`' (checkpoints, tokenizers, draft tables) and
+`cllm.modeling.heads.load_heads`' (Medusa heads); this module only puts them together.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from cllm.core.config import is_off
+from cllm.core.errors import UserError
+from cllm.core.machine import load_average_1min, threads_for_load
+from cllm.decoding.draft_table import DraftTable
+from cllm.modeling.heads import MedusaHeads, load_heads
+from cllm.models import load_draft_table, load_model, load_tokenizer, resolve_model_path
+from cllm.serving.completion import TextCodec
+
+
+@dataclass
+class ServedModel:
+    """What decoding text needs: `complete(m.model, m.codec, ids, params, draft_table=m.draft_table,
+    heads=m.heads)`."""
+
+    model: torch.nn.Module  # in eval mode
+    codec: TextCodec  # its tokenizer, behind a lock
+    draft_table: DraftTable | None  # `cllm drafts`: faster Jacobi, same output
+    heads: MedusaHeads | None  # `cllm medusa`: greedy Medusa decoding instead of the method asked
+
+
+def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", threads: int = 0,
+                draft_table: str = "auto", medusa: str = "none") -> ServedModel:
+    """Load `model` (a shipped name, a folder or a hub id) for decoding.
+
+    Args:
+        threads: torch CPU threads to set (0: leave torch's setting).
+        draft_table: "auto" (the one saved beside the checkpoint, if any), "none", or a file.
+        medusa: "auto" (the heads in MODEL/medusa, if any), "none", or a heads folder.
+    """
+    hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(model)
+    table = load_draft_table(model, draft_table)
+    loaded = load_model(model, dtype=dtype, device=device)
+    return ServedModel(loaded, TextCodec(tokenizer), table, load_medusa_heads(model, loaded, medusa))
+
+
+def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:
+    """The Medusa heads `spec` names for `model` (loaded from `name`), or None: "none"; "auto"
+    (those saved in the checkpoint's `medusa/`, if any); or a heads folder, which must hold them."""
+    if is_off(spec):
+        return None
+    path = Path(resolve_model_path(name))
+    if spec == "auto":
+        return load_heads(path, model) if path.is_dir() else None
+    heads = load_heads(spec, model, model_path=path if path.is_dir() else None)
+    if heads is None:
+        raise UserError(f"no Medusa heads in {spec} (cllm medusa writes them)")
+    return heads
+
+
+def free_cores() -> int:
+    """Torch threads for a shared CPU: the cores the 1-minute load average leaves free, at
+    least one (the same rule as `cllm bench` and `cllm demo`)."""
+    cores = os.cpu_count() or 1
+    return threads_for_load(load_average_1min(), cores, wanted=cores)
