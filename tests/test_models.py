@@ -200,3 +200,60 @@ def test_generate_and_serve_on_damaged_weights_exit_with_one_line_naming_the_fil
         assert main([*command, "--model", str(directory)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "model.safetensors is damaged" in err, err
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line_naming_it(tmp_path, capsys):
+    """transformers 5 would build an empty tokenizer from it, and every prompt would encode to
+    nothing (collect: 0 records, generate: "the prompt encodes to no tokens")."""
+    from cllm.cli import main
+
+    directory = tmp_path / "m"
+    tiny_llama().save_pretrained(directory)
+    with pytest.raises(UserError) as info:
+        load_tokenizer(directory)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.startswith(f"{directory} has no tokenizer"), message
+    assert "save_pretrained" in message
+    capsys.readouterr()
+    assert main(["generate", "--model", str(directory), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{directory} has no tokenizer" in err, err
+
+
+def test_a_tokenizer_with_an_empty_vocabulary_is_one_line_naming_the_folder(tmp_path):
+    """A tokenizer_config.json alone (no vocabulary files): transformers 5 builds the tokenizer
+    class it names with nothing in it but its special tokens."""
+    directory = tmp_path / "m"
+    tiny_llama().save_pretrained(directory)
+    (directory / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer"}')
+    with pytest.raises(UserError) as info:
+        load_tokenizer(directory)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.startswith(f"{directory} has a tokenizer with an empty "
+                                                                  "vocabulary"), message
+
+
+def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config(tmp_path, monkeypatch):
+    """A tokenizer saved by transformers 5 (class TokenizersBackend) read by transformers 4: the
+    failure is in tokenizer_config.json, and tokenizer.json (which `tokenizers` reads) is fine."""
+    import json
+
+    from cllm import models
+    from tests.test_generate import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "m")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "FromTheFuture"}))
+
+    class Transformers4:  # what AutoTokenizer 4.x raises on a class name it does not know
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise ValueError("Tokenizer class FromTheFuture does not exist or is not currently imported.")
+
+    monkeypatch.setattr(models, "AutoTokenizer", Transformers4)
+    with pytest.raises(UserError) as info:
+        load_tokenizer(directory)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1, message
+    assert f"{directory / 'tokenizer_config.json'} names the tokenizer class 'FromTheFuture'" in message, message
+    assert "tokenizer.json" not in message.replace("tokenizer_config.json", ""), message

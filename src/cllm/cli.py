@@ -34,9 +34,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "chat": ("cllm.commands.chat", "Config", "run", "multi-turn chat in the terminal"),
     "serve": ("cllm.commands.serve", "Config", "run", "OpenAI-compatible HTTP server"),
     "bench": ("cllm.bench.run", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
-    "profile": ("cllm.profiling.profile", "ProfileConfig", "profile",
+    "profile": ("cllm.commands.profile", "Config", "run",
                 "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s"),
-    "tune": ("cllm.profiling.tune", "TuneConfig", "tune",
+    "tune": ("cllm.commands.tune", "Config", "run",
              "measure a model's step cost here and write its decode defaults beside it"),
     "demo": ("cllm.commands.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
 }

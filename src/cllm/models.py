@@ -11,16 +11,28 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
+import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
+import transformers
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
+from cllm.data.tokenizer import tokenizer_sha256
+from cllm.decoding import RECOMMENDED
+from cllm.decoding.draft_table import DraftTable
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,6 +57,15 @@ SHIPPED = {
 DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 # Decode settings measured for a checkpoint on one type of device (`cllm tune`), beside it.
 DECODE_DEFAULTS = "decode_defaults.json"
+# What a tokenizer is saved as: the `tokenizers` file, a sentencepiece or tiktoken model, BPE or
+# WordPiece vocabularies, or the config that names them. A folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken")
+# The files each loader reads, in its order (glob patterns), for naming the one it failed on:
+# transformers reads tokenizer_config.json to choose the tokenizer class, which then reads the rest.
+MODEL_READS = ("config.json", "generation_config.json", "*.safetensors.index.json", "*.safetensors")
+TOKENIZER_READS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                   "vocab.json", "config.json")
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -67,9 +88,7 @@ def looks_like_hub_id(text: str) -> bool:
 
 
 def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE)
 
 
 @functools.lru_cache(maxsize=32)
@@ -77,9 +96,6 @@ def _hub_problem(repo_id: str) -> str | None:
     """Why `repo_id` cannot be loaded from the hub, or None (it is cached, or the hub has it).
     One request without retries: huggingface_hub's downloads retry a failed connection for
     ~25 s per file, so a typo'd path would cost a minute before its error."""
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
     if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
         return None
     if _hub_offline():
@@ -120,15 +136,23 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
+    """The tokenizer saved with a model. A folder without one, or one without a vocabulary, is a
+    one-line `UserError` naming the folder: transformers 5 would build an empty tokenizer, and
+    every prompt would then encode to nothing far from the cause."""
     path = resolve_model_path(name_or_path)
+    if Path(path).is_dir() and not any(any(Path(path).glob(name)) for name in TOKENIZER_FILES):
+        raise UserError(f"{path} has no tokenizer (no tokenizer.json, tokenizer.model or vocab files): save one "
+                        f"there with tokenizer.save_pretrained({path!r})")
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise UserError(f"cannot load tokenizer {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (JSON, protobuf...): say which
-        raise UserError(f"cannot load tokenizer {path!r}: {_damage(path, exc, 'tokenizer.json')}") from None
+        raise UserError(f"cannot load tokenizer {path!r}: {_damage(path, exc, TOKENIZER_READS)}") from None
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise UserError(f"{path} has a tokenizer with an empty vocabulary (only its special tokens): save the "
+                        f"model's tokenizer there with tokenizer.save_pretrained({path!r})")
+    return tokenizer
 
 
 def load_model(
@@ -139,8 +163,6 @@ def load_model(
     trust_remote_code: bool = False,
 ):
     """Load a causal LM in eval mode on `device` with `dtype`."""
-    from transformers import AutoModelForCausalLM
-
     path = resolve_model_path(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     try:
@@ -150,41 +172,52 @@ def load_model(
     except OSError as exc:
         raise UserError(f"cannot load model {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (safetensors, JSON...): say which
-        raise UserError(f"cannot load model {path!r}: {_damage(path, exc)}") from None
+        raise UserError(f"cannot load model {path!r}: {_damage(path, exc, MODEL_READS)}") from None
     return model.to(device).eval()
 
 
-def _damage(path: str, exc: Exception, suspect: str | None = None) -> str:
-    """Name the checkpoint file that cannot be read (weights, config or tokenizer files), else
-    the `suspect` file when there is one, else say what failed. The files are only opened: a
-    safetensors header, a JSON document."""
+def _damage(path: str, exc: Exception, reads: Sequence[str]) -> str:
+    """Name the first checkpoint file that cannot be read, among those the failed loader reads
+    (`reads`: glob patterns, in its order), each parsed as that loader reads it (a safetensors
+    header, a JSON document, a `tokenizers` file, the class a tokenizer_config.json names); else
+    say what failed."""
     folder = Path(path)
-    failure = f"{type(exc).__name__}: {first_line(exc)}"
     if folder.is_dir():
-        for file in sorted(folder.iterdir()):
+        files = dict.fromkeys(file for pattern in reads for file in sorted(folder.glob(pattern)) if file.is_file())
+        for file in files:
             problem = _unreadable(file)
             if problem:
-                return f"{file} is damaged or not what its name says ({problem})"
-        if suspect and (folder / suspect).is_file():
-            return f"{folder / suspect} could not be read ({failure})"
-    return failure
+                return f"{file} {problem}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _unreadable(file: Path) -> str | None:
-    """Why `file` cannot be read as what its suffix says, or None."""
-    import json
-
+    """Why `file` cannot be read as what its name says, or None."""
     try:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
             with safe_open(str(file), framework="pt") as f:
                 f.keys()
+        elif file.name == "tokenizer.json":
+            Tokenizer.from_file(str(file))
         elif file.suffix == ".json":
-            json.loads(file.read_text(encoding="utf-8"))
+            data = json.loads(file.read_text(encoding="utf-8"))
+            if file.name == "tokenizer_config.json":
+                return _unknown_tokenizer_class(data)
     except Exception as exc:  # noqa: BLE001 - any failure to parse is the answer
-        return first_line(exc)
+        return f"is damaged or not what its name says ({first_line(exc)})"
     return None
+
+
+def _unknown_tokenizer_class(config: Any) -> str | None:
+    """Why this transformers cannot build the tokenizer class a tokenizer_config.json names (one
+    a newer transformers wrote, like 5.x's TokenizersBackend read by 4.x), or None."""
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if not isinstance(name, str) or "auto_map" in config:  # remote code names its own classes
+        return None
+    if tokenizer_class_from_name(name) is not None or tokenizer_class_from_name(f"{name}Fast") is not None:
+        return None
+    return (f"names the tokenizer class {name!r}, which transformers {transformers.__version__} does not have "
+            '(written by a newer transformers? upgrade it, or set "tokenizer_class": "PreTrainedTokenizerFast")')
 
 
 def fingerprint(path_or_model) -> str:
@@ -219,8 +252,6 @@ def tokenizer_fingerprint(path_or_tokenizer) -> str:
         path_or_tokenizer = load_tokenizer(path)
     tok = path_or_tokenizer
     if getattr(tok, "backend_tokenizer", None) is not None:
-        from cllm.data.tokenizer import tokenizer_sha256
-
         return tokenizer_sha256(tok)[:16]
     return hashlib.sha256(repr(sorted(tok.get_vocab().items())).encode()).hexdigest()[:16]
 
@@ -239,8 +270,6 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
     A table built for another tokenizer is refused: its token ids would mean other tokens.
     """
-    from cllm.decoding.draft_table import DraftTable
-
     if spec is None or is_off(spec, ("none", "off", "")):
         return None
     if spec == "auto":
@@ -294,8 +323,6 @@ def load_for_decoding(
         out = jacobi_decode(fast.model, ids, max_new_tokens=64,
                             eos_token_id=fast.tokenizer.eos_token_id, **fast.settings)
     """
-    from cllm.decoding import RECOMMENDED
-
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     table = load_draft_table(name_or_path, draft_table)
     model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
@@ -307,10 +334,6 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
     """The decode settings `cllm tune` wrote beside a local checkpoint for this type of device
     (block size, fed-token budget), or {} when there are none for it. Settings measured on a GPU
     are not used on a CPU, nor the other way round."""
-    import json
-
-    from cllm.decoding import RECOMMENDED
-
     file = Path(resolve_model_path(name_or_path)) / DECODE_DEFAULTS
     if not file.is_file():
         return {}

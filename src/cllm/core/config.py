@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 from cllm.core.errors import UserError, first_line, json_problem
 
 C = TypeVar("C")
@@ -124,8 +126,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)

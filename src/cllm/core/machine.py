@@ -13,6 +13,7 @@ import platform
 from typing import Any
 
 import torch
+import transformers
 
 
 def load_average_1min() -> float | None:
@@ -59,8 +60,6 @@ def cpu_name() -> str:
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """What a timing depends on: versions, CPU, cores, torch threads, device, load, date. Read the
     load before starting one's own work."""
-    import transformers
-
     device = torch.device(device)
     load = load_average_1min()
     return {

@@ -4,13 +4,19 @@ In a terminal: one live bar (rich) for the stage under way, and one line per fin
 When the output is not a terminal (a pipe, a log file): no bar, but a line per stage and per
 step the stage calls worth a line, each with the elapsed time, so a log shows what is being
 done and how fast. Library code takes a `Progress` and calls it; `Progress.off()` says nothing.
+A library that only logs its steps is shown by its command with `echo_log`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any
+
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as Bar
 
 
 class Stage:
@@ -59,8 +65,6 @@ class Progress:
 
     def warn(self, text: str) -> None:
         if self.enabled:
-            from rich.markup import escape
-
             self.console.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
     @contextmanager
@@ -70,9 +74,6 @@ class Progress:
             yield Stage(self, title, total)
             return
         if self.live:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as Bar
-
             self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=self.console, transient=True)
             self._bar.start()
@@ -86,3 +87,30 @@ class Progress:
                 self._bar.stop()
                 self._bar = None
             self.line(f"{title} done in {time.perf_counter() - began:.1f} s" + (f" ({detail})" if detail else ""))
+
+
+class _Echo(logging.Handler):
+    """Log records as plain lines on stdout, after a prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(logging.INFO)
+        self.prefix = prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{self.prefix}{record.getMessage()}", flush=True)
+
+
+@contextmanager
+def echo_log(logger: str, prefix: str = ""):
+    """While a command runs, print the INFO lines its library logs under `logger` (e.g.
+    "cllm.profiling"), each after `prefix`: the library logs its steps, the command shows them."""
+    log = logging.getLogger(logger)
+    handler, level = _Echo(prefix), log.level
+    log.addHandler(handler)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from cllm.core.config import config_to_dict
+from cllm.core.errors import UserError
+
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write-then-rename: a crash mid-write never leaves a broken checkpoint."""
@@ -25,9 +28,6 @@ def check_same_run(saved: dict, config, *, free: frozenset[str] | set[str] = fro
     """Refuse to resume `config.out` with options other than those of the run it holds (`saved`,
     its config as written): the `free` ones may change; an option added since the run started,
     left at its default, is no change."""
-    from cllm.core.config import config_to_dict
-    from cllm.core.errors import UserError
-
     current, defaults = config_to_dict(config), config_to_dict(type(config)())
     for key in sorted(set(saved) | set(current)):
         if key not in saved and current.get(key) == defaults.get(key):

@@ -13,15 +13,12 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-if TYPE_CHECKING:
-    import torch
-
-    from cllm.data.corpus import Corpus
+from cllm.data.corpus import Corpus
 
 EOT = "<|endoftext|>"
 
@@ -78,8 +75,6 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) ->
 
 def token_stream(corpus: Corpus, tokenizer) -> torch.Tensor:
     """All documents of a split as one (N,) int64 stream, each followed by <|endoftext|>."""
-    import torch
-
     eot = tokenizer.convert_tokens_to_ids(EOT)
     encoded = tokenizer([doc.text for doc in corpus.documents], add_special_tokens=False)
     ids: list[int] = []

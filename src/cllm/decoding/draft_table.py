@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 ORDERS = (4, 3, 2)  # context lengths, longest first: a longer context is right more often
@@ -90,8 +91,6 @@ class DraftTable:
     @staticmethod
     def read_meta(path: str | Path) -> dict:
         """A table file's metadata (what it was built from), without reading its tensors."""
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"draft table not found: {path}")

@@ -12,7 +12,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class Prompt:
+class PromptBatch:
     """A validated, left-padded prompt batch on the model's device."""
 
     input_ids: torch.Tensor  # (B, T) long
@@ -94,7 +94,7 @@ def prepare_prompt(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
-) -> Prompt:
+) -> PromptBatch:
     """Validate the shared arguments of greedy_decode / jacobi_decode and move them to the model."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a (batch, time) tensor of token ids")
@@ -126,6 +126,6 @@ def prepare_prompt(
             f"position limit {limit}"
         )
     device = model_device(model)
-    return Prompt(
+    return PromptBatch(
         input_ids=input_ids.long().to(device), attention_mask=mask.to(device), lengths=lengths
     )

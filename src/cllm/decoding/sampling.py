@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
 from cllm.decoding.stats import DecodeOutput
 
@@ -134,8 +135,6 @@ def sample_decode(
     """Plain autoregressive sampling, one token per row per forward, KV cache: the baseline
     (`cllm_ar_sampling`) and the law Jacobi sampling must reproduce. `generator`: None, one, or
     one per row (a row's draws then do not depend on its batch mates)."""
-    from cllm.decoding.autoregressive import autoregressive
-
     sampling = Sampling(float(temperature), top_k, top_p)
     generators = row_generators(generator, input_ids.shape[0])
     return autoregressive(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,

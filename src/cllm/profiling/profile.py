@@ -1,4 +1,4 @@
-"""`cllm profile`: what a decoding step of k fed tokens costs on this machine, at real model sizes.
+"""What a decoding step of k fed tokens costs on this machine, at real model sizes (`cllm profile`).
 
 No trained weights: a random-initialised Llama-shaped model (the embedded target's shape, ~1B,
 ~7B, or any config.json) is built in-process in the chosen dtype, and the engine's own path is
@@ -28,11 +28,24 @@ from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
 from cllm.decoding import RECOMMENDED
+from cllm.models import resolve_dtype
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
+from cllm.profiling.steptime import (
+    default_dtype,
+    parameter_count,
+    random_model,
+    resolve_device,
+    shape_config,
+    summary,
+    time_host,
+    time_steps,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
 HOST_REPEATS = 2  # runs of each host-time decode after a warm-up (the least host time kept)
+PROFILE_JSON, PROFILE_TABLE = "profile.json", "profile.md"  # written in --out
 
 
 def parse_tpf(text: str) -> dict[str, float]:
@@ -89,15 +102,13 @@ class ProfileConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         parse_tpf(self.tpf)
         if self.dtype is not None:
-            from cllm.models import resolve_dtype
-
             resolve_dtype(self.dtype)
         if is_off(self.out, ("", "none")):
             self.out = None
 
 
 @dataclass
-class Row:
+class StepTiming:
     """One k: step times (ms), ratios against k = 1, host time, predictions per method."""
 
     k: int
@@ -120,7 +131,7 @@ class StepProfile:
     model: dict[str, Any]  # shape, parameters, dtype, device, prefix
     machine: dict[str, Any]
     tpf: dict[str, float]
-    rows: list[Row]
+    rows: list[StepTiming]
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -136,7 +147,7 @@ class StepProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepProfile:
-        return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
+        return cls(**{**data, "rows": [StepTiming(**r) for r in data["rows"]]})
 
 
 def host_settings(k: int) -> dict[str, dict[str, Any]]:
@@ -146,16 +157,14 @@ def host_settings(k: int) -> dict[str, dict[str, Any]]:
 
 
 def measure(model: torch.nn.Module, ks: list[int], *, prefix: int, repeats: int, tree: bool = True,
-            host_tokens: int = 32, tpf: dict[str, float] | None = None, seed: int = 0) -> list[Row]:
-    """Every k's row: step times and ratios, host time per step, predictions at `tpf`."""
-    from cllm.profiling.steptime import summary, time_host, time_steps
-
+            host_tokens: int = 32, tpf: dict[str, float] | None = None, seed: int = 0) -> list[StepTiming]:
+    """Every k's timing: step times and ratios, host time per step, predictions at `tpf`."""
     times = time_steps(model, ks, prefix=prefix, rounds=repeats, tree=tree, seed=seed)
     t1, t1_median = min(times.causal[1]), summary(times.causal[1])["median_ms"] / 1e3
     rows = []
     for k in ks:
         s = summary(times.causal[k])
-        row = Row(k=k, min_ms=s["min_ms"], median_ms=s["median_ms"], ratio=min(times.causal[k]) / t1,
+        row = StepTiming(k=k, min_ms=s["min_ms"], median_ms=s["median_ms"], ratio=min(times.causal[k]) / t1,
                   ratio_median=s["median_ms"] / 1e3 / t1_median)
         if tree:
             row.tree_min_ms = summary(times.tree[k])["min_ms"]
@@ -203,16 +212,7 @@ def markdown(p: StepProfile) -> str:
 
 
 def profile(config: ProfileConfig) -> StepProfile:
-    """Build the model, time every k, write OUT/profile.json and OUT/profile.md, print the table."""
-    from cllm.profiling.steptime import (
-        build_model,
-        default_dtype,
-        parameter_count,
-        resolve_device,
-        shape_config,
-        write_json,
-    )
-
+    """Build the model, time every k, write OUT/profile.json and OUT/profile.md; returns the profile."""
     device = resolve_device(config.device)
     dtype = default_dtype(config.dtype, device)
     if config.threads is not None:
@@ -224,13 +224,11 @@ def profile(config: ProfileConfig) -> StepProfile:
         raise UserError(f"--prefix {config.prefix} + {max(max(config.k), config.host_tokens)} tokens exceeds the "
                         f"model's position limit {limit}: lower --prefix")
     n_params = parameter_count(model_config)
-    print(f"cllm profile: building a random {config.shape} model ({parameters(n_params)} parameters, "
-          f"{str(dtype).removeprefix('torch.')}, {device})", flush=True)
-    model = build_model(model_config, dtype, device, seed=config.seed)
-    print(f"cllm profile: timing k = {', '.join(map(str, config.k))} after {config.prefix} cached tokens, "
-          f"{config.repeats} rounds"
-          + (f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else ""),
-          flush=True)
+    log.info("building a random %s model (%s parameters, %s, %s)", config.shape, parameters(n_params),
+             str(dtype).removeprefix("torch."), device)
+    model = random_model(model_config, dtype, device, seed=config.seed)
+    log.info("timing k = %s after %d cached tokens, %d rounds%s", ", ".join(map(str, config.k)), config.prefix,
+             config.repeats, f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else "")
     tpf = parse_tpf(config.tpf)
     rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
                    host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
@@ -238,11 +236,8 @@ def profile(config: ProfileConfig) -> StepProfile:
         model={"shape": config.shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
                "device": device.type, "prefix": config.prefix},
         machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config))
-    table = markdown(result)
-    print(table, end="")
     if config.out is not None:
         out = Path(config.out)
-        write_json(result.to_dict(), out / "profile.json")
-        (out / "profile.md").write_text(table)
-        print(f"cllm profile: wrote {out / 'profile.json'} and {out / 'profile.md'}")
+        write_json(result.to_dict(), out / PROFILE_JSON)
+        (out / PROFILE_TABLE).write_text(markdown(result))
     return result

@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import sync
 from cllm.decoding import cache as kv
+from cllm.decoding import jacobi_decode
+from cllm.decoding.jacobi import TokenTrie
 from cllm.modeling.shapes import LLAMA_SHAPES
+from cllm.models import resolve_dtype
 
 SHAPES = LLAMA_SHAPES  # named shapes: cllm.modeling.shapes
 POSITIONS = 4096  # max_position_embeddings of the named shapes
@@ -42,8 +46,6 @@ MEMORY_MARGIN = 0.8  # a CPU model may take this fraction of the available memor
 
 def shape_config(shape: str):
     """A transformers config for a named shape, a config.json file, or a checkpoint folder."""
-    from transformers import AutoConfig, LlamaConfig
-
     if shape in SHAPES:
         return LlamaConfig(**SHAPES[shape], max_position_embeddings=POSITIONS, initializer_range=0.02)
     path = Path(shape).expanduser()
@@ -59,8 +61,6 @@ def shape_config(shape: str):
 
 def parameter_count(config) -> int:
     """Parameters of the model `config` describes, counted on the meta device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -77,12 +77,10 @@ def available_memory() -> int | None:
     return None
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> torch.nn.Module:
+def random_model(config, dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised causal LM of `config`, allocated directly in `dtype` on `device`
     (a 7B model in bfloat16 never exists in float32). On the CPU, one that would not fit in the
     available memory is refused before anything is allocated."""
-    from transformers import AutoModelForCausalLM
-
     n_params = parameter_count(config)
     need = n_params * torch.finfo(dtype).bits // 8
     free = available_memory() if device.type == "cpu" else None
@@ -105,8 +103,6 @@ def resolve_device(name: str) -> torch.device:
 
 
 def default_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    from cllm.models import resolve_dtype
-
     if dtype is not None:
         return resolve_dtype(dtype)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -116,8 +112,6 @@ def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[
     """A recycling trie of exactly k tokens, built by the engine's `TokenTrie`: a Jacobi tail of
     min(tail, k) tokens, then drafts of `width` tokens branching off the root until k are fed.
     Returns its token ids (arbitrary, distinct), position offsets and ancestor mask (k x k)."""
-    from cllm.decoding.jacobi import TokenTrie
-
     first = min(tail, k)
     tail_tokens = list(range(first))
     drafts, next_id = [], first
@@ -224,8 +218,6 @@ def time_host(model: torch.nn.Module, settings: dict[str, Any], *, prefix: int, 
               repeats: int, seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> HostTime:
     """The engine's time outside the model per forward: `jacobi_decode(**settings)` on a random
     prompt of `prefix` tokens, the best (least host time per forward) of `repeats` runs."""
-    from cllm.decoding import jacobi_decode
-
     device = next(model.parameters()).device
     prompt = torch.randint(model.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(seed))
     runs = []

@@ -1,4 +1,4 @@
-"""`cllm tune`: decode defaults for one model on this machine, from its measured step cost.
+"""Decode defaults for one model on this machine, from its measured step cost (`cllm tune`).
 
 The CLI's RECOMMENDED setting (block size 4, at most 24 fed tokens per forward) is the fastest
 measured on the 2-core development CPU, where a 32-token step costs two 1-token steps; on a GPU
@@ -14,6 +14,7 @@ as `decode_defaults.json` beside the checkpoint, with the measurements and the r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,7 @@ import torch
 
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
+from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
 from cllm.profiling.costs import (
     BLOCK_MAX_COST,
     BUDGET_MAX_COST,
@@ -29,6 +31,9 @@ from cllm.profiling.costs import (
     Defaults,
     choose_defaults,
 )
+from cllm.profiling.steptime import resolve_device, time_steps, write_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,17 +87,21 @@ def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *,
     }
 
 
-def tune(config: TuneConfig) -> dict[str, Any]:
-    """Time the model's step at every k, choose the defaults, write them; returns the record."""
-    from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
-    from cllm.profiling.steptime import resolve_device, time_steps, write_json
-
+def defaults_file(config: TuneConfig) -> Path:
+    """Where `tune` writes: --out, else decode_defaults.json in the model's own folder."""
     path = Path(resolve_model_path(config.model))
     if not path.is_dir():
         raise UserError(f"--model {config.model}: tune needs a local checkpoint folder to write beside")
-    out = Path(config.out) if config.out else path / DECODE_DEFAULTS
+    return Path(config.out) if config.out else path / DECODE_DEFAULTS
+
+
+def tune(config: TuneConfig) -> dict[str, Any]:
+    """Time the model's step at every k, choose the defaults, write them (`defaults_file`);
+    returns the record written."""
+    out = defaults_file(config)
     if out.exists() and not config.force:
         raise UserError(f"{out} exists (--force to overwrite it)")
+    path = Path(resolve_model_path(config.model))
     device = resolve_device(config.device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -101,19 +110,14 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     prefix = min(config.prefix, limit - config.k[-1])
     if prefix < 1:
         raise UserError(f"the model's position limit {limit} leaves no room for k = {config.k[-1]}: lower --k")
-    print(f"cllm tune: timing {path.name} at k = {', '.join(map(str, config.k))} after {prefix} cached tokens "
-          f"({device}, {config.dtype}, {torch.get_num_threads()} thread(s), {config.repeats} rounds)", flush=True)
+    log.info("timing %s at k = %s after %d cached tokens (%s, %s, %d thread(s), %d rounds)", path.name,
+             ", ".join(map(str, config.k)), prefix, device, config.dtype, torch.get_num_threads(), config.repeats)
     times = time_steps(model, config.k, prefix=prefix, rounds=config.repeats, tree=False)
     times_ms = [1e3 * min(times.causal[k]) for k in config.k]
-    ratios = [t / times_ms[0] for t in times_ms]
     rule = {"block_max_cost": config.block_max_cost, "budget_max_cost": config.budget_max_cost,
             "max_block": config.max_block}
-    chosen = choose_defaults(config.k, ratios, **rule)
+    chosen = choose_defaults(config.k, [t / times_ms[0] for t in times_ms], **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
                              model=str(path), machine={**machine_info(device), "prefix": prefix})
-    print("| k | " + " | ".join(map(str, config.k)) + " |\n|---|" + "---|" * len(config.k))
-    print("| t(k)/t(1) | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
-    print(f"cllm tune: {chosen.why}")
     write_json(record, out)
-    print(f"cllm tune: wrote {out}")
     return record

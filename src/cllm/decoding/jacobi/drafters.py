@@ -23,14 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
+from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.settings import LOOKUP_NGRAM, JacobiConfig
-
-if TYPE_CHECKING:
-    from cllm.decoding.draft_table import DraftTable
 
 
 @dataclass
