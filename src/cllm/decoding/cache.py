@@ -5,7 +5,7 @@ between transformers 4.x and 5.x (`past_key_values=` became `cache=`, `crop` cha
 argument), so every model call and every cache edit goes through the functions here. No
 monkey-patching: only `DynamicCache`'s public methods and its layers' `keys` / `values`.
 
-PrefixBlocks of a batch commit different numbers of tokens per Jacobi iteration, but a DynamicCache is
+Rows of a batch commit different numbers of tokens per Jacobi iteration, but a DynamicCache is
 one rectangular tensor per layer, `(B, heads, S, head_dim)`. We keep it rectangular and let the
 attention mask do the bookkeeping:
 

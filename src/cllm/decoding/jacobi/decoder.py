@@ -243,7 +243,7 @@ class BatchDecoder:
 
     @property
     def running(self) -> int:
-        """PrefixBlocks still decoding."""
+        """Rows still decoding."""
         return sum(not row.done for row in self._active)
 
     def take_stats(self) -> DecodeStats:
@@ -274,7 +274,7 @@ class BatchDecoder:
 
     def steps(self) -> Iterator[StepEvent]:
         """`step` until no row is running, yielding after each forward what it made final per
-        row. PrefixBlocks may be added or removed between events; a caller that has what it needs
+        row. Rows may be added or removed between events; a caller that has what it needs
         stops with `break` (the decoder stays usable)."""
         while True:
             stepped = [row for row in self._active if not row.done]
