@@ -239,7 +239,7 @@ def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config
     import json
 
     from cllm import models
-    from tests.test_generate import save_tiny_model
+    from tests.commands.test_generate import save_tiny_model
 
     directory = save_tiny_model(tmp_path / "m")
     config = json.loads((directory / "tokenizer_config.json").read_text())
@@ -257,3 +257,34 @@ def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config
     assert len(message.splitlines()) == 1, message
     assert f"{directory / 'tokenizer_config.json'} names the tokenizer class 'FromTheFuture'" in message, message
     assert "tokenizer.json" not in message.replace("tokenizer_config.json", ""), message
+
+
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
+def test_a_checkpoint_that_lacks_a_weight_is_refused_not_filled_with_random_weights(tmp_path, capsys, damage):
+    from safetensors.torch import load_file, save_file
+
+    from cllm.cli import main
+    from tests.commands.test_generate import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "m")
+    weights = load_file(directory / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    if damage == "missing":
+        del weights[name]
+    elif damage == "unexpected":
+        weights["model.layers.9.extra.weight"] = torch.zeros(3)
+        name = "model.layers.9.extra.weight"
+    else:
+        weights[name] = weights[name][:, :-1].contiguous()
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError) as info:
+        load_model(directory)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and name in message and "random weights" in message, message
+    capsys.readouterr()
+    for command in (["generate", "--prompt", "x"], ["serve", "--port", "0"]):
+        assert main([*command, "--model", str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and name in err, err
+    if damage == "missing":  # a user who knows the checkpoint is partial can still take it
+        assert load_model(directory, allow_missing=True) is not None

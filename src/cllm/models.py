@@ -27,6 +27,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+from transformers.utils import logging as transformers_logging
 
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
@@ -161,19 +162,46 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    allow_missing: bool = False,
 ):
-    """Load a causal LM in eval mode on `device` with `dtype`."""
+    """Load a causal LM in eval mode on `device` with `dtype`.
+
+    A checkpoint that lacks a weight of its architecture, holds one it does not have, or one of
+    another shape is refused in one line naming them: transformers would fill the gaps with
+    random weights and the model would run, writing other text. `allow_missing=True` takes it
+    anyway (for a checkpoint known to be partial)."""
     path = resolve_model_path(name_or_path)
     torch_dtype = resolve_dtype(dtype)
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its load report of gaps: said below in one line
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, with the other gaps
         )
     except OSError as exc:
         raise UserError(f"cannot load model {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (safetensors, JSON...): say which
         raise UserError(f"cannot load model {path!r}: {_damage(path, exc, MODEL_READS)}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    if (gaps := _weight_gaps(info)) and not allow_missing:
+        raise UserError(f"{path} is not a whole {type(model).__name__} checkpoint ({gaps}): loading it would "
+                        "fill the gaps with random weights")
     return model.to(device).eval()
+
+
+def _weight_gaps(info: dict) -> str:
+    """What transformers' loading info says is missing, unexpected or of another shape, in words
+    ('' when nothing is)."""
+    parts = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "not in the architecture"),
+                      ("mismatched_keys", "of another shape")):
+        names = sorted(k if isinstance(k, str) else k[0] for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            parts.append(f"{what}: {shown}")
+    return "; ".join(parts)
 
 
 def _damage(path: str, exc: Exception, reads: Sequence[str]) -> str:

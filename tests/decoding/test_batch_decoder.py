@@ -148,3 +148,47 @@ def test_add_checks_each_rows_budget_against_the_context():
     with pytest.raises(ValueError, match="position limit 256"):
         decoder.add(random_prompt(1, 250), max_new_tokens=7)
     assert decoder.running == 0 and decoder.take_stats().forward_passes == 0
+
+
+class Poison(RuntimeError):
+    pass
+
+
+def poison_row(monkeypatch, where: str, prompt_of_row: list[int], after: int = 0) -> None:
+    """Make `where` (the verifiers' `tail` before the forward, or `advance` after it) raise for
+    the row whose prompt is `prompt_of_row`, from that row's `after`-th call on."""
+    import cllm.decoding.jacobi.verifiers as verifiers
+
+    real, calls = getattr(verifiers, where), {"n": 0}
+
+    def poisoned(row, *args, **kwargs):
+        if row.prompt_list == prompt_of_row:
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise Poison("boom")
+        return real(row, *args, **kwargs)
+
+    monkeypatch.setattr(verifiers, where, poisoned)
+
+
+@pytest.mark.parametrize("where", ["tail", "advance"])
+@pytest.mark.parametrize("name", ["plain n=4", "ar n=1", "recycling", "sampling"])
+def test_a_row_that_fails_mid_batch_fails_alone_and_its_mates_are_unchanged(monkeypatch, where, name):
+    model = tiny_model("llama")
+    settings = dict(block_size=4, temperature=0.8) if name == "sampling" else SETTINGS[name]
+    prompts = [random_prompt(s, 5 + s % 3) for s in (61, 62, 63)]
+    alone = [jacobi_decode(model, p, max_new_tokens=20, generator=torch.Generator().manual_seed(s), **settings)
+             for s, p in zip((61, 62, 63), prompts)]
+    poison_row(monkeypatch, where, prompts[1][0].tolist(), after=2)
+    decoder = BatchDecoder(model, **settings)
+    rows = [decoder.add(p, max_new_tokens=20, generator=torch.Generator().manual_seed(s))[0]
+            for s, p in zip((61, 62, 63), prompts)]
+    while decoder.step():
+        pass
+    assert isinstance(decoder.error(rows[1]), Poison) and decoder.done(rows[1])
+    for k in (0, 2):
+        assert decoder.error(rows[k]) is None and decoder.tokens(rows[k]) == alone[k].new_tokens[0], (name, k)
+        assert decoder.forward_passes(rows[k]) == alone[k].forward_passes
+    assert decoder.running == 0
+    with pytest.raises(Poison):  # the library call raises it, as it always did
+        jacobi_decode(model, prompts[1], max_new_tokens=20, **settings)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cllm.decoding import JacobiConfig
+from cllm.decoding import BatchDecoder, JacobiConfig
 from cllm.models import load_model
 from cllm.serving.completion import DecodeParams, TextCodec, complete
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
@@ -191,3 +191,62 @@ def test_a_full_queue_refuses_and_stopping_fails_what_is_left(model, oracle):
     late = job(oracle.ids("import re"), 5)
     scheduler.submit(late[0])
     assert late[1].wait().error == "shutdown"
+
+
+SERVED = {  # every decoding method the server offers, as requests ask for it
+    "jacobi, recycling": dict(method="jacobi"),
+    "jacobi, plain": dict(method="jacobi", engine=JacobiConfig(block_size=4)),
+    "ar": dict(method="ar"),
+    "jacobi, sampled": dict(method="jacobi", temperature=0.9, top_p=0.95),
+    "ar, sampled": dict(method="ar", temperature=0.9),
+}
+
+
+@pytest.mark.parametrize("where", ["tail", "advance"])
+@pytest.mark.parametrize("name", list(SERVED))
+def test_a_request_that_fails_mid_batch_fails_alone(model, oracle, monkeypatch, name, where):
+    from tests.decoding.test_batch_decoder import poison_row
+
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    codec = TextCodec(oracle.tokenizer)
+    params = SERVED[name]
+    jobs = [job(oracle.ids(p), 24, seed=7 + i, stream=i % 2 == 0, **params) for i, p in enumerate(PROMPTS)]
+    neighbours = [PROMPTS[0], PROMPTS[2]]  # in another group (greedy, recycling), not poisoned
+    jobs += [job(oracle.ids(p), 24) for p in neighbours]
+    poison_row(monkeypatch, where, oracle.ids(PROMPTS[1]), after=3)
+    submit_together(scheduler, jobs)
+    poisoned = jobs[1][1].wait()
+    assert poisoned.result is None and poisoned.error.startswith("failed: ") and "boom" in poisoned.error
+    monkeypatch.undo()
+    for i, (j, events) in enumerate(jobs):
+        if i == 1:
+            continue
+        prompt = PROMPTS[i] if i < len(PROMPTS) else neighbours[i - len(PROMPTS)]
+        alone = complete(oracle.model, codec, oracle.ids(prompt), j.params)
+        assert events.wait().error is None and events.result.text == alone.text, (name, i)
+        if j.stream_text:
+            assert "".join(events.chunks) == events.result.text
+    deadline = time.monotonic() + WAIT
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running == 0 and not scheduler._groups  # no phantom rows for /health
+    scheduler.stop()
+
+
+def test_a_forward_that_fails_fails_its_group_alone(model, oracle, monkeypatch):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    sampled = [job(oracle.ids(p), 24, temperature=0.9, seed=i) for i, p in enumerate(PROMPTS[:2])]
+    greedy = [job(oracle.ids(p), 24) for p in PROMPTS[:2]]
+    real = BatchDecoder.step
+
+    def step(self):  # the sampled group's batched forward fails once it runs
+        if self.cfg.sampling is not None and self.running:
+            raise RuntimeError("device lost")
+        return real(self)
+
+    monkeypatch.setattr(BatchDecoder, "step", step)
+    submit_together(scheduler, sampled + greedy)
+    assert all(e.wait().error == "failed: device lost" for _, e in sampled)
+    for (_, events), p in zip(greedy, PROMPTS[:2]):
+        assert events.wait().result.text == oracle.text(p)
+    scheduler.stop()

@@ -35,6 +35,7 @@ from tests.serving.test_scheduler import Gate
 NEW, BLOCK, NAME = 24, 8, "tiny"
 LIMITS = {"max_tokens_limit": 64, "max_prompt_tokens": 48, "max_body_bytes": 65536, "read_timeout": 2}
 WAIT = 60  # seconds: a bound against hangs, never a speed requirement
+LOCAL = "http://127.0.0.1"  # a Host the server accepts by default (TestClient's own is "testserver")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -236,6 +237,10 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
         ("/v1/completions", {"prompt": "x" * 100_000}, 413, "Content Too Large"),
         ("/v1/completions", {"prompt": [5] * 49}, 400, "at most 48"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "'stream'"),
+        ("/v1/completions", '{"prompt": ' + "[" * 20_000 + "]" * 20_000 + "}", 400, "nests too deeply"),
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 5_000 + "}", 400, "cannot be used"),
+        ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "NaN is not JSON"),
+        ("/v1/completions", '{"prompt": "x",}', 400, "not valid JSON"),
     ],
 )
 def test_bad_request_gets_a_4xx_with_a_message_and_the_server_keeps_serving(server, oracle, path, body, status, words):
@@ -373,7 +378,7 @@ def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_d
     from fastapi.testclient import TestClient
 
     settings = ServeConfig(model=str(model_dir), served_model_name=NAME, max_prompt_tokens=120, max_tokens_limit=64)
-    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:
+    with TestClient(create_app(oracle.model, oracle.tokenizer, settings), base_url=LOCAL) as http:
         r = http.post("/v1/completions", json={"model": NAME, "prompt": "import re", "max_tokens": NEW})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle.text("import re")
         assert http.post("/v1/completions", json={"prompt": ""}).status_code == 400
@@ -410,10 +415,11 @@ def wait_until_up(url: str, proc: subprocess.Popen, log) -> None:
 
 @contextmanager
 def live(app, **uvicorn_settings):
-    """`app` served by uvicorn on a free loopback port, in a thread; yields (base URL, server,
-    thread)."""
+    """`app` served by uvicorn on a free loopback port, in a thread, told when the server exits
+    as `serve_app` tells it; yields (base URL, server, thread)."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
                                            **uvicorn_settings))
+    app.state.exiting = lambda: server.should_exit
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + WAIT
@@ -432,7 +438,7 @@ def test_the_api_key_is_enforced_on_every_v1_route_and_only_there(model_dir, ora
         monkeypatch.setenv("CLLM_API_KEY", "s3cret")
     settings = _settings(model_dir, api_key="s3cret" if how == "flag" else None)
     body = {"prompt": "import re", "max_tokens": 8}
-    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:
+    with TestClient(create_app(oracle.model, oracle.tokenizer, settings), base_url=LOCAL) as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
             r = http.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -463,8 +469,8 @@ def test_only_binding_beyond_loopback_without_a_key_warns():
 
 def test_allowed_hosts_refuse_another_host_header(model_dir, oracle):
     settings = _settings(model_dir, allowed_hosts=["127.0.0.1", "localhost"])
-    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:
-        assert http.get("/health").status_code == 400  # TestClient's Host is "testserver"
+    with TestClient(create_app(oracle.model, oracle.tokenizer, settings)) as http:  # Host: testserver
+        assert http.get("/health").status_code == 400
         assert http.get("/health", headers={"Host": "localhost:8000"}).status_code == 200
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Host": "evil.example"})
         assert r.status_code == 400
@@ -472,7 +478,7 @@ def test_allowed_hosts_refuse_another_host_header(model_dir, oracle):
 
 def test_a_500_says_nothing_of_the_failure_and_the_server_goes_on(model_dir, oracle, monkeypatch, caplog):
     app = create_app(oracle.model, oracle.tokenizer, _settings(model_dir))
-    with TestClient(app, raise_server_exceptions=False) as http:
+    with TestClient(app, raise_server_exceptions=False, base_url=LOCAL) as http:
         def broken(messages):
             raise RuntimeError("secret detail at /home/me/.cache/model")
 
@@ -487,7 +493,7 @@ def test_a_500_says_nothing_of_the_failure_and_the_server_goes_on(model_dir, ora
 def test_chat_whose_messages_encode_to_nothing_is_a_400(tmp_path):
     plain = save_tiny_model(tmp_path / "plain")  # no chat template: the messages' text concatenated
     oracle = Oracle(plain)
-    with TestClient(create_app(oracle.model, oracle.tokenizer, _settings(plain))) as http:
+    with TestClient(create_app(oracle.model, oracle.tokenizer, _settings(plain)), base_url=LOCAL) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}], "stream": True})
         assert r.status_code == 400 and "no tokens" in r.json()["error"]["message"]
 
@@ -560,3 +566,120 @@ def test_the_listening_socket_is_tcp_so_streamed_chunks_go_out_at_once():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_a_foreign_host_is_refused_by_default_on_loopback(model_dir, oracle):
+    """A web page that rebinds its name to 127.0.0.1 sends its own name as Host: refused."""
+    app = create_app(oracle.model, oracle.tokenizer, _settings(model_dir))
+    with TestClient(app, base_url="http://attacker.example") as http:
+        assert http.get("/health").status_code == 400
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 400
+    for host in ("localhost:8000", "127.0.0.1", "127.0.0.1:9"):
+        with TestClient(app, base_url=f"http://{host}") as http:
+            assert http.get("/health").status_code == 200, host
+    from cllm.serving.config import allowed_hosts
+
+    assert allowed_hosts(_settings(model_dir, host="0.0.0.0")) == ["*"]
+    assert allowed_hosts(_settings(model_dir, host="10.1.2.3")) == ["10.1.2.3"]
+    assert allowed_hosts(_settings(model_dir, allowed_hosts=["*"])) == ["*"]
+
+
+def test_head_works_where_get_does_and_there_is_no_docs_page_or_schema_unless_asked(model_dir, oracle):
+    with TestClient(create_app(oracle.model, oracle.tokenizer, _settings(model_dir)), base_url=LOCAL) as http:
+        assert http.head("/health").status_code == 200 and http.head("/metrics").status_code == 200
+        assert http.head("/v1/models").status_code == 200
+        assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
+    keyed = _settings(model_dir, openapi=True, api_key="k")
+    with TestClient(create_app(oracle.model, oracle.tokenizer, keyed), base_url=LOCAL) as http:
+        assert http.get("/openapi.json").status_code == 401
+        schema = http.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+        assert "/v1/completions" in schema["paths"] and http.get("/docs").status_code == 404
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedys_text(server, oracle):
+    """3e-38 overflowed softmax to NaN and failed every request in flight; the engine now shifts
+    the logits before dividing, so a tiny temperature is a point mass on the argmax."""
+    bodies = [{"prompt": p, "max_tokens": NEW} for p in PROMPTS] + [{"prompt": "def f(x):", "max_tokens": NEW,
+                                                                       "temperature": 3e-38, "seed": 1}]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: post(server, "/v1/completions", b), bodies))
+    assert [a.status_code for a in answers] == [200] * len(bodies)
+    for body, answer in zip(bodies, answers):
+        assert answer.json()["choices"][0]["text"] == oracle.text(body["prompt"])
+    assert httpx.get(f"{server}/health", timeout=WAIT).json()["running"] == 0
+
+
+def test_slow_heads_are_closed_and_idle_connections_cannot_lock_out_health(model_dir, oracle):
+    from cllm.serving.http import guarded_protocol
+
+    app = create_app(oracle.model, oracle.tokenizer, _settings(model_dir))
+    protocol = guarded_protocol(header_timeout=1.0, max_connections=8)
+    with live(app, http=protocol) as (url, _, _):
+        slow = [_raw(url) for _ in range(20)]  # more than the cap, each a head that never ends
+        for sock in slow:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        for _ in range(3):
+            assert httpx.get(f"{url}/health", timeout=WAIT).status_code == 200
+        time.sleep(1.5)
+        for sock in slow:  # every slow head was closed: by the cap, or by the head deadline
+            sock.settimeout(WAIT)
+            try:
+                assert sock.recv(1024) == b""
+            except ConnectionResetError:  # closed with its unread head: a reset, closed all the same
+                pass
+            sock.close()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "import re", "max_tokens": NEW}, timeout=WAIT)
+        assert r.json()["choices"][0]["text"] == oracle.text("import re")
+
+
+def test_a_client_that_leaves_mid_body_costs_one_log_line_not_a_traceback(model_dir, oracle, caplog):
+    app = create_app(oracle.model, oracle.tokenizer, _settings(model_dir))
+    with live(app) as (url, _, _):
+        with _raw(url) as gone:
+            gone.sendall(_head(1000) + b'{"prompt": "x", ')
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "import re", "max_tokens": NEW}, timeout=WAIT)
+        assert r.json()["choices"][0]["text"] == oracle.text("import re")
+    assert "Traceback" not in caplog.text and "request failed" not in caplog.text
+
+
+def test_past_the_shutdown_grace_a_request_gets_503_json_and_a_stream_an_error_event_and_done(model_dir, oracle):
+    from cllm.serving.app import SHUTDOWN_MARGIN
+
+    model = load_model(model_dir)
+    gate = Gate(model, hold_at=3)  # the decode is held until the test ends
+    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar", shutdown_grace=1.0))
+    outcome: dict = {}
+
+    def plain(url):
+        try:
+            outcome["plain"] = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 50},
+                                          timeout=WAIT)
+        except httpx.HTTPError as exc:
+            outcome["plain"] = exc
+
+    def streamed(url):
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "y", "max_tokens": 50,
+                                                                      "stream": True}, timeout=WAIT) as response:
+                outcome["stream"] = [line for line in response.iter_lines() if line]
+        except httpx.HTTPError as exc:
+            outcome["stream"] = exc
+
+    with live(app, timeout_graceful_shutdown=1.0 + SHUTDOWN_MARGIN) as (url, server, thread):
+        clients = [threading.Thread(target=f, args=(url,)) for f in (plain, streamed)]
+        for c in clients:
+            c.start()
+        assert gate.reached.wait(WAIT)
+        scheduler, deadline = app.state.service.scheduler, time.monotonic() + WAIT
+        while len(scheduler._live) < 2:  # both submitted: waiting, being admitted or running
+            assert time.monotonic() < deadline, "the two requests never reached the scheduler"
+            time.sleep(0.05)
+        server.should_exit = True
+        thread.join(WAIT)
+        for c in clients:
+            c.join(WAIT)
+    gate.opened.set()
+    answer = outcome["plain"]
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+    events = outcome["stream"]
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cllm.core.errors import first_line
 from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
 from cllm.decoding.stats import DecodeOutput
@@ -46,7 +47,10 @@ class Sampling:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits -> (..., V) float32 probabilities of the processed distribution."""
-        scores = logits.float() / self.temperature
+        # shift by the max before dividing: the same softmax, and no overflow to inf (then NaN)
+        # however small the temperature (a tiny one gives a point mass on the argmax)
+        scores = logits.float()
+        scores = (scores - scores.amax(-1, keepdim=True)) / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -69,7 +73,12 @@ def make_sampling(temperature: float, top_k: int | None, top_p: float | None) ->
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token drawn from `probs` (V,); a law that is no distribution (NaN logits from the
+    model, say) is a ValueError that says so."""
+    try:
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+    except RuntimeError as exc:
+        raise ValueError(f"cannot sample: {first_line(exc)} (NaN or inf in the model's logits?)") from None
 
 
 def pick_tokens(logits: torch.Tensor, sampling: Sampling | None,

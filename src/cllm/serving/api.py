@@ -41,7 +41,7 @@ class PromptLimits:
     context: int | None  # the model's positions, when its config says
     vocab_size: int
     # the longest text a prompt of max_prompt_tokens tokens can be: tokens x the longest
-    # token's characters x 4 (a normalizer may compose up to a few characters into one)
+    # token's characters, x 4 when the tokenizer normalizes (it may compose characters)
     max_chars: int
 
     @classmethod
@@ -49,8 +49,10 @@ class PromptLimits:
                       default_max_tokens: int, context: int | None, vocab_size: int) -> PromptLimits:
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         longest = max((len(p) for p in pieces if isinstance(p, str)), default=1)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        composes = backend is None or backend.normalizer is not None  # byte-level BPE: none
         return cls(max_prompt_tokens, max_tokens_limit, default_max_tokens, context, vocab_size,
-                   max_chars=max_prompt_tokens * max(longest, 1) * 4)
+                   max_chars=max_prompt_tokens * max(longest, 1) * (4 if composes else 1))
 
 
 def _number(body: dict, name: str, default, *, lo: float, hi: float, integer: bool = False):

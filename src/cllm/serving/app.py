@@ -8,21 +8,27 @@ request's output does not depend on what else is being served. The event loop on
 tokenizes (in a thread), queues and streams (`cllm.serving.service.Service`). This module holds
 the routes, and how the app is bound to a socket and run.
 
-Limits: request bodies over `--max-body-bytes` get 413 (Starlette's body-limit middleware,
-checked against Content-Length before the body is read, and while reading); a body that takes
-longer than `--read-timeout` to arrive gets 408; a prompt is bounded in characters before it is
-tokenized and in tokens after; a request that waits and decodes longer than
-`--request-timeout` is stopped (504); a full queue answers 503; a client that goes away
-(streamed or not) takes its row out of the batch before the next step; on SIGTERM / Ctrl-C,
-running requests get `--shutdown-grace` seconds to finish.
+Limits: a request head must arrive within `--header-timeout` and at most `--max-connections`
+connections stay open, the longest idle one closed for a newcomer (`cllm.serving.http`); request
+bodies over `--max-body-bytes` get 413 (Starlette's body-limit middleware, checked against
+Content-Length before the body is read, and while reading); a body that takes longer than
+`--read-timeout` to arrive gets 408; a body that is not JSON, nests too deeply or holds an
+over-long number gets 400; a prompt is bounded in characters before it is tokenized and in
+tokens after; a request that waits and decodes longer than `--request-timeout` is stopped (504);
+a full queue answers 503; a client that goes away (streamed or not) takes its row out of the
+batch before the next step; a request that fails to decode fails alone (500), its batch mates
+go on; on SIGTERM / Ctrl-C, running requests get `--shutdown-grace` seconds to finish, then get
+503 (a stream: an error event and `[DONE]`).
 
 Security: loopback by default; `--api-key` (or CLLM_API_KEY) is enforced as a bearer token on
 every /v1 route; bodies are accepted only as `Content-Type: application/json` (so a web page
-cannot send one as a "simple" cross-origin request); `--allowed-hosts` checks the Host header
-(Starlette's TrustedHostMiddleware); a 500 says nothing of the failure (it is logged).
+cannot send one as a "simple" cross-origin request); the Host header must be one of
+`--allowed-hosts` (by default the loopback names on loopback: DNS rebinding is refused); no
+/docs page and no schema unless `--openapi`; a 500 says nothing of a bug (it is logged); each
+refused request is one log line.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE chunks ending with
-`data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics.
+`data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics (HEAD too).
 """
 
 from __future__ import annotations
@@ -45,12 +51,15 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from cllm.core.errors import UserError
-from cllm.serving.api import ApiError, chat_messages, check_prompt_ids, completion_prompt
-from cllm.serving.config import ServeConfig, api_key
+from cllm.serving.api import ApiError, chat_messages, completion_prompt
+from cllm.serving.config import ServeConfig, allowed_hosts, api_key
+from cllm.serving.http import guarded_protocol
 from cllm.serving.loading import ServedModel, free_cores, load_served
 from cllm.serving.service import Service
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_MARGIN = 5.0  # seconds uvicorn waits past --shutdown-grace for the 503s to go out
 
 
 def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_table=None) -> FastAPI:
@@ -62,51 +71,72 @@ def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_tabl
 
     @asynccontextmanager
     async def lifespan(app):
+        watcher = asyncio.create_task(_fail_after_grace(app, service))
         yield
-        # after uvicorn's grace period: what waits or runs is failed; a step in progress gets
-        # a few seconds to end (the thread is a daemon: it never holds the process)
+        watcher.cancel()
+        # what still waits or runs is failed; a step in progress gets a few seconds to end (the
+        # thread is a daemon: it never holds the process)
         await asyncio.to_thread(service.scheduler.stop, 5.0)
 
-    app = FastAPI(title="cllm", lifespan=lifespan)
+    app = FastAPI(title="cllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=cfg.max_body_bytes)
-    if cfg.allowed_hosts:
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=cfg.allowed_hosts)
+    if (hosts := allowed_hosts(cfg)) != ["*"]:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     _add_error_handlers(app, service)
-    app.include_router(_v1_routes(service, api_key(cfg)))
+    key_check = _key_check(api_key(cfg))
+    app.include_router(_v1_routes(service, key_check))
     _add_status_routes(app, service)
+    if cfg.openapi:
+        app.get("/openapi.json", dependencies=[Depends(key_check)], include_in_schema=False)(app.openapi)
     return app
+
+
+async def _fail_after_grace(app: FastAPI, service: Service) -> None:
+    """Once the server is told to exit (`app.state.exiting`, set by `serve_app`), running
+    requests get `--shutdown-grace` seconds; then what is left fails with 503 (a stream: an
+    error event and [DONE]) before uvicorn would cut the connections."""
+    exiting = getattr(app.state, "exiting", None)
+    if exiting is None:
+        return
+    while not exiting():
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(service.cfg.shutdown_grace)
+    left = service.scheduler.waiting + service.scheduler.running
+    if left:
+        log.warning("--shutdown-grace (%g s) is over: %d request(s) get 503", service.cfg.shutdown_grace, left)
+    await asyncio.to_thread(service.scheduler.stop, 5.0)
 
 
 def _add_error_handlers(app: FastAPI, service: Service) -> None:
     """Every failure answers with OpenAI's error shape, and is counted by status."""
 
-    def error_response(err: ApiError) -> JSONResponse:
+    def error_response(request: Request, err: ApiError) -> JSONResponse:
         service.metrics.error(err.status)
+        if err.status < 500:  # a refused request is one line in the log, whatever it sent
+            log.info("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message[:200])
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, err: ApiError):
-        return error_response(err)
+        return error_response(request, err)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, err: HTTPException):
-        return error_response(ApiError(err.status_code, str(err.detail)))
+        return error_response(request, ApiError(err.status_code, str(err.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, err: RequestValidationError):
-        return error_response(ApiError(400, f"invalid request: {err.errors()}"))
+        return error_response(request, ApiError(400, f"invalid request: {err.errors()}"))
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, err: Exception):
         log.exception("request failed")  # the details stay in the server's log
-        return error_response(ApiError(500, "internal server error", type="server_error"))
+        return error_response(request, ApiError(500, "internal server error", type="server_error"))
 
 
-def _v1_routes(service: Service, key: str | None) -> APIRouter:
-    """The OpenAI routes, behind the bearer token `key` when there is one."""
-    cfg, metrics = service.cfg, service.metrics
-    created = int(time.time())
+def _key_check(key: str | None):
+    """The dependency that checks the bearer token `key` (none when `key` is None)."""
     bearer = HTTPBearer(auto_error=False)
 
     async def check_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
@@ -117,6 +147,13 @@ def _v1_routes(service: Service, key: str | None) -> APIRouter:
             raise ApiError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    return check_key
+
+
+def _v1_routes(service: Service, check_key) -> APIRouter:
+    """The OpenAI routes, behind the bearer-token dependency `check_key`."""
+    cfg, metrics = service.cfg, service.metrics
+    created = int(time.time())
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @v1.post("/completions")
@@ -131,9 +168,10 @@ def _v1_routes(service: Service, key: str | None) -> APIRouter:
         metrics.request("/v1/chat/completions")
         body = await service.read_body(request)
         messages = chat_messages(body, service.limits)
-        ids = check_prompt_ids(await asyncio.to_thread(service.codec.chat_ids, messages))
+        ids = await service.encode_chat(messages)
         return await service.respond(request, body, ids, chat=True)
 
+    @v1.head("/models", include_in_schema=False)
     @v1.get("/models")
     async def models():
         metrics.request("/v1/models")
@@ -147,11 +185,11 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
     """/health and /metrics: open to anyone who reaches the port (no key)."""
     cfg, metrics, scheduler = service.cfg, service.metrics, service.scheduler
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health():
         return {"status": "ok", "model": cfg.model_id, "queued": scheduler.waiting, "running": scheduler.running}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
     async def get_metrics():
         return {**metrics.snapshot(), "queued": scheduler.waiting, "running": scheduler.running,
                 "batching": scheduler.stats.snapshot()}
@@ -205,7 +243,9 @@ def open_app(config: ServeConfig) -> BoundApp:
 
 def serve_app(bound: BoundApp, config: ServeConfig) -> None:
     """Serve until SIGTERM / Ctrl-C (uvicorn), running requests given `--shutdown-grace` seconds."""
+    protocol = guarded_protocol(header_timeout=config.header_timeout, max_connections=config.max_connections)
     server = uvicorn.Server(uvicorn.Config(
-        bound.app, log_level=config.log_level, access_log=False, limit_concurrency=config.max_connections,
-        timeout_graceful_shutdown=config.shutdown_grace))  # type: ignore[arg-type] - seconds, 0 = none
+        bound.app, log_level=config.log_level, access_log=False, http=protocol,
+        timeout_graceful_shutdown=config.shutdown_grace + SHUTDOWN_MARGIN))  # type: ignore[arg-type]
+    bound.app.state.exiting = lambda: server.should_exit  # read by `_fail_after_grace`
     server.run(sockets=[bound.sock])

@@ -207,6 +207,7 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
     with torch.inference_mode():
         (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
                              generator=torch.Generator(device=device).manual_seed(params.seed or 0))
+        decoder.raise_error([row])
         stream.feed(decoder.tokens(row))  # the prefill's token
 
         def more() -> bool:
@@ -214,6 +215,7 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
 
         if more():
             for event in decoder.steps():
+                decoder.raise_error([row])
                 stream.feed(event.new_tokens[row])
                 if not more():
                     break

@@ -51,12 +51,17 @@ class ServeConfig:
         "(504); 0: no limit"})
     shutdown_grace: float = field(default=10.0, metadata={"help": "seconds running requests get to finish on SIGTERM / "
         "Ctrl-C"})
-    max_connections: int = field(default=1024, metadata={"help": "open connections at most (uvicorn's "
-        "limit_concurrency: 503 beyond)"})
+    max_connections: int = field(default=1024, metadata={"help": "open connections at most: a newcomer beyond it "
+        "closes the connection idle the longest (never one whose request runs)"})
+    header_timeout: float = field(default=10.0, metadata={"help": "seconds a client has, from connecting or from its "
+        "previous response, to send a whole request head (slow clients are closed)"})
     api_key: str | None = field(default=None, repr=False, metadata={"help": "bearer token every /v1 request must send "
         f"(default: the {API_KEY_ENV} environment variable, which keeps it out of the process list; unset: no check)"})
     allowed_hosts: list[str] = field(default_factory=list, metadata={"help": "Host header values accepted, e.g. "
-        "localhost,127.0.0.1 (default: any)"})
+        "example.org,10.0.0.5, or * for any (default: the loopback names when bound to loopback, the bound address "
+        "otherwise, any when bound to all addresses); other Hosts get 400, which stops DNS rebinding"})
+    openapi: bool = field(default=False, metadata={"help": "serve the API's schema at /openapi.json (behind the API "
+        "key when there is one); no /docs page (it would load JavaScript from a CDN)"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
@@ -72,11 +77,11 @@ class ServeConfig:
                      "max_batch_size", "max_tokens_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("read_timeout", "request_timeout", "shutdown_grace"):
+        for name in ("read_timeout", "request_timeout", "shutdown_grace", "header_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.read_timeout == 0:
-            raise ValueError("--read-timeout must be > 0")
+        if self.read_timeout == 0 or self.header_timeout == 0:
+            raise ValueError("--read-timeout and --header-timeout must be > 0")
         if self.threads < 0 or self.forward_width < 0:
             raise ValueError("--threads and --forward-width must be >= 0")
         if self.log_level not in LOG_LEVELS:
@@ -104,6 +109,23 @@ def exposure_warning(host: str, port: int, keyed: bool) -> str | None:
         return None
     return (f"listening on {host}, beyond this machine, without an API key: anyone who can reach "
             f"port {port} can use the model (set {API_KEY_ENV} or --api-key)")
+
+
+LOOPBACK_NAMES = ["localhost", "127.0.0.1", "::1", "[::1]"]
+
+
+def allowed_hosts(cfg: ServeConfig) -> list[str]:
+    """The Host header values the server accepts: `--allowed-hosts`, else the loopback names on
+    a loopback address, the bound address itself on another one, anything on all addresses
+    (0.0.0.0, ::). Checking it stops a web page that rebinds a name to 127.0.0.1 from using
+    the model in the browser's name."""
+    if cfg.allowed_hosts:
+        return list(cfg.allowed_hosts)
+    if is_loopback(cfg.host):
+        return LOOPBACK_NAMES
+    if cfg.host in ("0.0.0.0", "::", ""):
+        return ["*"]
+    return [cfg.host, f"[{cfg.host}]"] if ":" in cfg.host else [cfg.host]
 
 
 def api_key(cfg: ServeConfig) -> str | None:

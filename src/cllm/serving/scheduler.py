@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from cllm.core.errors import first_line
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
 from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, decoder_kwargs
@@ -47,7 +48,8 @@ class Overloaded(Exception):
 class Job:
     """One request. `on_event(kind, value)` is called from the worker thread with ("text", str)
     for each final chunk (when `stream_text`), then once ("done", Completion) or ("error",
-    reason), reason one of "timeout", "shutdown", "failed"; a cancelled job gets no more events."""
+    reason), reason "timeout", "shutdown", or "failed: <why>" (this request alone failed to
+    decode; its batch mates go on); a cancelled job gets no more events."""
 
     prompt_ids: list[int]
     params: DecodeParams  # params.seed must be set: it seeds the row's generator
@@ -61,6 +63,7 @@ class Job:
     row: int = -1
     text: TextStream | None = None
     seen: int = 0  # tokens of the row fed to `text` so far
+    answered: bool = False  # its "done" or "error" went out (once, from whichever thread)
 
     @property
     def tokens_needed(self) -> int:
@@ -108,6 +111,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.running = 0  # rows decoding (written by the worker only)
         self._waiting: deque[Job] = deque()
+        self._live: set[Job] = set()  # submitted and not answered yet: waiting, being admitted, running
         self._groups: dict[tuple, _Group] = {}
         self._cond = threading.Condition()
         self._stopping = False
@@ -124,6 +128,7 @@ class Scheduler:
             if len(self._waiting) >= self.queue_size:
                 raise Overloaded
             self._waiting.append(job)
+            self._live.add(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -135,10 +140,15 @@ class Scheduler:
         return len(self._waiting)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Fail what waits, let the current step end, fail what runs; join the thread."""
+        """Fail what waits and what runs at once ("shutdown": a client gets its answer even while
+        a step is stuck), let the current step end, and join the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+            jobs = list(self._live)
+        for job in jobs:
+            if not job.cancelled:
+                self._finish(job, "error", "shutdown")
         self._thread.join(timeout)
 
     # -- the worker thread
@@ -157,13 +167,14 @@ class Scheduler:
                     self._deliver()
                 self._step()
                 self._deliver()
-            except Exception:  # noqa: BLE001 - a bug must not kill the worker: fail what runs
-                log.exception("decode step failed")
-                self._fail_all("failed")
+            except Exception as exc:  # noqa: BLE001 - a bug here must not kill the worker: fail what runs
+                log.exception("the scheduler failed between steps")
+                self._fail_all(f"failed: {first_line(exc)}")
+            self.running = sum(len(g.jobs) for g in self._groups.values())
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
-            job.on_event("error", "shutdown")
+            self._finish(job, "error", "shutdown")
         self._fail_all("shutdown")
 
     def _admit(self) -> list[Job]:
@@ -179,7 +190,7 @@ class Scheduler:
                 self._waiting.popleft()
                 if not job.cancelled:
                     self.stats.timed_out += 1
-                    job.on_event("error", "timeout")
+                    self._finish(job, "error", "timeout")
                 continue
             fits = rows + 1 <= self.max_batch_size and tokens + job.tokens_needed <= self.max_tokens_in_flight
             if rows and not fits:  # alone, a job always runs (it passed the server's limits)
@@ -204,10 +215,10 @@ class Scheduler:
             try:
                 rows = group.decoder.add(ids.to(self.device), mask.to(self.device), generator=generators,
                                          max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
-            except Exception:  # noqa: BLE001 - these requests fail, the batch goes on
-                log.exception("prefill failed")
+            except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
+                log.exception("a prefill of %d request(s) failed", len(group_jobs))
                 for job in group_jobs:
-                    job.on_event("error", "failed")
+                    self._finish(job, "error", f"failed: {first_line(exc)}")
                 continue
             self._groups[key] = group
             self.stats.prefills += 1
@@ -228,7 +239,13 @@ class Scheduler:
             if self.forward_width and cfg.recycle and rows:
                 share = _share(group.recycle_budget, self.forward_width, rows, floor=cfg.block_size)
                 group.decoder.set_recycle_budget(share)
-            if group.decoder.step():
+            try:
+                stepped = group.decoder.step()
+            except Exception as exc:  # noqa: BLE001 - the forward they share failed: this group alone fails
+                log.exception("a batched forward of %d request(s) failed; the other groups go on", rows)
+                self._fail_group(group, f"failed: {first_line(exc)}")
+                continue
+            if stepped:
                 self.stats.steps += 1
                 self.stats.rows_stepped += rows
             group.decoder.take_stats()  # per-step counters: not kept (the decoder runs for good)
@@ -245,27 +262,39 @@ class Scheduler:
                     self.stats.cancelled += 1
                 else:
                     self.stats.timed_out += 1
-                    job.on_event("error", "timeout")
+                    self._finish(job, "error", "timeout")
 
     def _deliver(self) -> None:
         """New final tokens -> text; finished rows -> their Completion, and they leave."""
         for key, group in list(self._groups.items()):
             decoder = group.decoder
             for row, job in list(group.jobs.items()):
-                tokens = decoder.tokens(row)
-                if len(tokens) > job.seen:
-                    job.text.feed(tokens[job.seen :])
-                    job.seen = len(tokens)
-                if not (job.text.stopped or decoder.done(row)):
+                try:  # a row that failed, or whose text fails, leaves alone
+                    if (error := decoder.error(row)) is not None:
+                        raise error
+                    result = self._advance(job, decoder, row)
+                except Exception as exc:  # noqa: BLE001 - this request fails, its batch mates go on
+                    log.warning("a request failed alone, its batch mates go on: %s", first_line(exc))
+                    result = f"failed: {first_line(exc)}"
+                if result is None:
                     continue
-                result = self._completion(job, tokens, decoder.forward_passes(row))
                 decoder.remove(row)
                 del group.jobs[row]
                 if not job.cancelled:
-                    job.on_event("done", result)
+                    self._finish(job, "done" if isinstance(result, Completion) else "error", result)
             if not group.jobs and not decoder.running:
                 del self._groups[key]  # its cache went with its last row
         self.running = sum(len(g.jobs) for g in self._groups.values())
+
+    def _advance(self, job: Job, decoder: BatchDecoder, row: int) -> Completion | None:
+        """The row's new final tokens -> its text; its Completion once it is done, else None."""
+        tokens = decoder.tokens(row)
+        if len(tokens) > job.seen:
+            job.text.feed(tokens[job.seen :])
+            job.seen = len(tokens)
+        if not (job.text.stopped or decoder.done(row)):
+            return None
+        return self._completion(job, tokens, decoder.forward_passes(row))
 
     def _completion(self, job: Job, tokens: list[int], forwards: int) -> Completion:
         job.text.finish()
@@ -275,12 +304,39 @@ class Scheduler:
                           forward_passes=forwards, seconds=time.monotonic() - job.started_at,
                           finish_reason="stop" if ended else "length", method=job.params.label)
 
+    def _finish(self, job: Job, kind: str, value: Any) -> None:
+        """The job's answer ("done" or "error"): it is no longer live."""
+        with self._cond:
+            self._live.discard(job)
+        _emit(job, kind, value)
+
+    def _fail_group(self, group: _Group, reason: str) -> None:
+        """Every request of `group` fails with `reason`; the group (and its cache) goes."""
+        self._groups = {k: g for k, g in self._groups.items() if g is not group}
+        for job in group.jobs.values():
+            if not job.cancelled:
+                self._finish(job, "error", reason)
+
     def _fail_all(self, reason: str) -> None:
-        groups, self._groups = list(self._groups.values()), {}
-        for group in groups:
-            for job in group.jobs.values():
-                if not job.cancelled:
-                    job.on_event("error", reason)
+        for group in list(self._groups.values()):
+            self._fail_group(group, reason)
+
+
+_ANSWERING = threading.Lock()
+
+
+def _emit(job: Job, kind: str, value: Any) -> None:
+    """Tell a job what happened, its answer ("done" or "error") once only; a callback that
+    raises (its client's loop is gone) is logged and harms no other job."""
+    if kind in ("done", "error"):
+        with _ANSWERING:
+            if job.answered:
+                return
+            job.answered = True
+    try:
+        job.on_event(kind, value)
+    except Exception:  # noqa: BLE001 - one request's delivery must not fail the others
+        log.exception("delivering a %s event failed", kind)
 
 
 def _share(own: int | None, width: int, rows: int, floor: int) -> int:

@@ -17,7 +17,9 @@ from collections import defaultdict
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
+from cllm.core.errors import first_line, json_problem
 from cllm.decoding.inputs import position_limit
 from cllm.serving.api import ApiError, PromptLimits, check_body, check_prompt_ids, parse_params
 from cllm.serving.completion import Completion, TextCodec
@@ -90,6 +92,25 @@ def _cllm(result: Completion, job: Job) -> dict:
             "queue_seconds": round(max(0.0, job.started_at - job.queued_at), 6)}
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (write numbers as numbers)")
+
+
+def parse_json(raw: bytes) -> object:
+    """A request body as JSON; anything else (not UTF-8, NaN, nested too deeply, a number too
+    long to convert) is a 400 that says what, never a 500."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {json_problem(exc)}") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "the body is not UTF-8 text") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer of thousands of digits
+        raise ApiError(400, f"the body's JSON cannot be used: {first_line(exc)}") from None
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -100,7 +121,8 @@ def _worker_error(reason: str, cfg: ServeConfig) -> ApiError:
                         type="server_error", code="timeout", headers={"x-should-retry": "false"})
     if reason == "shutdown":
         return ApiError(503, "the server is shutting down", type="server_error")
-    return ApiError(500, "internal error while decoding (logged by the server)", type="server_error")
+    why = reason.removeprefix("failed: ") if reason.startswith("failed: ") else "logged by the server"
+    return ApiError(500, f"decoding this request failed ({why})", type="server_error", code="decode_failed")
 
 
 class Service:
@@ -119,6 +141,8 @@ class Service:
                                    forward_width=cfg.forward_width or None)
         self.metrics = Metrics()
         self.names = {cfg.model_id, cfg.model}
+        # one prompt tokenized at a time: a flood of long prompts takes one core, not every core
+        self.tokenizing = asyncio.Semaphore(1)
 
     async def read_body(self, request: Request) -> dict:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -129,16 +153,19 @@ class Service:
             raw = await asyncio.wait_for(request.body(), self.cfg.read_timeout)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.cfg.read_timeout:g} s") from None
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-        return check_body(body, self.names, self.cfg.model_id)
+        except ClientDisconnect:  # nobody reads the answer; the log gets one line
+            raise ApiError(499, "the client closed the connection before its body arrived") from None
+        return check_body(parse_json(raw), self.names, self.cfg.model_id)
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        return check_prompt_ids(await asyncio.to_thread(self.codec.encode, prompt))
+        async with self.tokenizing:
+            return check_prompt_ids(await asyncio.to_thread(self.codec.encode, prompt))
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        async with self.tokenizing:
+            return check_prompt_ids(await asyncio.to_thread(self.codec.chat_ids, messages))
 
     async def respond(self, request: Request, body: dict, prompt_ids: list[int], chat: bool):
         cfg = self.cfg

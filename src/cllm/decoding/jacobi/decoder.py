@@ -19,7 +19,7 @@ from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
-from cllm.decoding.jacobi.state import Row, Settings, make_final, open_blocks
+from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
 from cllm.decoding.jacobi.verifiers import choose_verifier
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
@@ -95,9 +95,10 @@ def jacobi_decode(
                             stats=DecodeStats())
     # 1. prefill: the prompt's last logits give every row its first block's first token
     rows = decoder.add(input_ids, attention_mask, max_new_tokens=max_new_tokens, generator=generator)
+    decoder.raise_error(rows)
     # 2. iterate: one batched forward per step; finished rows leave the batch (and the cache)
     for _ in decoder.steps():
-        pass
+        decoder.raise_error(rows)
     return decoder.finish(rows)
 
 
@@ -192,11 +193,17 @@ class BatchDecoder:
             for r in range(B)
         ]
         self._next_id += B
-        firsts = pick_tokens(logits, cfg.sampling, generators)
-        for row, token in zip(rows, firsts, strict=True):
+        greedy = logits.argmax(dim=-1).tolist() if cfg.sampling is None else None
+
+        def first(r: int, row: Row) -> None:  # the prefill's logits give the first new token
+            token = greedy[r] if greedy is not None else pick_tokens(logits[r : r + 1], cfg.sampling,
+                                                                     [row.generator])[0]
             self.stats.count(row.index, make_final(row, [token], cfg))
-            row.forwards = 1
             open_blocks(row, cfg, self.stats)
+
+        isolated(rows, first, lambda row: None)  # a row that fails here is done, its error kept
+        for row in rows:
+            row.forwards = 1
             self._rows[row.index] = row
         if self._rc is None:
             self._rc, self._active = rc, rows
@@ -234,8 +241,20 @@ class BatchDecoder:
         return self._rows[row_id].known
 
     def done(self, row_id: int) -> bool:
-        """The row has its last token (EOS or its budget)."""
+        """The row has its last token (EOS or its budget), or failed (`error`)."""
         return self._rows[row_id].done
+
+    def error(self, row_id: int) -> Exception | None:
+        """What stopped the row alone (its drafter, its sampler...), or None: a failed row is
+        done, its batch mates decode on unharmed; the batched forward itself failing raises."""
+        return self._rows[row_id].error
+
+    def raise_error(self, row_ids: Sequence[int]) -> None:
+        """Raise the first error of these rows, if any (a caller that wants the exception rather
+        than the row's failure alone: `jacobi_decode`)."""
+        for row_id in row_ids:
+            if (exc := self._rows[row_id].error) is not None:
+                raise exc
 
     def forward_passes(self, row_id: int) -> int:
         """Forwards the row took part in, its prefill included (its cost, were it alone)."""

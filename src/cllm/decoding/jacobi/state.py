@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,7 @@ class Row:
     blocks_opened: int = 0
     forwards: int = 0  # forward passes this row took part in, its prefill included
     done: bool = False
+    error: Exception | None = None  # what stopped this row alone (`isolated`); its batch mates go on
 
     def history(self) -> list[int]:
         """The prompt then the final new tokens."""
@@ -89,6 +91,28 @@ class Row:
         """What the drafters see of this row."""
         return DraftContext(self.history() if history is None else history, self.prompt_tokens, self.generator,
                             cfg.vocab_size, self.recent, carried)
+
+
+def isolated(rows: Sequence[Row], work: Callable[[int, Row], Any], fallback: Callable[[Row], Any]) -> list[Any]:
+    """`work(r, row)` for each row r; a row whose work raises stops there (done, its error
+    kept) and gets `fallback(row)` instead, as does a row that failed earlier in the step: one
+    bad row (a drafter's bug, a law that is no distribution) fails alone while its batch mates
+    go on exactly as they would alone."""
+    results = []
+    for r, row in enumerate(rows):
+        if row.error is None:
+            try:
+                results.append(work(r, row))
+                continue
+            except Exception as exc:  # noqa: BLE001 - the caller reports the row's failure
+                row.error, row.done = exc, True
+        results.append(fallback(row))
+    return results
+
+
+def last_token(row: Row) -> list[int]:
+    """A failed row's filler for the forward it still shares: its last token (never kept)."""
+    return (row.known or row.prompt_list)[-1:]
 
 
 def tail(row: Row) -> list[int]:

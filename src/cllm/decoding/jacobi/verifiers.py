@@ -22,7 +22,7 @@ import torch
 
 import cllm.decoding.cache as kv
 from cllm.decoding.jacobi.drafters import branches
-from cllm.decoding.jacobi.state import Row, Settings, advance, set_drafts, swap_in_draft, tail
+from cllm.decoding.jacobi.state import Row, Settings, advance, isolated, last_token, set_drafts, swap_in_draft, tail
 from cllm.decoding.sampling import verify_drafts
 from cllm.decoding.stats import DecodeStats
 
@@ -44,10 +44,10 @@ class LinearVerifier:
     def step(self, model: torch.nn.Module, rc: kv.RowCache, rows: list[Row], cfg: Settings,
              stats: DecodeStats) -> None:
         if cfg.drafters.swap is not None:  # sampling with recycling: a pool draft replaces the Jacobi drafts
-            for row in rows:
-                swap_in_draft(row, cfg)
-        # 1. right-pad the tails to the longest (the pad repeats a real token and is masked)
-        tails = [tail(row) for row in rows]
+            isolated(rows, lambda r, row: swap_in_draft(row, cfg), lambda row: None)
+        # 1. right-pad the tails to the longest (the pad repeats a real token and is masked);
+        # a row that fails (here or below) feeds its last token and keeps nothing
+        tails = isolated(rows, lambda r, row: tail(row), last_token)
         fed = [len(t) for t in tails]
         width = max(fed)
         ids = torch.tensor([t + t[-1:] * (width - len(t)) for t in tails], device=cfg.device)  # (B, L)
@@ -58,15 +58,17 @@ class LinearVerifier:
         if cfg.sampling is None:
             outputs = logits.argmax(dim=-1).tolist()
             # 3. each row accepts what it can; the cache keeps exactly the accepted entries
-            keep = [advance(row, out[:f], cfg, stats) for row, out, f in zip(rows, outputs, fed, strict=True)]
+            keep = isolated(rows, lambda r, row: advance(row, outputs[r][: fed[r]], cfg, stats), lambda row: 0)
         else:
             probs = cfg.sampling.probs(logits)  # (B, L, V)
-            keep = []
-            for r, (row, t) in enumerate(zip(rows, tails, strict=True)):
+
+            def accept(r: int, row: Row) -> int:
                 block = row.block
                 laws = block.laws[block.committed :] if block is not None else []
-                out, _, fresh = verify_drafts(t, laws, probs[r, : len(t)], row.generator)
-                keep.append(advance(row, out, cfg, stats, fresh))
+                out, _, fresh = verify_drafts(tails[r], laws, probs[r, : fed[r]], row.generator)
+                return advance(row, out, cfg, stats, fresh)
+
+            keep = isolated(rows, accept, lambda row: 0)
         kv.commit(rc, keep, fed=width)
 
 
@@ -76,8 +78,7 @@ class TreeVerifier:
 
     def step(self, model: torch.nn.Module, rc: kv.RowCache, rows: list[Row], cfg: Settings,
              stats: DecodeStats) -> None:
-        tries, branch_kinds, plain = [], [], True
-        for row in rows:
+        def trie_of(r: int, row: Row) -> tuple[TokenTrie, list[str]]:
             t = tail(row)
             drafts, kinds = [], []
             # a draft may reach past the tail (its surplus rides as drafts of the next block);
@@ -88,9 +89,12 @@ class TreeVerifier:
             if room and (row.block is not None or cfg.blocks_in_flight == 1):
                 width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
                 drafts, kinds = branches(cfg.drafters.tree, row.context(cfg), t, width)
-            tries.append(TokenTrie.build(t, drafts, cfg.recycle_budget))
-            branch_kinds.append(["jacobi", *kinds])  # per branch: where its tokens came from
-            plain = plain and len(tries[-1].tokens) == len(t)
+            return TokenTrie.build(t, drafts, cfg.recycle_budget), ["jacobi", *kinds]  # kinds: per branch
+
+        # a row that fails (here or below) feeds its last token and keeps it alone
+        built = isolated(rows, trie_of, lambda row: (TokenTrie.build(last_token(row), []), ["jacobi"]))
+        tries, branch_kinds = [trie for trie, _ in built], [kinds for _, kinds in built]
+        plain = all(len(trie.tokens) == len(trie.path(trie.leaves[0])) for trie in tries)  # the tails alone
         if plain:  # no draft added a token: a plain Jacobi step (causal, no tree mask to build)
             LinearVerifier().step(model, rc, rows, cfg, stats)
             return
@@ -103,8 +107,9 @@ class TreeVerifier:
         out = logits.argmax(dim=-1).tolist()
         stats.forward_passes += 1
         stats.fed.append(L)
-        kept = []
-        for r, (row, trie) in enumerate(zip(rows, tries, strict=True)):
+
+        def accept(r: int, row: Row) -> list[int]:
+            trie = tries[r]
             accepted = trie.accepted_path(out[r])
             # the first branch (the tail's, else a draft's) the accepted path lies on: its tokens
             # become the tail, its outputs the next state
@@ -117,8 +122,9 @@ class TreeVerifier:
             elif b > 0:
                 set_drafts(row, [trie.tokens[i] for i in branch[1:]], branch_kinds[r][b])
             advance(row, outputs, cfg, stats, accepted=len(accepted), draft_source=branch_kinds[r][b])
-            kept.append(accepted)
-        kv.commit_kept(rc, kept, fed=L)
+            return accepted
+
+        kv.commit_kept(rc, isolated(rows, accept, lambda row: [0]), fed=L)
 
 
 @dataclass
