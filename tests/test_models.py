@@ -134,7 +134,7 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
     from cllm.decoding import RECOMMENDED, jacobi_decode
     from cllm.models import load_draft_table, load_for_decoding
     from cllm.serving.completion import TextCodec, complete
-    from tests.test_bench import make_tiny_setup
+    from tests.bench.test_bench import make_tiny_setup
 
     paths = make_tiny_setup(tmp_path)
     model_dir = str(paths["cllm"])

@@ -33,12 +33,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "generate": ("cllm.commands.generate", "Config", "run", "decode a prompt (AR or Jacobi), streaming"),
     "chat": ("cllm.commands.chat", "Config", "run", "multi-turn chat in the terminal"),
     "serve": ("cllm.commands.serve", "Config", "run", "OpenAI-compatible HTTP server"),
-    "bench": ("cllm.bench.run", "BenchConfig", "bench", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
+    "bench": ("cllm.commands.bench", "Config", "run", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
     "profile": ("cllm.commands.profile", "Config", "run",
                 "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s"),
     "tune": ("cllm.commands.tune", "Config", "run",
              "measure a model's step cost here and write its decode defaults beside it"),
-    "demo": ("cllm.commands.demo", "DemoConfig", "demo", "the whole story on the embedded default models"),
+    "demo": ("cllm.commands.demo", "Config", "run", "the whole story on the embedded default models"),
 }
 
 

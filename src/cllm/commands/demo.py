@@ -18,20 +18,30 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
-from cllm.bench.report import render_block_terminal, token_marks
-from cllm.bench.run import (
-    BenchConfig,
-    BenchModels,
-    load_models,
-    print_results,
-    raise_on_violations,
-    run_bench,
-    write_report,
+from cllm.bench.config import BenchConfig
+from cllm.bench.models import BenchModels, load_models
+from cllm.bench.pictures import (
+    SOURCE_STYLES,
+    render_block_terminal,
+    show_token,
+    sources_legend,
+    sources_summary,
+    token_marks,
+    trajectory_legend,
 )
+from cllm.bench.report import results_renderables
+from cllm.bench.run import BenchResult, raise_on_violations, run_bench, write_report
 from cllm.core.config import write_config
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.core.progress import Progress
+from cllm.data.prompts import load_prompts
+from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import RECOMMENDED_CONFIG, jacobi_decode
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.models import SHIPPED
@@ -52,8 +62,8 @@ class DemoConfig:
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the "
         "tokens-per-forward sweep"})
     repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
-    val_prompts: int = field(default=16, metadata={"help": "stdlib-val prompts for each model's validation loss (0: "
-        "skip)"})
+    val_prompts: int = field(default=16, metadata={"help": "prompts of the validation set (stdlib-val for the shipped "
+        "models, as `cllm bench --val-set auto`) for each model's validation loss (0: skip)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer "
         "than 2 cores free)"})
     out: str = field(default="reports/demo", metadata={"help": "report folder"})
@@ -76,19 +86,16 @@ class DemoConfig:
             raise ValueError("--live-delay, --show-blocks and --val-prompts must be >= 0")
 
 
+Config = DemoConfig
+
+
 def _shipped_missing(name: str | None) -> bool:
     return name in SHIPPED and not (SHIPPED[name] / "config.json").is_file()
 
 
 def fallback_models() -> BenchModels:
     """A tiny random Llama + a small BPE trained on the spot (HumanEval prompts, or one snippet)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from cllm.data.tokenizer import train_tokenizer
-
     try:
-        from cllm.data.prompts import load_prompts
-
         texts = [p.text for p in load_prompts("humaneval", limit=40)]
     except Exception:  # noqa: BLE001 - the fallback must run even without the prompt sets
         texts = [FALLBACK_PROMPT]
@@ -106,13 +113,8 @@ def live_decode(console, model, tokenizer, prompt_ids: list[int], *, max_new_tok
                 seed: int = 0, **engine):
     """Decode one prompt on the engine (`engine`: jacobi_decode's options, e.g. the bench's
     cllm_jacobi setting), redrawing the text at every iteration: final tokens coloured by where
-    they came from (`report.SOURCE_STYLES`), the block's not-yet-final tail red. In a log (not a
+    they came from (`pictures.SOURCE_STYLES`), the block's not-yet-final tail red. In a log (not a
     terminal) only the last frame is printed, without pauses. Returns (DecodeOutput, TrajectoryRecorder)."""
-    from rich.live import Live
-    from rich.text import Text
-
-    from cllm.bench.report import SOURCE_STYLES, show_token
-
     recorder = TrajectoryRecorder()
     finished: list[tuple[int, str]] = []  # (token, source) of converged blocks
     live_view = console.is_terminal
@@ -150,8 +152,6 @@ def live_decode(console, model, tokenizer, prompt_ids: list[int], *, max_new_tok
 
 
 def _headline(data: dict) -> str:
-    from cllm.bench.report import sources_summary
-
     m = data["methods"]
     busy = " (machine busy: see the warning)" if data["machine"].get("load_warning") else ""
     parts = [f"{name}: {m[name]['tokens_per_forward']:.2f} tokens/forward, {m[name]['speedup_vs_ar']:.2f}x wall clock"
@@ -167,28 +167,39 @@ def _headline(data: dict) -> str:
     return "\n".join(lines)
 
 
-def demo(config: DemoConfig) -> int:
-    from rich.console import Console
-    from transformers.utils import logging as hf_logging
-
+def run(config: Config) -> int:
+    """1. a short bench, its table and report folder; 2. one prompt decoded live on the engine
+    the headline measures, then its first blocks' trajectories."""
     hf_logging.disable_progress_bar()  # one progress display: ours
     console = Console()
-    progress = Progress(console)
+    threads = _threads(config, console)
+    bench_config, models = _models(config, threads, console)
+    result = _short_bench(config, bench_config, models, console)
+    _live(config, bench_config, models, result, console)
+    raise_on_violations(result)
+    return 0
+
+
+def _threads(config: DemoConfig, console: Console) -> int:
+    """--threads, or 2; 1 on a shared CPU (two that wait on each other made the demo take an hour)."""
     threads = config.threads
-    if not threads:  # a shared CPU: one thread (two that wait on each other made the demo take an hour)
+    if not threads:
         load = load_average_1min()
         threads = threads_for_load(load, os.cpu_count())
         if threads < 2:
             console.print(f"[yellow]note:[/] load average {load:.1f} on {os.cpu_count()} cores: the demo uses "
                           "1 torch thread (--threads 2 to insist)", highlight=False)
     torch.set_num_threads(threads)
-    cllm, target = config.cllm, config.target
+    return threads
+
+
+def _models(config: DemoConfig, threads: int, console: Console) -> tuple[BenchConfig, BenchModels]:
+    """The short bench's settings and its models: the shipped ones, or the tiny random fallback."""
+    cllm, target, models = config.cllm, config.target, None
     if _shipped_missing(config.target):
         console.print(f"[yellow]No trained target at {SHIPPED[config.target]} yet (`cllm pretrain` builds it): "
                       "using a tiny random Llama. Its text is noise; its exactness and counting are real.[/]")
         models, cllm, target = fallback_models(), None, "tiny-random-llama (fallback)"
-    else:
-        models = None
     bench_config = BenchConfig(target=target, cllm=cllm, prompts=config.prompts, max_prompts=config.max_prompts,
                                max_new_tokens=config.max_new_tokens,
                                engine=replace(RECOMMENDED_CONFIG, block_size=config.block_size),
@@ -200,27 +211,36 @@ def demo(config: DemoConfig) -> int:
         if models.cllm is None:
             console.print("[yellow]No CLLM yet (`cllm distill` makes one): the target-only story. Plain Jacobi "
                           "on an AR-trained model gets ~1 token per forward (docs/method.md).[/]")
+    return bench_config, models
+
+
+def _short_bench(config: DemoConfig, bench_config: BenchConfig, models: BenchModels,
+                 console: Console) -> BenchResult:
+    """1. Every method on a few prompts: the table, the headline, the report folder."""
     console.rule("[bold]cllm demo[/]")  # a rule's title would be cut at the terminal's width: the details below it
     console.print(f"short bench: {config.max_prompts} × {config.prompts} · {config.max_new_tokens} tokens · "
                   f"n = {config.block_size}", highlight=False)
     start = time.perf_counter()
-    result = run_bench(bench_config, models, progress=progress, log=True)
+    result = run_bench(bench_config, models, progress=Progress(console), log=True)
     out = write_report(result, config.out, models.tokenizer)
     write_config(bench_config, out / "config.json")
     write_config(config, out / "demo_config.json")
-    print_results(console, result.data)
+    for item in results_renderables(result.data, console.width):
+        console.print(item)
     console.print(_headline(result.data))
     losses = ", ".join(f"{role} {m['val_loss']:.3f}" for role, m in result.data["models"].items()
                        if m["val_loss"] is not None)
     if losses:
-        console.print(f"validation loss (stdlib-val, nats/token): {losses}")
+        console.print(f"validation loss ({result.data['val_set']['name']}, nats/token): {losses}")
     console.print(f"report folder: [bold]{out}[/] (bench.json, report.md, PNGs, trajectory.html) · "
                   f"{time.perf_counter() - start:.0f} s")
+    return result
 
-    # 2. one prompt, live, on the engine the headline measures (cllm_jacobi; target_lookahead without a CLLM)
-    from cllm.bench.report import sources_legend, sources_summary, trajectory_legend
-    from cllm.bench.run import engine_settings
 
+def _live(config: DemoConfig, bench_config: BenchConfig, models: BenchModels, result: BenchResult,
+          console: Console) -> None:
+    """2. One prompt, live, on the engine the headline measures (cllm_jacobi; target_lookahead
+    without a CLLM), then its first blocks' trajectories."""
     role = "cllm" if models.cllm is not None else "target"
     model, method = getattr(models, role), {"cllm": "cllm_jacobi", "target": "target_lookahead"}[role]
     table = models.tables.get(role)
@@ -237,7 +257,7 @@ def demo(config: DemoConfig) -> int:
                   highlight=False)
     console.print(text.rstrip(), style="dim", markup=False, highlight=False)
     decoded, recorder = live_decode(console, model, models.tokenizer, prompt_ids, max_new_tokens=config.max_new_tokens,
-                                    delay=config.live_delay, draft_table=table, **engine_settings(bench_config))
+                                    delay=config.live_delay, draft_table=table, **bench_config.jacobi_kwargs())
     console.print(f"colours: {sources_legend()}")
     console.print(f"{decoded.forward_passes} forward passes ({decoded.stats.tokens_per_forward:.2f} tokens/forward) "
                   f"for {sources_summary(decoded.stats.sources)} · accepted per forward "
@@ -248,5 +268,3 @@ def demo(config: DemoConfig) -> int:
                       f"fast-forwarded; {sources_summary(block.sources)}): {trajectory_legend()}", highlight=False)
         for line in render_block_terminal(block, lambda t: models.tokenizer.decode([t])):
             console.print(line)
-    raise_on_violations(result)
-    return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cllm.bench.report import render_block_terminal, sources_summary, trajectory_legend
+from cllm.bench.pictures import render_block_terminal, sources_summary, trajectory_legend
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.decoding import IterationEvent

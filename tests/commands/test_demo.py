@@ -8,9 +8,9 @@ import re
 import pytest
 
 from cllm.cli import main
-from cllm.commands.demo import DemoConfig, demo
+from cllm.commands.demo import DemoConfig, run
 from cllm.models import SHIPPED
-from tests.test_bench import make_tiny_setup
+from tests.bench.test_bench import make_tiny_setup
 
 SMALL = dict(max_prompts=2, max_new_tokens=12, block_size=4, sweep_block_sizes=[2, 4], repeats=1,
              val_prompts=0, threads=1, live_delay=0.0)
@@ -29,7 +29,7 @@ def test_demo_runs_end_to_end_on_tiny_models_and_writes_its_report_folder(tiny, 
     out = tmp_path / "demo"
     config = DemoConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), prompts=str(tiny["prompts"]),
                         out=str(out), **dict(SMALL, val_prompts=2))
-    assert demo(config) == 0
+    assert run(config) == 0
     printed = capsys.readouterr().out
     assert "report folder" in printed and str(out) in printed and "live" in printed
     assert {"bench.json", "report.md", "config.json", "demo_config.json", "trajectory.html", "speedup.png",
@@ -43,7 +43,7 @@ def test_demo_tells_the_target_only_story_without_a_cllm(tiny, tmp_path, monkeyp
     monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tmp_path / "absent")
     out = tmp_path / "demo"
     config = DemoConfig(target=str(tiny["target"]), prompts=str(tiny["prompts"]), out=str(out), **SMALL)
-    assert demo(config) == 0
+    assert run(config) == 0
     assert "No CLLM" in capsys.readouterr().out
     methods = json.loads((out / "bench.json").read_text())["methods"]
     assert "target_jacobi" in methods and not any(m.startswith("cllm") for m in methods)
@@ -69,7 +69,7 @@ def test_demo_output_in_a_log_shows_progress_the_engine_and_a_whole_table(tiny, 
     out = tmp_path / "demo"
     config = DemoConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), prompts=str(tiny["prompts"]),
                         out=str(out), **SMALL)
-    assert demo(config) == 0
+    assert run(config) == 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     stamped = [line for line in lines if re.match(r"\[\s*\d+\.\d s\] ", line)]

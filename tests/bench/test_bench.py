@@ -13,8 +13,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import cllm.bench.run as bench_module
-from cllm.bench.run import BenchConfig, ExactnessError, ForwardCounter, check_exact, load_models
+import cllm.bench.methods as methods_module
+import cllm.bench.timing as timing_module
+import cllm.commands.bench as command_module
+from cllm.bench.config import BenchConfig, with_references
+from cllm.bench.methods import ForwardCounter
+from cllm.bench.metrics import ExactnessError, check_exact
+from cllm.bench.models import load_models
+from cllm.bench.run import validation_set
 from cllm.cli import main
 from cllm.core.machine import load_warning, threads_for_load
 from cllm.data.prompts import Prompt
@@ -206,14 +212,14 @@ def test_report_folder_holds_pictures_html_markdown_and_resolved_config(report):
 
 
 def test_bench_fails_loudly_when_an_exactness_promise_breaks(tiny, tmp_path, monkeypatch):
-    real = bench_module.jacobi_decode
+    real = methods_module.jacobi_decode
 
     def broken(*args, **kwargs):  # a Jacobi engine that gets the last token wrong
         out = real(*args, **kwargs)
         out.new_tokens[0][-1] = (out.new_tokens[0][-1] + 1) % 320
         return out
 
-    monkeypatch.setattr(bench_module, "jacobi_decode", broken)
+    monkeypatch.setattr(methods_module, "jacobi_decode", broken)
     out = tmp_path / "broken"
     args = bench_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "",
                       "--val-prompts", "0", "--repeats", "1", "--tie-tolerance", "0")
@@ -278,12 +284,32 @@ def test_a_missing_shipped_draft_model_skips_the_draft_methods_with_a_note(tiny,
     assert main(args) == 2  # asked for by name: a one-line error, not a silent skip
 
 
-@pytest.mark.parametrize("bad", [["--block-size", "0"], ["--methods", "target_jacobi"], ["--methods", "nope"],
+@pytest.mark.parametrize("bad", [["--block-size", "0"], ["--methods", "nope"],
                                  ["--repeats", "0"], ["--sweep-block-sizes", "4,0"], ["--draft-tokens", "0"]])
 def test_bad_settings_are_one_line_errors(bad, capsys):
     assert main(["bench", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm bench: error:") and "\n" not in err
+
+
+def test_an_unknown_method_is_refused_with_the_known_ones(capsys):
+    assert main(["bench", "--methods", "target_ar,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method(s) nope; choose from target_ar, target_jacobi," in err and err.count("\n") == 1
+
+
+def test_the_references_a_method_needs_are_added_with_a_note():
+    assert with_references([]) == ([], [])
+    assert with_references(["target_ar", "target_jacobi"]) == (["target_ar", "target_jacobi"], [])
+    methods, notes = with_references(["target_jacobi"])
+    assert methods == ["target_ar", "target_jacobi"] and notes[0].startswith("added target_ar: every speedup")
+    methods, notes = with_references(["cllm_jacobi", "target_ar"])
+    assert methods == ["target_ar", "cllm_ar", "cllm_jacobi"]
+    assert notes == ["added cllm_ar: cllm_jacobi's exactness and agreement are measured against it"]
+    methods, notes = with_references(["cllm_jacobi_plain", "cllm_ar_sampling"])
+    assert methods == ["target_ar", "cllm_ar", "cllm_jacobi_plain", "cllm_ar_sampling"] and len(notes) == 2
+    assert notes[1] == ("added cllm_ar: cllm_jacobi_plain's and cllm_ar_sampling's exactness and agreement are "
+                        "measured against it")
 
 
 def small_args(tiny, out, *extra):
@@ -301,15 +327,55 @@ def test_methods_without_the_cllms_own_ar_and_a_sweep_work(tiny, tmp_path, capsy
 
 
 @pytest.mark.parametrize("methods", ["target_ar,cllm_jacobi", "target_ar,cllm_jacobi_sampling",
-                                     "target_ar,cllm_ar_sampling,cllm_jacobi_plain"])
-def test_a_cllm_method_without_cllm_ar_is_refused_before_anything_loads(methods, tiny, tmp_path, monkeypatch, capsys):
-    def never(*args, **kwargs):
-        raise AssertionError("models were loaded")
+                                     "target_ar,cllm_ar_sampling,cllm_jacobi_plain", "cllm_jacobi"])
+def test_a_cllm_method_without_cllm_ar_gets_it_added_with_a_note(methods, tiny, tmp_path, capsys):
+    """Once refused ("needs cllm_ar too"): the references are added and the run says so."""
+    out = tmp_path / "b"
+    assert main(small_args(tiny, out, "--methods", methods, "--sweep-block-sizes", "")) == 0
+    data = load(out)
+    asked = methods.split(",")
+    assert set(data["methods"]) == {"target_ar", "cllm_ar", *asked}
+    added = [n for n in data["notes"] if n.startswith("added ")]
+    whose = " and ".join(f"{m}'s" for m in asked if m != "target_ar")
+    assert f"added cllm_ar: {whose} exactness and agreement are measured against it" in added
+    assert any(n.startswith("added target_ar: ") for n in added) == ("target_ar" not in asked)
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert f"added cllm_ar: {whose} exactness" in printed
+    assert all(e["ok"] for e in data["exactness"].values()) and data["config"]["methods"] == asked
 
-    monkeypatch.setattr(bench_module, "load_models", never)
-    assert main(small_args(tiny, tmp_path / "b", "--methods", methods)) == 2
-    err = capsys.readouterr().err
-    assert "needs cllm_ar too" in err and err.count("\n") == 1
+
+def test_the_validation_set_is_the_shipped_domain_or_the_prompts_own_references(tiny):
+    """--val-set auto: stdlib-val for the shipped models only; another target's own --prompts set
+    when its prompts carry references; else no validation loss, with a note. A named set is kept."""
+    assert validation_set(BenchConfig()) == ("stdlib-val", None)
+    assert validation_set(BenchConfig(target=str(SHIPPED["stdlib-coder"]))) == ("stdlib-val", None)
+    assert validation_set(BenchConfig(target=str(tiny["target"]), val_set="stdlib-val")) == ("stdlib-val", None)
+    name, note = validation_set(BenchConfig(target=str(tiny["target"]), prompts=str(tiny["val"])))
+    assert name == str(tiny["val"]) and "validation loss on the --prompts set" in note
+    name, note = validation_set(BenchConfig(target=str(tiny["target"]), prompts=str(tiny["prompts"])))
+    assert name is None and note.startswith("no validation loss: ") and "carry no references" in note
+    assert validation_set(BenchConfig(target=str(tiny["target"]), prompts=str(tiny["prompts"]), val_prompts=0)) == (
+        None, None)  # nothing would be scored: nothing to say
+
+
+@pytest.mark.parametrize("prompts", ["val", "prompts"])
+def test_another_targets_validation_loss_comes_from_its_prompts_or_is_skipped(prompts, tiny, tmp_path, capsys):
+    out = tmp_path / "b"
+    args = small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "",
+                      "--prompts", str(tiny[prompts]), "--val-prompts", "2")  # the last of a flag counts
+    args[args.index("--val-set"):args.index("--val-set") + 2] = []  # the default: auto
+    assert main(args) == 0
+    data = load(out)
+    assert data["config"]["val_set"] == "auto" and data["val_set"]["prompts"] == 2
+    losses = [m["val_loss"] for m in data["models"].values()]
+    if prompts == "val":  # its prompts carry references
+        assert data["val_set"]["name"] == str(tiny["val"]) and all(isinstance(v, float) for v in losses)
+        assert any(n.startswith("validation loss on the --prompts set") for n in data["notes"])
+    else:
+        assert data["val_set"]["name"] is None and losses == [None, None]
+        assert any(n.startswith("no validation loss: ") for n in data["notes"])
+        assert "val loss (no set, nats/token)" in (out / "report.md").read_text()
+    assert "validation loss" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("where", ["the target", "the cllm", "a foreign directory"])
@@ -318,7 +384,7 @@ def test_an_out_that_is_a_model_or_holds_foreign_files_is_refused_before_anythin
     def never(*args, **kwargs):
         raise AssertionError("models were loaded")
 
-    monkeypatch.setattr(bench_module, "load_models", never)
+    monkeypatch.setattr(command_module, "load_models", never)
     out = {"the target": tiny["target"], "the cllm": tiny["cllm"]}.get(where, tmp_path / "mine")
     out.mkdir(exist_ok=True)
     (out / "notes.txt").write_text("mine")
@@ -343,7 +409,7 @@ def test_every_method_subset_with_its_references_runs(tiny, tmp_path):
 
 
 def test_an_interrupted_bench_keeps_its_decodes_and_the_same_command_resumes(tiny, tmp_path, monkeypatch, capsys):
-    real = bench_module.timed
+    real = timing_module.timed
     calls = []
 
     def interrupt_after(limit):
@@ -358,20 +424,20 @@ def test_an_interrupted_bench_keeps_its_decodes_and_the_same_command_resumes(tin
     args = small_args(tiny, out, "--methods", "target_ar,target_jacobi,cllm_ar,cllm_jacobi", "--sweep-block-sizes", "4",
                       "--warmup", "0")
     per_prompt = 4  # methods x 1 round
-    monkeypatch.setattr(bench_module, "timed", interrupt_after(2 * per_prompt + 1))  # Ctrl-C in prompt 3
+    monkeypatch.setattr(timing_module, "timed", interrupt_after(2 * per_prompt + 1))  # Ctrl-C in prompt 3
     assert main(args) == 130
     assert "the same command resumes" in capsys.readouterr().out
     records = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
     assert [r["prompt_id"] for r in records if r["kind"] == "decode"] == ["q0"] * 4 + ["q1"] * 4
     calls.clear()
-    monkeypatch.setattr(bench_module, "timed", interrupt_after(10**6))
+    monkeypatch.setattr(timing_module, "timed", interrupt_after(10**6))
     assert main(args) == 0
     assert {p for _, p in calls} == {"q2", "q3", "q4"} and len(calls) == 3 * per_prompt  # q0, q1 not redone
     data = load(out)
     assert any(n.startswith("resumed: 8 of 20") for n in data["notes"])
     resumed = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     # the resumed run reports what one uninterrupted run reports (tokens; timings differ)
-    monkeypatch.setattr(bench_module, "timed", real)
+    monkeypatch.setattr(timing_module, "timed", real)
     fresh_out = tmp_path / "fresh"
     assert main(small_args(tiny, fresh_out, *args[len(small_args(tiny, out)):])) == 0
     fresh = [json.loads(line) for line in (fresh_out / "outputs.jsonl").read_text().splitlines()]
@@ -384,8 +450,8 @@ def test_a_run_with_other_settings_keeps_the_old_record_and_measures_afresh(tiny
     base = small_args(tiny, out, "--methods", "target_ar,target_jacobi", "--sweep-block-sizes", "")
     assert main(base) == 0
     calls = []
-    real = bench_module.timed
-    monkeypatch.setattr(bench_module, "timed", lambda *a: calls.append(1) or real(*a))
+    real = timing_module.timed
+    monkeypatch.setattr(timing_module, "timed", lambda *a: calls.append(1) or real(*a))
     assert main([*base, "--block-size", "2"]) == 0
     assert len(calls) == 2 + 2 * len(PROMPTS)  # warm-up + every prompt: nothing reused
     kept = list(out.glob("progress-*.jsonl"))

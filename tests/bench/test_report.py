@@ -1,4 +1,4 @@
-"""report.py: trajectory marks agree with the counting definitions, the HTML page is
+"""report.py and pictures.py: trajectory marks agree with the counting definitions, the HTML page is
 self-contained and escaped, plots and tables come out of any bench JSON."""
 
 from __future__ import annotations
@@ -6,15 +6,13 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cllm.bench.pictures import render_block_terminal, token_marks, trajectory_html
 from cllm.bench.report import (
     markdown_report,
     methods_table,
     plot_accepted_histograms,
     plot_speedup,
     plot_tpf_vs_block_size,
-    render_block_terminal,
-    token_marks,
-    trajectory_html,
 )
 from cllm.decoding import jacobi_decode
 from cllm.decoding.stats import fast_forwarded_per_update, stationary_count

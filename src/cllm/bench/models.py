@@ -1,0 +1,138 @@
+"""What a bench run decodes with: the target, and beside it the CLLM, the draft model, the
+target's Medusa heads and each model's draft table, whichever are given and present.
+
+The shipped CLLM and draft model are made from the shipped target: a missing one, or one asked
+for beside another target, is skipped with a note (the methods that need it then do not run).
+Loading is `cllm.models`'; this module only decides what to load and records what it did.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cllm.bench.config import DRAFT_METHODS, BenchConfig
+from cllm.core.errors import UserError
+from cllm.decoding.draft_table import DraftTable
+from cllm.modeling.heads import load_heads
+from cllm.models import (
+    EMBEDDED_TARGET,
+    SHIPPED,
+    fingerprint,
+    load_draft_table,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+ROLES = ("target", "cllm", "draft")
+
+
+@dataclass
+class BenchModels:
+    """What a bench run decodes with (loaded by `load_models`, or built in memory by a test)."""
+
+    target: torch.nn.Module
+    tokenizer: Any
+    cllm: torch.nn.Module | None = None
+    draft: torch.nn.Module | None = None
+    heads: torch.nn.Module | None = None  # the target's Medusa heads (`cllm.modeling.heads`)
+    names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
+    tables: dict[str, DraftTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
+    notes: list[str] = field(default_factory=list)  # what was skipped, and why
+
+
+def model_path(name: str) -> Path:
+    """Where a shipped name or a local folder points (a hub id points nowhere that exists)."""
+    return Path(SHIPPED.get(name, Path(name).expanduser()))
+
+
+def is_shipped_family(name: str) -> bool:
+    """Whether `name` is one of the shipped models (by name or by their folder): the stdlib domain."""
+    path = model_path(name).resolve()
+    return any(path == shipped.resolve() for shipped in SHIPPED.values())
+
+
+def load_models(config: BenchConfig) -> BenchModels:
+    """The target and tokenizer; the CLLM and the draft model unless off, absent or made for
+    another target (a note says which); the Medusa heads; each model's draft table."""
+    kw = dict(dtype=config.dtype, device=config.device)
+    models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
+                         names={"target": config.target})
+    if config.cllm is not None and not _companion_skipped(models, config, config.cllm, "CLLM",
+                                                          "cllm_* methods (target-only run)"):
+        models.cllm, models.names["cllm"] = load_model(config.cllm, **kw), config.cllm
+    if config.draft_model is not None and not _companion_skipped(models, config, config.draft_model, "draft model",
+                                                                 ", ".join(DRAFT_METHODS)):
+        models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    if config.medusa is not None:
+        _load_heads(models, config)
+    for role in ("target", "cllm"):
+        table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
+        if table is not None:
+            models.tables[role] = table
+    return models
+
+
+def _companion_skipped(models: BenchModels, config: BenchConfig, name: str, what: str, skipped: str) -> bool:
+    """A shipped companion (CLLM, draft model) that is absent, or that goes with the shipped target
+    while another one is measured: noted, and not loaded."""
+    if name in SHIPPED and not (SHIPPED[name] / "config.json").is_file():
+        models.notes.append(f"shipped {what} {name!r} not present: no {skipped}")
+        return True
+    foreign = model_path(config.target).resolve() != SHIPPED[EMBEDDED_TARGET].resolve()
+    if name in SHIPPED and foreign:
+        models.notes.append(f"the shipped {what} {name!r} goes with the shipped target {EMBEDDED_TARGET!r}, "
+                            f"not {config.target!r}: no {skipped}")
+        return True
+    return False
+
+
+def _load_heads(models: BenchModels, config: BenchConfig) -> None:
+    """The target's Medusa heads: its own (--medusa auto, when it has some) or the folder named."""
+    target_dir = resolve_model_path(config.target)
+    source = target_dir if config.medusa == "auto" else config.medusa
+    models.heads = load_heads(source, models.target, model_path=target_dir)
+    if models.heads is not None:
+        models.names["medusa"] = str(source)
+    elif config.medusa != "auto":
+        raise UserError(f"--medusa {config.medusa}: no Medusa heads there (`cllm medusa` trains them)")
+
+
+def fingerprints(models: BenchModels) -> dict[str, str]:
+    """role -> a hash of its weights; and of its draft table, which changes what it measures."""
+    out = {role: fingerprint(getattr(models, role)) for role in ROLES if getattr(models, role) is not None}
+    for role, table in models.tables.items():
+        out[f"{role}_table"] = f"{len(table)}:{json.dumps(table.meta, sort_keys=True, default=str)}"
+    return out
+
+
+def check_vocabularies(models: BenchModels) -> None:
+    """The CLLM and the draft model must share the target's tokenizer (their vocabularies match)."""
+    vocab = models.target.get_output_embeddings().weight.shape[0]
+    for role in ("cllm", "draft"):
+        model = getattr(models, role)
+        if model is not None and model.get_output_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"the {dict(cllm='CLLM', draft='draft model')[role]}'s vocabulary differs from the "
+                            "target's: it must share the tokenizer")
+
+
+def model_info(models: BenchModels, prints: dict[str, str], val: dict[str, float | None]) -> dict[str, dict]:
+    """The JSON's `models`: per role its name, fingerprint, size, validation loss, draft table."""
+    info = {}
+    for role in ROLES:
+        model = getattr(models, role)
+        if model is not None:
+            info[role] = {"name": models.names.get(role, "<in memory>"), "fingerprint": prints[role],
+                          "parameters": sum(t.numel() for t in model.parameters()), "val_loss": val.get(role)}
+            if role in models.tables:  # what its recycling method drafted from
+                info[role]["draft_table"] = {"contexts": len(models.tables[role]), **models.tables[role].meta}
+    if models.draft is not None:  # None = transformers' default (20 tokens, constant schedule, 0.4)
+        info["draft"]["assistant_generation_config"] = {
+            key: getattr(models.draft.generation_config, key, None)
+            for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+    return info
