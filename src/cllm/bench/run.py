@@ -257,8 +257,7 @@ def load_models(config: BenchConfig) -> BenchModels:
                                                                  ", ".join(DRAFT_METHODS)):
         models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
     if config.medusa is not None:
-        from cllm.modeling.heads import load_heads
-        from cllm.models import resolve_model_path
+        from cllm.models import load_heads, resolve_model_path
 
         target_dir = resolve_model_path(config.target)
         source = target_dir if config.medusa == "auto" else config.medusa
