@@ -6,7 +6,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
     from cllm import JacobiConfig, RECOMMENDED_CONFIG   # the engine's settings, validated once
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
     from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
-    from cllm import medusa_decode  # with Medusa heads: cllm.modeling.heads.load_heads (cllm medusa)
+    from cllm import medusa_decode  # with Medusa heads: cllm.models.load_heads (cllm medusa)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 

@@ -20,7 +20,7 @@ from cllm.core.config import add_dataclass_arguments, build_config, read_config_
 from cllm.core.errors import UserError, first_line
 
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "pretrain": ("cllm.training.pretrain", "PretrainConfig", "pretrain",
+    "pretrain": ("cllm.commands.pretrain", "Config", "run",
                  "train the embedded target model from scratch on the stdlib corpus"),
     "collect": ("cllm.training.collect", "CollectConfig", "collect",
                 "Jacobi-decode a prompt set with the target and record trajectories"),
@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "distill": ("cllm.training.distill", "DistillConfig", "distill", "collect + train + a short evaluation in one command"),
     "drafts": ("cllm.training.drafts", "DraftsConfig", "drafts",
                "build a model's draft table from its own greedy completions (faster Jacobi, same output)"),
-    "medusa": ("cllm.training.medusa", "MedusaConfig", "medusa",
+    "medusa": ("cllm.commands.medusa", "Config", "run",
                "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact"),
     "generate": ("cllm.commands.generate", "Config", "run", "decode a prompt (AR or Jacobi), streaming"),
     "chat": ("cllm.commands.chat", "Config", "run", "multi-turn chat in the terminal"),

@@ -12,6 +12,7 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.draft_table import DraftTable
+from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -373,3 +375,78 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
     if record.get("device") != torch.device(device).type:
         return {}
     return {k: v for k, v in settings.items() if k in RECOMMENDED}
+
+
+# ---------------------------------------------------------------------------------- Medusa heads
+# The loader of the heads `cllm medusa` saves (`cllm.training.medusa.save_heads`); their module
+# and file names are `cllm.modeling.heads`'.
+
+
+
+log = logging.getLogger(__name__)
+
+
+def heads_dir(source: str | os.PathLike) -> Path | None:
+    """The heads folder `source` names: itself when it holds a `medusa_config.json`, else its
+    `medusa/` subfolder when that does (a checkpoint with heads); None otherwise."""
+    path = Path(source).expanduser()
+    for candidate in (path, path / HEADS_DIR):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    return None
+
+
+def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
+               model_path: str | os.PathLike | None = None) -> MedusaHeads | None:
+    """The heads saved in `source` (a heads folder, or a checkpoint whose `medusa/` holds them)
+    for `model`, on its device and in its dtype; None when `source` is a folder without heads.
+
+    The base model must be the one they were trained on: its fingerprint (`fingerprint`) is
+    compared with the saved one, that of the checkpoint folder (`model_path`, or `source` itself
+    when it is a checkpoint) when one is known, else that of `model`'s float32 parameters. A
+    mismatch, other sizes or an unreadable file is a one-line UserError.
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"Medusa heads not found: {path}")
+    found = heads_dir(path)
+    if found is None:
+        return None
+    if model_path is None and found != path and (path / "config.json").is_file():
+        model_path = path  # a checkpoint with its heads inside
+    try:
+        record = json.loads((found / CONFIG_FILE).read_text(encoding="utf-8"))
+        num_heads, own = int(record["num_heads"]), bool(record["own_projection"])
+        sizes = (int(record["vocab_size"]), int(record["hidden_size"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read {found / CONFIG_FILE}: {first_line(exc)}") from None
+    lm_head = model.get_output_embeddings()
+    if lm_head is None or tuple(lm_head.weight.shape) != sizes:
+        have = None if lm_head is None else tuple(lm_head.weight.shape)
+        raise UserError(f"Medusa heads in {found} are for a vocabulary x hidden size of {sizes}, the model has {have}")
+    _check_heads_fingerprint(record, found, model, model_path)
+    heads = MedusaHeads(lm_head, num_heads=num_heads, own_projection=own)
+    try:
+        with safe_open(str(found / WEIGHTS_FILE), framework="pt") as file:
+            heads.load_state_dict({name: file.get_tensor(name) for name in file.keys()})
+    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
+        raise UserError(f"cannot load {found / WEIGHTS_FILE}: {first_line(exc)}") from None
+    heads.accuracies, heads.tree = record.get("accuracies"), record.get("tree")
+    heads.meta = {k: v for k, v in record.items() if k not in ("accuracies", "tree")}
+    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+
+
+def _check_heads_fingerprint(record: dict, found: Path, model: torch.nn.Module, model_path) -> None:
+    if model_path is not None and record.get("model_fingerprint"):
+        saved, have = record["model_fingerprint"], fingerprint(model_path)
+    elif record.get("parameters_fingerprint"):
+        if next(model.parameters()).dtype != torch.float32:  # a cast changes the parameters' hash
+            log.warning("Medusa heads in %s: the base model's fingerprint is not checked for a model "
+                        "in %s (pass model_path)", found, next(model.parameters()).dtype)
+            return
+        saved, have = record["parameters_fingerprint"], fingerprint(model)
+    else:
+        return
+    if saved != have:
+        raise UserError(f"Medusa heads in {found} were trained on another model (fingerprint {saved}, "
+                        f"this one is {have}); retrain them with cllm medusa")

@@ -18,12 +18,12 @@ import torch
 from cllm.bench.config import DRAFT_METHODS, BenchConfig
 from cllm.core.errors import UserError
 from cllm.decoding.draft_table import DraftTable
-from cllm.modeling.heads import load_heads
 from cllm.models import (
     EMBEDDED_TARGET,
     SHIPPED,
     fingerprint,
     load_draft_table,
+    load_heads,
     load_model,
     load_tokenizer,
     resolve_model_path,

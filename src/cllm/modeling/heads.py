@@ -1,33 +1,29 @@
-"""Medusa heads (Cai et al. 2024, arXiv 2401.10774) for any causal LM: the module, and how it is
-saved beside a checkpoint and loaded back.
+"""Medusa heads (Cai et al. 2024, arXiv 2401.10774) for any causal LM: the module, and the names
+of the files it is saved in beside a checkpoint.
 
 Head k (k = 1..K) guesses the token k + 1 positions ahead from the backbone's last hidden state
 (the final norm's output, what the LM head reads): Medusa's residual block
 ``h + SiLU(W_k h)``, then a vocabulary projection. ``W_k`` starts at zero, so a fresh head is
 the LM head itself. The projection is the model's own (frozen) LM head, shared by every head,
 unless `own_projection` gives each head a copy to train. `cllm.decoding.rivals.medusa` decodes with
-them (exactly greedy); `cllm.training.heads` trains them; `cllm medusa` does both from the shell.
+them (exactly greedy); `cllm.training.medusa` trains and saves them (`cllm medusa`);
+`cllm.models.load_heads` loads them.
 
-Saved as a folder (default: ``<checkpoint>/medusa/``, a subfolder, so the checkpoint's files and
-fingerprint do not change): ``medusa_config.json`` (sizes, the base model's fingerprint, the
-heads' measured accuracies, what trained them) and ``medusa_heads.safetensors`` (the heads'
-own weights; a shared LM head is not copied).
+The file format, named here: a folder (default: ``<checkpoint>/medusa/``, a subfolder, so the
+checkpoint's files and fingerprint do not change) holding ``medusa_config.json`` (sizes, the base
+model's fingerprint, the heads' measured accuracies, what trained them) and
+``medusa_heads.safetensors`` (the heads' own weights; a shared LM head is not copied).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from cllm.core.errors import UserError, first_line
-
-log = logging.getLogger(__name__)
+from cllm.core.errors import UserError
 
 HEADS_DIR = Path("medusa")  # relative to a checkpoint directory
 CONFIG_FILE = "medusa_config.json"
@@ -52,9 +48,9 @@ class MedusaHeads(nn.Module):
     """K heads on a model's last hidden state: ``heads(hidden (..., H)) -> logits (K, ..., V)``.
 
     Build with `MedusaHeads.for_model(model, num_heads=4)`. `accuracies` (``[k-1][r]``: how often
-    head k's rank-r token was right, measured by `cllm.training.heads.measure_accuracies`) shape the
+    head k's rank-r token was right, measured by `cllm.training.medusa.measure_accuracies`) shape the
     candidate trees of `medusa_decode`; `tree`, when set, is its default tree (Medusa's
-    "medusa_choices", paths of top-k ranks); `meta` is what else `save_heads` writes.
+    "medusa_choices", paths of top-k ranks); `meta` is what else `cllm.training.medusa.save_heads` writes.
     """
 
     def __init__(self, lm_head: nn.Module, *, num_heads: int, own_projection: bool = False) -> None:
@@ -109,106 +105,3 @@ def _copy_linear(lm_head: nn.Module) -> nn.Linear:
         if bias is not None:
             proj.bias.copy_(bias)
     return proj
-
-
-# ------------------------------------------------------------------------ save and load
-
-
-def base_model_meta(model: nn.Module, model_path: str | os.PathLike | None = None) -> dict[str, str]:
-    """The fingerprints `load_heads` checks: of the checkpoint folder when the model came from
-    one, and of its float32 parameters (for a model given in memory)."""
-    from cllm.models import fingerprint
-
-    meta = {"parameters_fingerprint": fingerprint(model)}
-    if model_path is not None:
-        meta["model_fingerprint"] = fingerprint(model_path)
-    return meta
-
-
-def save_heads(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
-    """Write `heads` (weights, sizes, accuracies, `meta`) to a folder; returns it."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-    tmp = directory / f".{WEIGHTS_FILE}.partial"
-    save_file(state, str(tmp))
-    os.replace(tmp, directory / WEIGHTS_FILE)
-    # what the heads are now wins over `meta` (heads loaded from an older file carry its fields there)
-    record = {**heads.meta, "format_version": FORMAT_VERSION, "num_heads": heads.num_heads,
-              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "own_projection": heads.own_projection,
-              "parameters_added": heads.parameters_added(), "accuracies": heads.accuracies, "tree": heads.tree}
-    (directory / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    return directory
-
-
-def heads_dir(source: str | os.PathLike) -> Path | None:
-    """The heads folder `source` names: itself when it holds a `medusa_config.json`, else its
-    `medusa/` subfolder when that does (a checkpoint with heads); None otherwise."""
-    path = Path(source).expanduser()
-    for candidate in (path, path / HEADS_DIR):
-        if (candidate / CONFIG_FILE).is_file():
-            return candidate
-    return None
-
-
-def load_heads(source: str | os.PathLike, model: nn.Module, *,
-               model_path: str | os.PathLike | None = None) -> MedusaHeads | None:
-    """The heads saved in `source` (a heads folder, or a checkpoint whose `medusa/` holds them)
-    for `model`, on its device and in its dtype; None when `source` is a folder without heads.
-
-    The base model must be the one they were trained on: its fingerprint
-    (`cllm.models.fingerprint`) is compared with the saved one, that of the checkpoint folder
-    (`model_path`, or `source` itself when it is a checkpoint) when one is known, else that of
-    `model`'s float32 parameters. A mismatch, other sizes or an unreadable file is a one-line
-    UserError.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"Medusa heads not found: {path}")
-    found = heads_dir(path)
-    if found is None:
-        return None
-    if model_path is None and found != path and (path / "config.json").is_file():
-        model_path = path  # a checkpoint with its heads inside
-    try:
-        record = json.loads((found / CONFIG_FILE).read_text(encoding="utf-8"))
-        num_heads, own = int(record["num_heads"]), bool(record["own_projection"])
-        sizes = (int(record["vocab_size"]), int(record["hidden_size"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot read {found / CONFIG_FILE}: {first_line(exc)}") from None
-    lm_head = model.get_output_embeddings()
-    if lm_head is None or tuple(lm_head.weight.shape) != sizes:
-        have = None if lm_head is None else tuple(lm_head.weight.shape)
-        raise UserError(f"Medusa heads in {found} are for a vocabulary x hidden size of {sizes}, the model has {have}")
-    _check_fingerprint(record, found, model, model_path)
-    heads = MedusaHeads(lm_head, num_heads=num_heads, own_projection=own)
-    try:
-        state = load_file(str(found / WEIGHTS_FILE))
-        heads.load_state_dict(state)
-    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
-        raise UserError(f"cannot load {found / WEIGHTS_FILE}: {first_line(exc)}") from None
-    heads.accuracies, heads.tree = record.get("accuracies"), record.get("tree")
-    heads.meta = {k: v for k, v in record.items() if k not in ("accuracies", "tree")}
-    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
-
-
-def _check_fingerprint(record: dict, found: Path, model: nn.Module, model_path) -> None:
-    from cllm.models import fingerprint
-
-    if model_path is not None and record.get("model_fingerprint"):
-        saved, have = record["model_fingerprint"], fingerprint(model_path)
-    elif record.get("parameters_fingerprint"):
-        if next(model.parameters()).dtype != torch.float32:  # a cast changes the parameters' hash
-            log.warning("Medusa heads in %s: the base model's fingerprint is not checked for a model "
-                        "in %s (pass model_path)", found, next(model.parameters()).dtype)
-            return
-        saved, have = record["parameters_fingerprint"], fingerprint(model)
-    else:
-        return
-    if saved != have:
-        raise UserError(f"Medusa heads in {found} were trained on another model (fingerprint {saved}, "
-                        f"this one is {have}); retrain them with cllm medusa")

@@ -12,8 +12,9 @@ If `normalizer` is None the local count is used (convenient for tests and single
 - AR (eq. 6): next-token cross-entropy on prompt + generated text or ground truth.
 - Distillation (GKD): D(p_target || q_theta) to a frozen teacher's full distribution, on any text
   (ground truth, the target's continuations, the student's own rollouts).
-- Medusa heads (Cai et al. 2024): head k at position t learns the frozen model's distribution at
-  t + k (the token k + 1 ahead), on the model's own greedy text (`medusa_loss`).
+
+The Medusa heads' loss (self-distillation on the frozen model's own text) is
+`cllm.training.medusa.loss`'s, built on `token_distance`.
 
 The caller computes the logits; these functions never call a model. `block_logits` cuts the
 (B, N, V) block-aligned logits these losses take out of a forward over ``prefix + block``, and
@@ -22,7 +23,6 @@ The caller computes the logits; these functions never call a model. `block_logit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -213,50 +213,3 @@ def lc_loss(
     mask: `lc_mask(y^(j), y^(j+1), valid)`.
     """
     return consistency_loss(next_state_logits, state_logits, mask, distance=distance, normalizer=normalizer)
-
-
-# ---------------------------------------------------------------------------------------------
-# Medusa heads (Cai et al. 2024): self-distillation from the frozen model's own distribution
-
-
-def medusa_terms(
-    head_logits: torch.Tensor, model_logits: torch.Tensor, mask: torch.Tensor, *, distance: Distance = "fkl",
-) -> torch.Tensor:
-    """Per head, the summed distance to the model's own distribution k positions on: (K,).
-
-    head_logits: (K, B, T, V), head k (row k - 1) reading the hidden state at position t and
-    guessing the token k + 1 positions ahead; model_logits: (B, T, V), the frozen model's logits
-    at the same positions of the same text (detached inside): those at t + k predict the token
-    k + 1 after t, so they are head k's target at t. mask: (B, T), the positions that count;
-    head k counts position t when both t and t + k count. With "fkl" this is Medusa's
-    self-distillation (soft labels); with "argmax", cross-entropy against the model's greedy
-    token there (Medusa-1's hard labels, on the model's own greedy text).
-    """
-    K, B, T, V = head_logits.shape
-    if model_logits.shape != (B, T, V) or mask.shape != (B, T):
-        raise ValueError(f"shapes differ: heads {tuple(head_logits.shape)}, model {tuple(model_logits.shape)}, "
-                         f"mask {tuple(mask.shape)}")
-    terms = []
-    for k in range(1, K + 1):
-        counted = mask[:, : T - k] & mask[:, k:]  # (B, T - k)
-        per_position = token_distance(model_logits[:, k:], head_logits[k - 1, :, : T - k], distance)
-        terms.append((per_position * counted).sum())
-    return torch.stack(terms)
-
-
-def medusa_loss(
-    head_logits: torch.Tensor,
-    model_logits: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    distance: Distance = "fkl",
-    weights: Sequence[float] | torch.Tensor | None = None,
-    normalizer: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The Medusa-1 loss, ``sum_k w_k sum_t D(p(. | x_<=t+k) || q_k(. | h_t))`` over the counted
-    positions (`medusa_terms`), divided by `normalizer` (default: the count of `mask`).
-    `weights` w_k default to 1 (Medusa uses 0.8^k to favour the heads that are accepted most)."""
-    terms = medusa_terms(head_logits, model_logits, mask, distance=distance)
-    if weights is not None:
-        terms = terms * torch.as_tensor(weights, dtype=terms.dtype, device=terms.device)
-    return _normalise(terms.sum(), mask, normalizer)

@@ -18,8 +18,8 @@ from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.decoding.draft_table import DraftTable
-from cllm.modeling.heads import MedusaHeads, load_heads
-from cllm.models import load_draft_table, load_model, load_tokenizer, resolve_model_path
+from cllm.modeling.heads import MedusaHeads
+from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
 from cllm.serving.completion import TextCodec
 
 

@@ -12,7 +12,9 @@ tokenizer, `pretrain_config.json` (resolved config), `pretrain_log.jsonl` (one r
 validation records at each eval), `pretrain_summary.json` (corpus hash, time, losses) and the
 trainer state in `checkpoints/last.pt` (not meant to be shipped).
 
-`evaluate_target` and `write_model_card` measure a finished model for its MODEL_CARD.md.
+`pretrain` runs as named steps (`_open_run`, `_build`, `_loop`, `_finish`). `evaluate_target`
+measures a finished model (`cllm.evaluation`: greedy completions, text measures, validation
+loss) and `write_model_card` writes its MODEL_CARD.md (`cllm.training.cards.target_card`).
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
-from cllm.data.corpus import load_corpus
+from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
     EOT,
     save_tokenizer,
@@ -41,9 +44,13 @@ from cllm.data.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
-from cllm.evaluation.lm_loss import stream_windows, text_loss
-from cllm.evaluation.text import DEGENERATE_RUN, ends_in_loop, is_degenerate
+from cllm.decoding.inputs import position_limit
+from cllm.evaluation.heldout import decode_prompts, heldout_prompts
+from cllm.evaluation.lm_loss import text_loss, validation_loss
+from cllm.evaluation.text import cut_at_function_end, ends_in_loop, function_parses, is_degenerate, strip_eos
 from cllm.modeling.forwards import window_loss
+from cllm.models import load_model, load_tokenizer
+from cllm.training.cards import target_card
 from cllm.training.schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -132,8 +139,6 @@ def eval_windows(stream: torch.Tensor, n: int, context: int) -> torch.Tensor:
 
 
 def build_model(config: PretrainConfig, eot_id: int):
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
     model_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.width,
@@ -178,23 +183,83 @@ def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: Pretr
     return loss.item()
 
 
-# ---------------------------------------------------------------------------------- state
-
-
 # ---------------------------------------------------------------------------------- main
+
+
+@dataclass
+class _Run:
+    """A run's state, filled in by the steps in order."""
+
+    config: PretrainConfig
+    out: Path
+    saved: dict | None  # the checkpoint being resumed
+    train_corpus: Corpus
+    val_corpus: Corpus
+    tokenizer: Any
+    train_ids: torch.Tensor  # the token streams
+    val_ids: torch.Tensor
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    generator: torch.Generator | None = None
+    val_windows: torch.Tensor | None = None
+    step: int = 0
+    elapsed: float = 0.0  # training + evaluation seconds, summed over resumes
+    val_loss: float | None = None
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CHECKPOINT
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / LOG
+
+    def snapshot(self) -> dict:
+        return {
+            "step": self.step, "elapsed_s": self.elapsed, "val_loss": self.val_loss,
+            "config": config_to_dict(self.config), "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "sampler": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+        }
+
+
+def pretrain(config: PretrainConfig) -> Path:
+    """Train (or resume) and export; returns the output directory.
+
+    Args:
+        config: a validated `PretrainConfig`. Rerunning with the same config resumes from the
+            last checkpoint; Ctrl-C saves one before stopping (KeyboardInterrupt).
+    """
+    run = _open_run(config)  # 1. the checkpoint to resume, corpus, tokenizer, token streams
+    _build(run)  # 2. model, optimizer, schedule, sampler; restored when resuming
+    _loop(run)  # 3. sample, step, log; evaluations and checkpoints on their intervals
+    return _finish(run)  # 4. the HF checkpoint and the record of how it was made
+
+
+def _open_run(config: PretrainConfig) -> _Run:
+    """The checkpoint to resume (checked against the config), or a clean start; then the data."""
+    out = Path(config.out)
+    ckpt_path, log_path = out / CHECKPOINT, out / LOG
+    torch.set_num_threads(config.threads)
+    saved = None
+    if config.resume and ckpt_path.exists():
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        check_same_run(saved["config"], config, free=_RESUME_FREE)
+    elif ckpt_path.exists():
+        ckpt_path.unlink()
+        log_path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return _Run(config, out, saved, *_prepare(config, out, saved is not None))
 
 
 def _prepare(config: PretrainConfig, out: Path, resuming: bool):
     """Corpus, tokenizer (trained once, then reloaded), token streams."""
-    from transformers import AutoTokenizer
-
     train_corpus = load_corpus("train", max_files=config.max_files)
     val_corpus = load_corpus("validation", max_files=config.max_files)
     if resuming:
         tokenizer = AutoTokenizer.from_pretrained(out)
     elif config.tokenizer is not None:
-        from cllm.models import load_tokenizer
-
         tokenizer = load_tokenizer(config.tokenizer)
         if len(tokenizer) != config.vocab_size or tokenizer.convert_tokens_to_ids(EOT) is None:
             raise UserError(f"{config.tokenizer}: its tokenizer has {len(tokenizer)} tokens, not --vocab-size "
@@ -210,98 +275,79 @@ def _prepare(config: PretrainConfig, out: Path, resuming: bool):
     return train_corpus, val_corpus, tokenizer, train_ids, val_ids
 
 
-def pretrain(config: PretrainConfig) -> Path:
-    """Train (or resume) and export; returns the output directory.
-
-    Args:
-        config: a validated `PretrainConfig`. Rerunning with the same config resumes from the
-            last checkpoint; Ctrl-C saves one before stopping.
-    """
-    out = Path(config.out)
-    ckpt_path, log_path = out / CHECKPOINT, out / LOG
-    torch.set_num_threads(config.threads)
-    state = None
-    if config.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        check_same_run(state["config"], config, free=_RESUME_FREE)
-    elif ckpt_path.exists():
-        ckpt_path.unlink()
-        log_path.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    train_corpus, val_corpus, tokenizer, train_ids, val_ids = _prepare(config, out, state is not None)
-
-    # 1. model, optimizer, schedule, sampler; restored when resuming
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    model = build_model(config, eot)
-    optimizer, scheduler = build_optimizer(model, config)
-    generator = torch.Generator().manual_seed(config.seed)
-    step, elapsed, val_loss = 0, 0.0, None
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["sampler"])
+def _build(run: _Run) -> None:
+    """The model, AdamW and its schedule, the window sampler: fresh, or restored from the
+    checkpoint being resumed (the torch RNG too); then the fixed validation windows."""
+    config = run.config
+    run.model = build_model(config, run.tokenizer.convert_tokens_to_ids(EOT))
+    run.optimizer, run.scheduler = build_optimizer(run.model, config)
+    run.generator = torch.Generator().manual_seed(config.seed)
+    if run.saved is not None:
+        state = run.saved
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.generator.set_state(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
-        step, elapsed, val_loss = state["step"], state["elapsed_s"], state.get("val_loss")
-        truncate_log(log_path, step)
-        logger.info("resuming %s from step %d", out, step)
+        run.step, run.elapsed, run.val_loss = state["step"], state["elapsed_s"], state.get("val_loss")
+        truncate_log(run.log_path, run.step)
+        logger.info("resuming %s from step %d", run.out, run.step)
     else:
-        log_path.unlink(missing_ok=True)
-    write_config(config, out / CONFIG)
-    val_windows = eval_windows(val_ids, config.eval_batches * config.batch_size, config.context)
+        run.log_path.unlink(missing_ok=True)
+    write_config(config, run.out / CONFIG)
+    run.val_windows = eval_windows(run.val_ids, config.eval_batches * config.batch_size, config.context)
 
-    def snapshot() -> dict:
-        return {
-            "step": step, "elapsed_s": elapsed, "val_loss": val_loss, "config": config_to_dict(config),
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "sampler": generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-        }
 
-    # 2. the loop: sample, step, log; eval and checkpoint on their intervals
+def _loop(run: _Run) -> None:
+    """Optimizer steps until `config.steps`, each logged; validation and checkpoints on their
+    intervals; Ctrl-C finishes the step, checkpoints and raises KeyboardInterrupt."""
+    config, model = run.config, run.model
     model.train()
     tokens_per_step = config.batch_size * config.context
-    bar = tqdm(total=config.steps, initial=step, desc="pretrain", unit="step",
+    bar = tqdm(total=config.steps, initial=run.step, desc="pretrain", unit="step",
                mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
     with sigint_flag() as interrupted:
-        while step < config.steps:
+        while run.step < config.steps:
             t0 = time.perf_counter()
-            windows = sample_windows(train_ids, config.batch_size, config.context, generator)
-            lr = scheduler.get_last_lr()[0]
-            loss = train_step(model, optimizer, scheduler, windows, config)
+            windows = sample_windows(run.train_ids, config.batch_size, config.context, run.generator)
+            lr = run.scheduler.get_last_lr()[0]
+            loss = train_step(model, run.optimizer, run.scheduler, windows, config)
             dt = time.perf_counter() - t0
-            step += 1
-            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1)}
-            if step % config.eval_interval == 0 or step == config.steps:
-                val_loss = text_loss(model, val_windows, batch_size=config.batch_size, bf16=config.bf16)
-                record["val_loss"] = val_loss
-            elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
-            record["elapsed_s"] = round(elapsed, 3)
-            append_jsonl(log_path, record)
+            run.step += 1
+            record = {"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1)}
+            if run.step % config.eval_interval == 0 or run.step == config.steps:
+                run.val_loss = text_loss(model, run.val_windows, batch_size=config.batch_size, bf16=config.bf16)
+                record["val_loss"] = run.val_loss
+            run.elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
+            record["elapsed_s"] = round(run.elapsed, 3)
+            append_jsonl(run.log_path, record)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss else "-",
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}" if run.val_loss else "-",
                             tok_s=f"{tokens_per_step / dt:.0f}")
-            if step % config.checkpoint_interval == 0 or step == config.steps or interrupted["set"]:
-                save_checkpoint(ckpt_path, snapshot())
-            if interrupted["set"] and step < config.steps:
+            if run.step % config.checkpoint_interval == 0 or run.step == config.steps or interrupted["set"]:
+                save_checkpoint(run.ckpt_path, run.snapshot())
+            if interrupted["set"] and run.step < config.steps:
                 bar.close()
-                raise KeyboardInterrupt(f"stopped at step {step}; rerun the command to resume")
+                raise KeyboardInterrupt(f"stopped at step {run.step}; rerun the command to resume")
     bar.close()
 
-    # 3. export the HF checkpoint and the record of how it was made
-    export(model, tokenizer, config, out)
+
+def _finish(run: _Run) -> Path:
+    """Export the HF checkpoint and write pretrain_summary.json."""
+    config, out = run.config, run.out
+    export(run.model, run.tokenizer, config, out)
     summary = {
-        "corpus": {"train": train_corpus.describe(), "validation": val_corpus.describe()},
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "steps": step,
-        "tokens_seen": step * tokens_per_step,
-        "train_tokens": len(train_ids),
-        "validation_tokens": len(val_ids),
-        "train_time_s": round(elapsed, 1),
-        "final_train_loss": _last_train_loss(log_path),
-        "final_val_loss": val_loss,
-        "val_loss_definition": f"mean nats/token over {len(val_windows)} evenly spaced validation windows",
+        "corpus": {"train": run.train_corpus.describe(), "validation": run.val_corpus.describe()},
+        "tokenizer_sha256": tokenizer_sha256(run.tokenizer),
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "steps": run.step,
+        "tokens_seen": run.step * config.batch_size * config.context,
+        "train_tokens": len(run.train_ids),
+        "validation_tokens": len(run.val_ids),
+        "train_time_s": round(run.elapsed, 1),
+        "final_train_loss": _last_train_loss(run.log_path),
+        "final_val_loss": run.val_loss,
+        "val_loss_definition": f"mean nats/token over {len(run.val_windows)} evenly spaced validation windows",
         "machine": {"platform": platform.platform(), "threads": config.threads, "torch": torch.__version__},
     }
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
@@ -352,15 +398,11 @@ def evaluate_target(
     Args:
         model_dir: an HF checkpoint directory with its tokenizer.
         n_prompts: stdlib-val prompts, evenly spaced over the set, completed greedily
-            (`model.generate(do_sample=False)`, one prompt at a time).
+            (`cllm.evaluation.heldout.decode_prompts`, one prompt at a time).
         max_new_tokens: completion budget per prompt.
         n_samples: how many completions to keep as samples.
         threads: torch CPU threads (default: leave as is).
     """
-    from cllm.data.prompts import load_prompts
-    from cllm.evaluation.text import cut_at_function_end, function_parses
-    from cllm.models import load_model, load_tokenizer
-
     if threads:
         torch.set_num_threads(threads)
     model = load_model(model_dir, dtype=torch.float32)  # eval mode, CPU
@@ -368,22 +410,17 @@ def evaluate_target(
     eot = tokenizer.convert_tokens_to_ids(EOT)
 
     # 1. validation loss over the whole split, in windows of the model's context
-    val_corpus = load_corpus("validation")
-    val_ids = token_stream(val_corpus, tokenizer)
-    val_loss = text_loss(model, stream_windows(val_ids, model.config.max_position_embeddings - 1))
+    val_loss, val_tokens = validation_loss(model, tokenizer)
 
-    # 2. greedy completions of evenly spaced stdlib-val prompts
-    prompts = load_prompts("stdlib-val")
-    prompts = [prompts[i * len(prompts) // n_prompts] for i in range(min(n_prompts, len(prompts)))]
+    # 2. greedy completions of evenly spaced stdlib-val prompts, one at a time (no padding)
+    prompts = heldout_prompts("stdlib-val", tokenizer, count=n_prompts, max_new_tokens=max_new_tokens,
+                              context=position_limit(model), spread=True)
     parsed = degenerate = looping = 0
     samples = []
     for prompt in tqdm(prompts, desc="completions", unit="prompt"):
-        input_ids = tokenizer(prompt.text, return_tensors="pt", add_special_tokens=False).input_ids
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eot, pad_token_id=eot)
-        new = out[0, input_ids.shape[1]:].tolist()
-        finished = eot in new
-        new = new[: new.index(eot)] if finished else new
+        decoded = decode_prompts(model, [prompt], method="greedy", max_new_tokens=max_new_tokens, eos_token_id=eot,
+                                 pad_id=eot)
+        new, finished = strip_eos(decoded.new_tokens[0], eot)
         completion = tokenizer.decode(new)
         parsed += function_parses(prompt.text, completion, finished=finished)
         degenerate += is_degenerate(new)
@@ -392,10 +429,10 @@ def evaluate_target(
             cut = cut_at_function_end(prompt.text, completion, finished=True)
             samples.append({"id": prompt.id, "prompt": prompt.text, "completion": cut[len(prompt.text):]})
     return TargetEvaluation(
-        val_loss=val_loss, val_tokens=len(val_ids), n_prompts=len(prompts), max_new_tokens=max_new_tokens,
+        val_loss=val_loss, val_tokens=val_tokens, n_prompts=len(prompts), max_new_tokens=max_new_tokens,
         parse_rate=parsed / len(prompts), degenerate_rate=degenerate / len(prompts),
         looping_rate=looping / len(prompts),
-        corpus_sha256=val_corpus.fingerprint, samples=samples,
+        corpus_sha256=load_corpus("validation").fingerprint, samples=samples,
         parameters=sum(p.numel() for p in model.parameters()),
     )
 
@@ -406,89 +443,19 @@ TARGET_ROLE = ("It is the embedded *target* of the cllm toolkit: small enough to
 
 def write_model_card(model_dir: str | Path, evaluation: TargetEvaluation | None = None, *, name: str = "stdlib-coder",
                      role: str = TARGET_ROLE, **evaluate_kwargs) -> Path:
-    """Write MODEL_CARD.md (and evaluation.json) into a pretrained model directory. `role`: the
-    sentence that says what the model is for (the embedded target, a draft model, ...)."""
-    import dataclasses
-
+    """Write MODEL_CARD.md (`cllm.training.cards.target_card`) and evaluation.json into a
+    pretrained model directory. `role`: the sentence that says what the model is for (the
+    embedded target, a draft model, ...)."""
     model_dir = Path(model_dir)
     evaluation = evaluation or evaluate_target(model_dir, **evaluate_kwargs)
-    arch = json.loads((model_dir / "config.json").read_text())
-    cfg = _read_json(model_dir / CONFIG)
-    summary = _read_json(model_dir / SUMMARY)
-    (model_dir / "evaluation.json").write_text(json.dumps(dataclasses.asdict(evaluation), indent=2) + "\n")
-    corpus = summary.get("corpus", {})
-    lines = [
-        f"# {name}",
-        "",
-        f"A {evaluation.parameters / 1e6:.2f}M-parameter Llama-architecture causal LM trained from",
-        "scratch by `cllm pretrain` on the Python standard library, with "
-        + (f"the byte-level BPE tokenizer of `{cfg['tokenizer']}`." if cfg.get("tokenizer")
-           else "its own byte-level BPE tokenizer."),
-        role,
-        "It completes Python code in stdlib style; it is not a useful assistant.",
-        "",
-        "## Architecture",
-        "",
-        "| | |", "|---|---|",
-        f"| layers x width | {arch['num_hidden_layers']} x {arch['hidden_size']} |",
-        f"| heads (head dim) | {arch['num_attention_heads']} ({arch['hidden_size'] // arch['num_attention_heads']}) |",
-        f"| MLP (SwiGLU) | {arch['intermediate_size']} |",
-        f"| vocabulary | {arch['vocab_size']} (byte-level BPE, `<|endoftext|>` = EOS = BOS = pad, id "
-        f"{arch['eos_token_id']}) |",
-        f"| context | {arch['max_position_embeddings']} tokens |",
-        f"| embeddings | tied; weights stored as {arch.get('dtype', arch.get('torch_dtype', 'float32'))} |",
-        "",
-        "## Training",
-        "",
-        "| | |", "|---|---|",
-    ]
-    for split in ("train", "validation"):
-        c = corpus.get(split)
-        if c:
-            lines.append(f"| corpus, {split} | Python {c['python']} stdlib, {c['files']} files, {c['chars']:,} chars, "
-                         f"sha256 `{c['sha256'][:16]}` |")
-    if cfg:
-        lines += [
-            f"| steps x batch x context | {cfg['steps']} x {cfg['batch_size']} x {cfg['context']} = "
-            f"{cfg['steps'] * cfg['batch_size'] * cfg['context']:,} tokens |",
-            f"| optimiser | AdamW (0.9, 0.95), lr {cfg['lr']} -> {cfg['min_lr']} cosine, {cfg['warmup_steps']} warm-up "
-            f"steps, weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}, bf16 autocast {cfg['bf16']} |",
-            f"| seed, threads | {cfg['seed']}, {cfg['threads']} |",
-        ]
-    if summary:
-        lines.append(f"| training time | {summary['train_time_s'] / 60:.1f} min ({summary['machine']['platform']}, "
-                     f"torch {summary['machine']['torch']}) |")
-        lines.append(f"| tokenizer sha256 | `{summary['tokenizer_sha256'][:16]}` |")
-    lines += [
-        "",
-        "## Evaluation (float32, greedy)",
-        "",
-        "| | |", "|---|---|",
-        f"| validation loss | {evaluation.val_loss:.3f} nats/token over all {evaluation.val_tokens:,} tokens of the "
-        f"validation split (sha256 `{evaluation.corpus_sha256[:16]}`) |",
-        f"| function parses | {evaluation.parse_rate:.0%} of {evaluation.n_prompts} stdlib-val prompts (signature + "
-        f"docstring, ending at its closing quotes): {evaluation.max_new_tokens}-token completion cut at the end of the "
-        "function, `ast.parse` succeeds and the body has a statement |",
-        f"| degenerate | {evaluation.degenerate_rate:.0%} (one token repeated {DEGENERATE_RUN}+ times in a row) |",
-        f"| looping | {evaluation.looping_rate:.0%} (the last 24 tokens repeat a pattern of at most 8 tokens) |",
-        "",
-        "## Samples (stdlib-val prompts; the completion follows the docstring)",
-        "",
-    ]
-    for sample in evaluation.samples:
-        lines += [f"`{sample['id']}`", "", "```python", sample["prompt"] + sample["completion"].rstrip("\n"), "```", ""]
-    lines += [
-        "## Reproduce",
-        "",
-        "```",
-        f"cllm pretrain --config {model_dir / CONFIG} --out runs/{name}",
-        "```",
-        "",
-        "The corpus is the running interpreter's stdlib: another Python version gives another corpus",
-        "(compare the sha256 above).",
-    ]
+    record = asdict(evaluation)
+    (model_dir / "evaluation.json").write_text(json.dumps(record, indent=2) + "\n")
+    card = target_card(name=name, role=role, evaluation=record,
+                       architecture=json.loads((model_dir / "config.json").read_text()),
+                       config=_read_json(model_dir / CONFIG), summary=_read_json(model_dir / SUMMARY),
+                       reproduce=f"cllm pretrain --config {model_dir / CONFIG} --out runs/{name}")
     path = model_dir / "MODEL_CARD.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(card)
     return path
 
 

@@ -1,37 +1,96 @@
-"""Medusa heads (`cllm.modeling.heads`) and their training (`cllm.training.heads`) on tiny in-process models:
-a fresh head is the LM head, training lowers the loss and raises the heads' agreement with the
-model's greedy tokens k + 1 ahead, heads survive a save and load (same decoding), and a load for
-another model or with damaged files is a one-line UserError."""
+"""Medusa heads (`cllm.modeling.heads`) and their training (`cllm.training.medusa`) on tiny in-process models:
+the loss on hand-sized tensors (zero when each head matches the model k positions on, torch's
+KL per head, masks, weights and hard labels), a fresh head is the LM head, training lowers the
+loss and raises the heads' agreement with the model's greedy tokens k + 1 ahead, heads survive
+a save and load (`cllm.models.load_heads`; same decoding), and a load for another model or with
+damaged files is a one-line UserError."""
 
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cllm.core.errors import UserError
 from cllm.decoding import greedy_decode
 from cllm.decoding.rivals.medusa import medusa_decode
-from cllm.modeling.heads import (
-    CONFIG_FILE,
-    HEADS_DIR,
-    WEIGHTS_FILE,
-    MedusaHeads,
-    base_model_meta,
-    load_heads,
-    save_heads,
-)
-from cllm.models import load_model
-from cllm.training.heads import (
+from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
+from cllm.models import load_heads, load_model
+from cllm.training.medusa import (
     HeadsTrainer,
     Text,
+    base_model_meta,
     greedy_texts,
     hidden_states,
     measure_accuracies,
+    medusa_loss,
+    medusa_terms,
+    save_heads,
     texts_from_trajectories,
     train_heads,
 )
 from tests.commands.test_generate import save_tiny_model
 from tests.decoding.conftest import ARCHS, VOCAB, random_prompt, tiny_model
+
+# ------------------------------------------------------------------------------ the loss
+
+
+def logits(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * 2
+
+
+def shifted(model_logits, K):
+    """Head logits equal to the model's own k positions on (and anything where nothing counts)."""
+    B, T, V = model_logits.shape
+    heads = torch.zeros(K, B, T, V)
+    for k in range(1, K + 1):
+        heads[k - 1, :, : T - k] = model_logits[:, k:]
+    return heads
+
+
+def test_medusa_loss_is_zero_when_each_head_matches_the_model_k_positions_on():
+    model = logits(2, 6, 11)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    assert float(medusa_loss(shifted(model, 3), model, mask)) == pytest.approx(0.0, abs=1e-6)
+    # the same heads compared without the shift are wrong
+    assert float(medusa_loss(model[None].repeat(3, 1, 1, 1), model, mask)) > 0.1
+
+
+def test_medusa_terms_agree_with_torch_kl_div_per_head():
+    model, heads = logits(2, 5, 7), logits(3, 2, 5, 7, seed=1)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    terms = medusa_terms(heads, model, mask)
+    for k in range(1, 4):
+        expected = F.kl_div(F.log_softmax(heads[k - 1, :, : 5 - k], -1), F.log_softmax(model[:, k:], -1),
+                            log_target=True, reduction="sum")
+        assert float(terms[k - 1]) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_medusa_loss_counts_a_position_only_when_it_and_its_target_count():
+    model, heads = logits(1, 6, 7), logits(2, 1, 6, 7, seed=1)
+    mask = torch.tensor([[False, True, True, True, True, False]])
+    changed_model, changed_heads = model.clone(), heads.clone()
+    changed_model[0, 0], changed_model[0, 5] = 50.0, -50.0  # masked positions: never a target
+    changed_heads[:, 0, 0] = 9.0  # position 0 is masked: never a source
+    changed_heads[1, 0, 3:] = 9.0  # head 2 at 3 or later would target 5 or later: masked
+    assert torch.allclose(medusa_terms(changed_heads, changed_model, mask), medusa_terms(heads, model, mask))
+    assert float(medusa_loss(heads, model, mask)) == pytest.approx(float(medusa_terms(heads, model, mask).sum()) / 4)
+
+
+def test_medusa_loss_weights_heads_and_hard_labels_are_the_greedy_tokens():
+    model, heads = logits(2, 5, 7), logits(2, 2, 5, 7, seed=1)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    terms = medusa_terms(heads, model, mask)
+    weighted = medusa_loss(heads, model, mask, weights=[1.0, 0.8], normalizer=1)
+    assert float(weighted) == pytest.approx(float(terms[0] + 0.8 * terms[1]), rel=1e-6)
+    hard = medusa_terms(heads, model, mask, distance="argmax")
+    greedy = model.argmax(-1)
+    expected = F.cross_entropy(heads[1, :, :3].flatten(0, 1), greedy[:, 2:].flatten(), reduction="sum")
+    assert float(hard[1]) == pytest.approx(float(expected), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ training
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.profiling.steptime import parameter_count, shape_config
 from cllm.training.memory import SHAPES, Shape, activation_bytes, logit_bytes, tables, training_memory
 
-DOCS = Path(__file__).parents[1] / "docs" / "scale.md"
+DOCS = Path(__file__).parents[2] / "docs" / "scale.md"
 
 
 def test_parameter_counts_are_the_published_ones():

@@ -11,8 +11,8 @@ import torch
 from cllm.cli import main
 from cllm.decoding import greedy_decode
 from cllm.decoding.rivals.medusa import medusa_decode
-from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, load_heads
-from cllm.models import fingerprint, load_model
+from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE
+from cllm.models import fingerprint, load_heads, load_model
 from tests.commands.test_generate import save_tiny_model
 from tests.test_drafts import run
 
@@ -158,7 +158,7 @@ def test_heads_train_on_collected_trajectories_of_the_same_model(trained, prompt
     `greedy_texts` decodes); trajectories of another model are refused."""
     from cllm.data.trajectories import read_records
     from cllm.models import load_tokenizer
-    from cllm.training.heads import greedy_texts, texts_from_trajectories
+    from cllm.training.medusa import greedy_texts, texts_from_trajectories
 
     directory, _ = trained
     data = tmp_path / "trajectories"
@@ -175,3 +175,24 @@ def test_heads_train_on_collected_trajectories_of_the_same_model(trained, prompt
     other = save_tiny_model(tmp_path / "other", seed=3)
     code, _, err = run(capsys, "medusa", "--model", other, "--data", data, "--out", tmp_path / "o", *TINY)
     assert code == 2 and "another model" in err.strip().splitlines()[-1]
+
+
+def test_a_model_of_its_own_is_evaluated_on_its_held_out_texts_with_a_warning_for_a_large_holdout(
+        trained, prompt_file, tmp_path, capsys):
+    """--eval-prompts auto: HumanEval is the stdlib domain's; a model with a tokenizer of its own
+    is evaluated on the prompts of its held-out texts, and says so. A holdout that leaves fewer
+    texts to train on than it holds out (8 prompts, --holdout 5: 3 left) is one warning line."""
+    from cllm.training.medusa.run import stdlib_domain
+
+    assert stdlib_domain("stdlib-coder") and not stdlib_domain(str(trained[0]))
+    directory, _ = trained
+    out = tmp_path / "heads"
+    code, text, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY, "--holdout", 5,
+                          "--out", out)
+    assert code == 0, err
+    warnings = [line for line in text.splitlines() if "warning" in line]
+    assert warnings == ["cllm medusa: warning: --holdout 5 leaves 3 of 8 texts to train on, fewer than it holds out; "
+                        "give more prompts or a smaller --holdout"]
+    assert "evaluating on holdout" in text and "holdout x 2" in text
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert evaluation["prompt_set"] == "holdout" and evaluation["exact"] == evaluation["prompts"] == 2

@@ -20,7 +20,7 @@ from cllm.training.pretrain import (
 )
 from cllm.training.schedule import lr_factor
 
-SHIPPED = Path(__file__).resolve().parents[1] / "models" / "stdlib-coder"
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "stdlib-coder"
 
 
 def tiny(out: Path, **overrides) -> PretrainConfig:
