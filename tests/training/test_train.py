@@ -528,6 +528,8 @@ def test_a_run_written_before_epochs_and_max_steps_were_exclusive_resumes(world,
     torch.save(saved, tmp_path / "old" / CHECKPOINT)
     train(config(world, tmp_path / "old", **common))
     assert step_losses(tmp_path / "old") == step_losses(tmp_path / "straight")
+    with pytest.raises(UserError, match="holds a run of --max-steps 6, not 2 epochs"):
+        train(config(world, tmp_path / "old", **{**common, "max_steps": None, "epochs": 2}))
 
 
 def test_train_says_what_it_will_do_and_how_long_the_rest_takes(world, tmp_path, caplog):

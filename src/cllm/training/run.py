@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError, first_line
 from cllm.core.runs import check_same_run
 from cllm.data.prompts import load_prompts
@@ -153,10 +154,21 @@ def data_digest(records: Sequence[TrajectoryRecord]) -> str:
 def check_resumable(saved: dict, config: TrainConfig, digest: str) -> None:
     """The checkpoint in OUT was written by this very run: the same options (but `RESUME_FREE`;
     the training length compared as `one_length` writes it) and the same records."""
+    saved_length, length = _length(one_length(saved["config"])), _length(one_length(config_to_dict(config)))
+    if saved_length != length:
+        raise UserError(f"{config.out} holds a run of {saved_length}, not {length}: use another --out, --resume "
+                        "false, or the same length")
     check_same_run(one_length(saved["config"]), with_one_length(config), free=RESUME_FREE)
     if saved["data_digest"] != digest:
         raise UserError(f"the records in {config.data} changed since {config.out} was checkpointed: "
                         "use another --out or --resume false")
+
+
+def _length(values: dict) -> str:
+    """A training length in `one_length`'s form, as the options that ask for it."""
+    if values["max_steps"] is not None:
+        return f"--max-steps {values['max_steps']}"
+    return f"{values['epochs']} epoch{'s' if values['epochs'] > 1 else ''}"
 
 
 # ---------------------------------------------------------------------------------------------
