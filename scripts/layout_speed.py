@@ -21,16 +21,16 @@ import torch
 from cllm.data.trajectories import TrajectoryReader
 from cllm.models import load_model
 from cllm.training.batches import Counts, make_micro_batch, prompt_chains
+from cllm.training.config import Recipe, TrainConfig
 from cllm.training.objective import FrozenTeacher, micro_batch_loss
-from cllm.training.train import TrainConfig
 
 
 def time_layout(model, teacher, records, draws, layout: str, states: int, block_size: int, pad_id: int,
                 repeats: int) -> tuple[float, float]:
     """(fastest seconds of one forward + backward, the loss) of `records` in `layout`."""
-    cfg = TrainConfig(consistency="gc", distance="argmax", consistency_teacher="target", ar_weight=0, kd_weight=10,
-                      ar_target="fixed_points", states_per_record=states, skip_copies=True,
-                      state_schedule="progressive", layout=layout, label_smoothing=0)
+    cfg = TrainConfig(recipe=Recipe(consistency="gc", distance="argmax", consistency_teacher="target", ar_weight=0,
+                                    kd_weight=10, ar_target="fixed_points", states_per_record=states, skip_copies=True,
+                                    state_schedule="progressive", layout=layout, label_smoothing=0))
     mb = make_micro_batch(records, draws, pad_id=pad_id, block_size=block_size, config=cfg)
     counts = Counts()
     counts.add(mb, cfg)

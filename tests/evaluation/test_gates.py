@@ -3,7 +3,7 @@
 import pytest
 
 from cllm.evaluation.gates import QualitySettings, compare_models, gates, gates_table, measures_line, pooled
-from tests.test_train import build_world, tiny_llama
+from tests.training.test_train import build_world, tiny_llama
 
 
 def fake_result(**cllm) -> dict:

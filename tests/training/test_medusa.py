@@ -14,7 +14,7 @@ from cllm.decoding.rivals.medusa import medusa_decode
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE
 from cllm.models import fingerprint, load_heads, load_model
 from tests.commands.test_generate import save_tiny_model
-from tests.test_drafts import run
+from tests.training.test_drafts import run
 
 TINY = ["--heads", "2", "--max-new-tokens", "16", "--holdout", "2", "--steps", "6", "--batch-size", "3",
         "--eval-every", "3", "--eval-count", "2", "--eval-max-new-tokens", "12", "--top-k", "3", "--tree-nodes", "5"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cllm.decoding import cache as kv
+from cllm.decoding.cache import custom_mask
 from cllm.modeling import losses
 
 
@@ -88,8 +90,6 @@ def forward_shared_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Te
     Under gradient checkpointing transformers drops the cache of a checkpointed layer (its
     backward replay would append to it twice), so there every block gets its own copy of the
     prefix instead (`forward_prefix_per_block`): the same logits, at k times the prefix cost."""
-    from cllm.decoding import cache as kv
-
     if checkpointed(model):
         return forward_prefix_per_block(model, prefix_ids, prefix_mask, groups, logits_to_keep=logits_to_keep)
     device = next(model.parameters()).device
@@ -142,8 +142,6 @@ def forward_packed(model, packing: Packing, width: int, groups: Sequence[BlockGr
     record's fixed point (read off the clean text), and of every group's blocks (group row i
     continues record ``owner[i]``), equal to what `forward_blocks` gives for ``prefix + block``
     row by row. A group with ``grad=False`` comes back detached."""
-    from cllm.decoding.cache import custom_mask
-
     device = next(model.parameters()).device
     packing = packing.to(device)
     S, C = packing.clean_ids.shape

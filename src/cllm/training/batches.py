@@ -12,19 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
+from cllm.data.corpus import load_corpus
+from cllm.data.tokenizer import token_stream
 from cllm.data.trajectories import TrajectoryRecord, collate
+from cllm.decoding import greedy_decode, sample_decode
+from cllm.evaluation.text import ends_in_loop
 from cllm.modeling import losses
 from cllm.modeling.forwards import Packing, PrefixBlocks, rows_from_lists
-
-if TYPE_CHECKING:
-    from cllm.training.train import TrainConfig
-
+from cllm.training.config import TrainConfig
 
 NOISE_WINDOW = 16  # Jacobi Forcing's W: noise levels cycle over this many consecutive blocks
 
@@ -68,13 +68,14 @@ class Counts:
 
     def add(self, mb: MicroBatch, config: TrainConfig, rollouts: int = 0) -> None:
         """Count `mb`'s positions; `rollouts`: how many rollouts it will carry."""
-        self.gc += int(mb.gc_mask.sum()) if config.uses_gc else 0
-        self.lc += int(mb.lc_mask.sum()) if config.uses_lc else 0
-        self.ar += int(mb.fixed_point.block_mask.sum()) if config.ar_on_fixed_points else 0
-        self.ar += int(mb.labels.block_mask.sum()) if config.ar_on_labels else 0
-        if mb.text is not None and config.uses_ar_rows:
+        recipe = config.recipe
+        self.gc += int(mb.gc_mask.sum()) if recipe.uses_gc else 0
+        self.lc += int(mb.lc_mask.sum()) if recipe.uses_lc else 0
+        self.ar += int(mb.fixed_point.block_mask.sum()) if recipe.ar_on_fixed_points else 0
+        self.ar += int(mb.labels.block_mask.sum()) if recipe.ar_on_labels else 0
+        if mb.text is not None and recipe.uses_ar_rows:
             self.ar += mb.text.shape[0] * (mb.text.shape[1] - 1)
-        self.rollout += rollouts * config.rollout_tokens
+        self.rollout += rollouts * recipe.rollout_tokens
 
 
 def _text(record: TrajectoryRecord) -> list[int]:
@@ -161,8 +162,6 @@ def copy_positions(state: torch.Tensor, fixed_point: torch.Tensor, reach: int = 
 
 def loop_positions(records: Sequence[TrajectoryRecord], width: int) -> torch.Tensor:
     """(B, width) bool: block positions whose token ends a loop of the generated text so far."""
-    from cllm.evaluation.text import ends_in_loop
-
     out = torch.zeros(len(records), width, dtype=torch.bool)
     for r, record in enumerate(records):
         text = list(record.prefix_ids[record.prompt_len :])
@@ -194,13 +193,14 @@ def make_micro_batch(
 ) -> MicroBatch:
     """Tensors for `records`; `draws` (B, S) uniform in [0, 1) pick each record's states
     (`pick_states`; S at least the records' state count)."""
+    recipe = config.recipe
     b = collate(records, pad_id=pad_id, include_augmented=config.augmented)
-    k = config.states_per_record
+    k = recipe.states_per_record
     B, S = len(records), b.states.shape[1]
     if draws.shape[1] < S:
         raise ValueError(f"draws cover {draws.shape[1]} states, the records hold up to {S}")
     draws = draws[:, :S]
-    if config.state_schedule == "progressive":
+    if recipe.state_schedule == "progressive":
         draws = progressive_keys(b.states, b.fixed_point, b.block_mask.bool(), b.block_index, draws)
     picks, exists = pick_states(draws, b.num_states, k)  # (B, k) each
     owner = torch.arange(B).repeat_interleave(k)  # (B*k,)
@@ -210,17 +210,17 @@ def make_micro_batch(
     # a record that starts at its fixed point, or a pick beyond its states, counts nothing
     valid = b.block_mask.bool()[owner] & exists.reshape(-1)[:, None]
     fixed = b.fixed_point[owner]
-    if config.cut_loops:  # positions that continue a loop are no consistency target
+    if recipe.cut_loops:  # positions that continue a loop are no consistency target
         valid = valid & ~loop_positions(records, b.fixed_point.shape[1])[owner]
-    if config.skip_copies:
+    if recipe.skip_copies:
         valid = valid & ~copy_positions(state, fixed)
     return MicroBatch(
         fixed_point=PrefixBlocks(b.prefix_ids, b.prefix_mask, b.fixed_point, b.block_mask),
         state=state, next_state=next_state, owner=owner,
-        labels=label_rows(records, block_size, pad_id) if config.ar_on_labels else None,
-        gc_mask=losses.gc_mask(state, fixed, valid, window=config.gc_window),
+        labels=label_rows(records, block_size, pad_id) if recipe.ar_on_labels else None,
+        gc_mask=losses.gc_mask(state, fixed, valid, window=recipe.gc_window),
         lc_mask=losses.lc_mask(state, next_state, valid),
-        packing=pack(records, pad_id) if config.layout == "packed" else None,
+        packing=pack(records, pad_id) if recipe.layout == "packed" else None,
     )
 
 
@@ -233,27 +233,32 @@ def step_records(records: Sequence[TrajectoryRecord], step: int, *, batch_size: 
     return [records[i] for i in order[index * batch_size : (index + 1) * batch_size].tolist()]
 
 
+STDLIB_TEXT = ("stdlib", "stdlib-train")  # --ar-text names of the embedded corpus' train split
+
+
+def check_text_source(name: str) -> None:
+    """--ar-text names the embedded corpus or a text file."""
+    if name not in STDLIB_TEXT and not Path(name).is_file():
+        raise UserError(f"--ar-text {name!r} is neither 'stdlib-train' nor a text file")
+
+
 def load_text_stream(name: str, tokenizer) -> torch.Tensor:
     """--ar-text as one token stream: the embedded corpus' train split, or a text file."""
-    if name in ("stdlib", "stdlib-train"):
-        from cllm.data.corpus import load_corpus
-        from cllm.data.tokenizer import token_stream
-
+    check_text_source(name)
+    if name in STDLIB_TEXT:
         return token_stream(load_corpus("train"), tokenizer)
-    path = Path(name)
-    if not path.is_file():
-        raise UserError(f"--ar-text {name!r} is neither 'stdlib-train' nor a text file")
-    ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(Path(name).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 
 def sample_text_windows(stream: torch.Tensor, config: TrainConfig, step: int) -> torch.Tensor:
     """(W, L + 1) windows of the text at random offsets; the step number seeds them."""
-    length = min(config.ar_text_length, len(stream) - 1)
+    recipe = config.recipe
+    length = min(recipe.ar_text_length, len(stream) - 1)
     if length < 1:
         raise UserError("--ar-text holds fewer than 2 tokens")
-    generator = torch.Generator().manual_seed(derived_seed(config.seed, "text", step))
-    starts = torch.randint(0, len(stream) - length, (config.ar_text_windows,), generator=generator)
+    generator = torch.Generator().manual_seed(derived_seed(recipe.seed, "text", step))
+    starts = torch.randint(0, len(stream) - length, (recipe.ar_text_windows,), generator=generator)
     return stream[starts[:, None] + torch.arange(length + 1)]
 
 
@@ -272,24 +277,23 @@ def make_rollouts(model, prompts: Sequence[Sequence[int]], config: TrainConfig, 
                   eos_token_id, pad_id: int) -> PrefixBlocks:
     """PrefixBlocks ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
     temperature, one generator per prompt seeded by `seeds`), decoded with the KV cache."""
-    from cllm.decoding import greedy_decode, sample_decode
-
+    recipe = config.recipe
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rows = rows_from_lists(prompts, [[]] * len(prompts), pad_id)
     ids, mask = rows.prefix_ids.to(device), rows.prefix_mask.to(device)
-    if config.rollout_temperature > 0:
+    if recipe.rollout_temperature > 0:
         generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        out = sample_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id,
-                            temperature=config.rollout_temperature, generator=generators)
+        out = sample_decode(model, ids, mask, max_new_tokens=recipe.rollout_tokens, eos_token_id=eos_token_id,
+                            temperature=recipe.rollout_temperature, generator=generators)
     else:
-        out = greedy_decode(model, ids, mask, max_new_tokens=config.rollout_tokens, eos_token_id=eos_token_id)
+        out = greedy_decode(model, ids, mask, max_new_tokens=recipe.rollout_tokens, eos_token_id=eos_token_id)
     model.train(was_training)
     return rows_from_lists(prompts, out.new_tokens, pad_id)
 
 
 def step_rollout_prompts(prompts: Sequence[Sequence[int]], step: int, config: TrainConfig) -> list[int]:
     """Indices of the step's rollout prompts: a seeded draw (the step number is the RNG state)."""
-    generator = torch.Generator().manual_seed(derived_seed(config.seed, "rollout-prompts", step))
-    return torch.randperm(len(prompts), generator=generator)[: config.rollout_prompts].tolist()
+    generator = torch.Generator().manual_seed(derived_seed(config.recipe.seed, "rollout-prompts", step))
+    return torch.randperm(len(prompts), generator=generator)[: config.recipe.rollout_prompts].tolist()

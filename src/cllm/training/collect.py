@@ -1,5 +1,5 @@
-"""`cllm collect`: Jacobi-decode a prompt set with the target model and record every block's
-trajectory (see `cllm.data.trajectories` for the record format).
+"""Collecting trajectories (`cllm collect`): Jacobi-decode a prompt set with the target model and
+record every block's trajectory (see `cllm.data.trajectories` for the record format).
 
 The engine (`cllm.decoding.jacobi_decode`, KV cache + fast-forward commit) reports every
 iteration of every block through its `on_iteration` hook; this module turns those events into
@@ -46,14 +46,30 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
+from accelerate import PartialState
+from accelerate.utils import parse_flag_from_env
+from tqdm.auto import tqdm
 
+from cllm.core import __version__
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.data import trajectories as tj
-from cllm.data.prompts import Prompt, prompt_ids, reference_ids
+from cllm.data.prompts import Prompt, PromptText, load_prompts, prompt_ids, reference_ids
+from cllm.decoding import jacobi_decode
+from cllm.decoding.inputs import left_pad, position_limit
 from cllm.decoding.trajectory import TrajectoryRecorder, block_states
 from cllm.evaluation.text import ends_in_loop, is_degenerate
+from cllm.models import (
+    fingerprint,
+    load_model,
+    load_tokenizer,
+    pad_token_id,
+    resolve_dtype,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +105,6 @@ class CollectConfig:
         "prompt file"})
 
     def __post_init__(self) -> None:
-        from cllm.models import resolve_dtype
-
         for name in ("block_size", "max_new_tokens", "batch_size", "shard_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
@@ -120,6 +134,17 @@ class CollectSummary:
     new_tokens: int  # tokens the target generated (dropped records included)
     forward_passes: int  # forward passes per row, summed over rows (prefill included)
     seconds: float  # wall clock of the main process's decoding loop
+    processes: int = 1  # that decoded
+
+    def lines(self) -> list[str]:
+        """What the run did, in three lines."""
+        return [f"collected {self.prompts} prompts ({self.skipped} already done) into {self.out} with "
+                f"{self.processes} process{'es' if self.processes > 1 else ''} in {self.seconds:.1f} s",
+                f"  records {self.records}, states {self.states} ({self.mean_states:.2f} per record), dropped "
+                f"{self.dropped} degenerate" + (f" + {self.dropped_loops} looping" if self.dropped_loops else "")
+                + f", augmented states {self.augmented_states}",
+                f"  target: {self.new_tokens} tokens, {self.tokens_per_forward:.3f} tokens per forward, "
+                f"{self.tokens_per_second:.0f} tokens/s"]
 
     @property
     def mean_states(self) -> float:
@@ -184,9 +209,6 @@ def decode_batch(
 ) -> tuple[list[tj.TrajectoryRecord], _Counts]:
     """Jacobi-decode one batch of (position in the set, prompt) and turn its trajectories into
     records."""
-    from cllm.decoding import jacobi_decode
-    from cllm.decoding.inputs import left_pad
-
     input_ids, attention_mask = left_pad([p.ids for _, p in prompts], pad_id)  # (B, T)
     generators = [torch.Generator().manual_seed(derived_seed(config.seed, p.id)) for _, p in prompts]
     recorder = TrajectoryRecorder()
@@ -229,12 +251,9 @@ def decode_batch(
 
 
 def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta, model_dir: Path | None) -> None:
-    """Refuse (touching nothing) the model's own directory, a directory holding anything
-    `collect` did not write (no meta.json), or one collected with other settings."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if model_dir is not None and model_dir.is_dir() and out.exists() and out.resolve() == model_dir.resolve():
-        raise UserError(f"--out {out} is the --model directory; choose another")
+    """Refuse (touching nothing) a folder `check_trajectory_folder` refuses, or one collected with other
+    settings."""
+    check_trajectory_folder(out, model_dir)
     if (out / tj.META_FILE).exists():
         differences = tj.read_meta(out).mismatches(meta)
         if differences:
@@ -242,7 +261,18 @@ def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta, model_dir: Path | None)
                 f"{out} holds trajectories collected with other settings ({'; '.join(differences)}); "
                 "use another --out or delete it"
             )
-    elif tj.list_shards(out):
+
+
+def check_trajectory_folder(out: Path, model_dir: Path | None) -> None:
+    """--out is a folder `collect` may write: a new one or one it wrote (a meta.json), never the
+    model's own directory."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if model_dir is not None and model_dir.is_dir() and out.exists() and out.resolve() == model_dir.resolve():
+        raise UserError(f"--out {out} is the --model directory; choose another")
+    if (out / tj.META_FILE).exists():
+        return
+    if tj.list_shards(out):
         raise UserError(f"{out} holds trajectory shards but no {tj.META_FILE}; use another --out")
     elif out.is_dir() and any(out.iterdir()):
         raise UserError(f"--out {out} holds files cllm collect did not write (no {tj.META_FILE}); "
@@ -264,8 +294,6 @@ def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[tuple[int,
 def _sum_over_processes(state, values: list[float]) -> list[float]:
     if state.num_processes == 1:
         return values
-    import torch.distributed as dist
-
     t = torch.tensor(values, dtype=torch.float64, device=state.device)
     dist.all_reduce(t)
     return t.tolist()
@@ -277,11 +305,7 @@ def collect(config: CollectConfig) -> CollectSummary:
     Resumable (rerun with the same `out`), multi-process under `accelerate launch`, and
     independent of batch size and process count. Returns the run's summary (all processes).
     """
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    from cllm.models import resolve_model_path
-
+    check_inputs(config)
     # Without a GPU, run as (gloo) CPU processes when launched as several: accelerate only
     # sets that up when asked, and its `--cpu` launcher starts one process (see the docstring).
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
@@ -311,23 +335,31 @@ def collect(config: CollectConfig) -> CollectSummary:
     summary = CollectSummary(
         out=str(out), prompts=n_prompts, skipped=len(prompts) - len(remaining), records=t.records,
         states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
-        new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds,
+        new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds, processes=state.num_processes,
     )
-    if state.is_main_process:
-        _print_summary(summary, state.num_processes)
     return summary
+
+
+def check_inputs(config: CollectConfig) -> None:
+    """The model, the prompt set and the output folder, each problem one UserError, before any
+    model loads."""
+    model_dir = Path(resolve_model_path(config.model))
+    _prompt_set(config)
+    check_trajectory_folder(Path(config.out), model_dir)
+
+
+def _prompt_set(config: CollectConfig) -> list[PromptText]:
+    """Every prompt of the set (ids must be unique: a resume skips the prompts it finished by id)."""
+    prompts = load_prompts(config.prompts, text_field=config.text_field)
+    if len({p.id for p in prompts}) != len(prompts):
+        raise UserError(f"prompt set {config.prompts!r} has duplicate prompt ids")
+    return prompts
 
 
 def _plan(config: CollectConfig) -> tuple[list, object, tj.TrajectoryMeta]:
     """The prompts to collect, the tokenizer, and the meta that says what the run produces
     (a rerun must produce the same to resume)."""
-    from cllm.core import __version__
-    from cllm.data.prompts import load_prompts
-    from cllm.models import fingerprint, load_tokenizer, pad_token_id, resolve_dtype, tokenizer_fingerprint
-
-    all_prompts = load_prompts(config.prompts, text_field=config.text_field)
-    if len({p.id for p in all_prompts}) != len(all_prompts):
-        raise UserError(f"prompt set {config.prompts!r} has duplicate prompt ids")
+    all_prompts = _prompt_set(config)
     prompts_hash = hashlib.sha256()
     for p in all_prompts:
         prompts_hash.update(repr((p.id, p.text, p.reference)).encode())
@@ -344,11 +376,9 @@ def _plan(config: CollectConfig) -> tuple[list, object, tj.TrajectoryMeta]:
     return all_prompts[: config.max_prompts], tokenizer, meta
 
 
-def _load_inputs(config: CollectConfig, mine: list, tokenizer, device) -> tuple[torch.nn.Module | None, list[tuple[int, Prompt]]]:
+def _load_inputs(config: CollectConfig, mine: list, tokenizer,
+                 device) -> tuple[torch.nn.Module | None, list[tuple[int, Prompt]]]:
     """This process's model and encoded prompts (None and [] when it has nothing to do)."""
-    from cllm.decoding.inputs import position_limit
-    from cllm.models import load_model
-
     if not mine:
         return None, []
     model = load_model(config.model, dtype=config.dtype, device=device)
@@ -375,8 +405,6 @@ def _decode_shards(model, encoded: list[tuple[int, Prompt]], config: CollectConf
                    state) -> tuple[_Counts, float]:
     """Jacobi-decode this process's prompts, a shard at a time; a prompt's records all go to
     one atomically written shard. Returns the counts and the seconds it took."""
-    from tqdm.auto import tqdm
-
     totals = _Counts()
     seq = tj.next_shard_seq(out, state.process_index)
     bar = tqdm(total=len(encoded), unit="prompt", desc="collect", disable=not state.is_main_process)
@@ -404,13 +432,3 @@ def _decode_shards(model, encoded: list[tuple[int, Prompt]], config: CollectConf
         seq += 1
     bar.close()
     return totals, time.perf_counter() - start
-
-
-def _print_summary(s: CollectSummary, processes: int) -> None:
-    print(f"collected {s.prompts} prompts ({s.skipped} already done) into {s.out} "
-          f"with {processes} process{'es' if processes > 1 else ''} in {s.seconds:.1f} s")
-    print(f"  records {s.records}, states {s.states} ({s.mean_states:.2f} per record), "
-          f"dropped {s.dropped} degenerate" + (f" + {s.dropped_loops} looping" if s.dropped_loops else "")
-          + f", augmented states {s.augmented_states}")
-    print(f"  target: {s.new_tokens} tokens, {s.tokens_per_forward:.3f} tokens per forward, "
-          f"{s.tokens_per_second:.0f} tokens/s")

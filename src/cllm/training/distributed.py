@@ -2,7 +2,7 @@
 model), FSDP and DeepSpeed ZeRO (gradients and optimizer states, and under FSDP and ZeRO-3 the
 weights too, split over the processes).
 
-The loop is the same under all of them (`cllm.training.train`): this module says which options an engine
+The loop is the same under all of them (`cllm.training.loop`): this module says which options an engine
 allows, which mixed precision accelerate is told, which DeepSpeed values train fills in, and how
 the engines that split the optimizer state checkpoint (accelerate's `save_state`, every process
 writing its part). It knows nothing of losses or data. The test suite runs DDP (2 gloo CPU
@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from accelerate.utils import DistributedType
 
 from cllm.core.errors import UserError
 from cllm.core.runs import save_checkpoint
@@ -38,8 +40,6 @@ class Engine:
 
 
 def engine_of(accelerator) -> Engine:
-    from accelerate.utils import DistributedType
-
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         return Engine("fsdp", accelerate_checkpoints=True)

@@ -1,4 +1,5 @@
-"""`cllm drafts`: build a model's draft table from its own greedy completions.
+"""A model's draft table (`cllm drafts`, and `cllm distill` for its CLLM), from its own greedy
+completions.
 
 Decodes a prompt set greedily (batched, left-padded) and counts which token the model wrote
 after each context of 4, 3 and 2 tokens (`cllm.decoding.draft_table`). The table is saved beside the
@@ -12,14 +13,33 @@ Build it from prompts like the ones you will serve (never from the benchmark's o
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from cllm.core.config import write_config
+from cllm.core import __version__
+from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.data.prompts import encode_prompts, load_prompts
+from cllm.decoding.autoregressive import greedy_completions
+from cllm.decoding.draft_table import ORDERS, DraftTable
+from cllm.decoding.inputs import position_limit
+from cllm.models import (
+    DRAFT_TABLE,
+    fingerprint,
+    load_model,
+    load_tokenizer,
+    pad_token_id,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,28 +74,41 @@ class DraftsConfig:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
 
 
-def drafts(config: DraftsConfig) -> int:
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class DraftsSummary:
+    """What `build_draft_table` built."""
 
-    from cllm.core import __version__
-    from cllm.data.prompts import encode_prompts
-    from cllm.decoding.autoregressive import greedy_completions
-    from cllm.decoding.draft_table import ORDERS, DraftTable
-    from cllm.decoding.inputs import position_limit
-    from cllm.models import (
-        DRAFT_TABLE,
-        fingerprint,
-        load_model,
-        load_tokenizer,
-        pad_token_id,
-        resolve_model_path,
-        tokenizer_fingerprint,
-    )
+    path: Path  # the table file
+    contexts: int
+    new_tokens: int  # greedy tokens it was counted from
+    prompts: int
+    seconds: float
 
+    def line(self) -> str:
+        return (f"cllm drafts: {self.contexts:,} contexts from {self.new_tokens:,} greedy tokens of {self.prompts} "
+                f"prompts ({self.seconds:.0f} s) -> {self.path}")
+
+
+def table_path(config: DraftsConfig) -> Path:
+    """Where the table goes: --out, or beside the model's checkpoint (a local one)."""
     path = Path(resolve_model_path(config.model))
     if not path.is_dir() and config.out is None:
         raise UserError(f"{config.model!r} is not a local checkpoint: give --out for the table")
-    out = Path(config.out) if config.out else path / DRAFT_TABLE
+    return Path(config.out) if config.out else path / DRAFT_TABLE
+
+
+def check_inputs(config: DraftsConfig) -> None:
+    """The model (a local checkpoint, or --out given) and the prompt set, before any model loads."""
+    table_path(config)
+    load_prompts(config.prompts, limit=config.max_prompts)
+
+
+def build_draft_table(config: DraftsConfig) -> DraftsSummary:
+    """Decode `config.prompts` greedily with `config.model` (batched, left-padded), count what it
+    wrote after each context of 4, 3 and 2 tokens, and save the table (with its config beside
+    it, `<table>.config.json`)."""
+    check_inputs(config)
+    out = table_path(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer = load_tokenizer(config.model)
@@ -83,15 +116,13 @@ def drafts(config: DraftsConfig) -> int:
     limit, new = position_limit(model), config.max_new_tokens
     if limit and new > limit // 2:  # leave half the context to the prompt
         new = limit // 2
-        print(f"cllm drafts: {new} new tokens per prompt instead of {config.max_new_tokens} (the model's context "
-              f"is {limit} tokens)")
+        log.warning("cllm drafts: %d new tokens per prompt instead of %d (the model's context is %d tokens)",
+                    new, config.max_new_tokens, limit)
     prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
-    eos = tokenizer.eos_token_id
-
     started = time.perf_counter()
     with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
         outputs = greedy_completions(model, [p.ids for p in prompts], max_new_tokens=new,
-                                     batch_size=config.batch_size, eos_token_id=eos,
+                                     batch_size=config.batch_size, eos_token_id=tokenizer.eos_token_id,
                                      pad_id=pad_token_id(tokenizer), progress=bar.update)
     seconds = time.perf_counter() - started
     # each completion with the prompt's last tokens before it: what the model writes after them
@@ -104,6 +135,14 @@ def drafts(config: DraftsConfig) -> int:
     table = DraftTable.build(sequences, min_count=config.min_count, min_share=config.min_share, meta=meta)
     table.save(out)
     write_config(config, out.with_suffix(".config.json"))
-    print(f"cllm drafts: {len(table):,} contexts from {meta['new_tokens']:,} greedy tokens of {len(prompts)} "
-          f"prompts ({seconds:.0f} s) -> {out}")
-    return 0
+    return DraftsSummary(out, len(table), meta["new_tokens"], len(prompts), seconds)
+
+
+def drafts_done(config: DraftsConfig) -> bool:
+    """The table `config` asks for exists, built from this very model with these settings."""
+    table = table_path(config)
+    settings = table.with_suffix(".config.json")
+    if not table.is_file() or not settings.is_file():
+        return False
+    same = json.loads(settings.read_text()) == config_to_dict(config)
+    return same and DraftTable.read_meta(table).get("model_fingerprint") == fingerprint(config.model)

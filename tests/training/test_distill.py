@@ -1,4 +1,4 @@
-"""`cllm distill` end to end on the synthetic language of tests/test_train.py: one command
+"""`cllm distill` end to end on the synthetic language of tests/training/test_train.py: one command
 collects, trains and evaluates; a rerun skips every finished stage."""
 
 import json
@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from cllm.cli import main as cli_main
+from cllm.core.config import build_config, config_to_dict
 from cllm.core.errors import UserError
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import DRAFT_TABLE, fingerprint
 from cllm.training.cards import evaluation_table
-from cllm.training.distill import DistillConfig, distill, repetition_warning
-from tests.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
+from cllm.training.distill import DISTILL_RECIPE, DistillConfig, distill, plan_evaluation, repetition_warning
+from tests.training.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def config(setup, **overrides) -> DistillConfig:
                   train_eval_count=4, eval_interval=100, eval_prompts=str(val_prompts), eval_count=12,
                   eval_block_sizes=[BLOCK, 2 * BLOCK], eval_max_new_tokens=2 * NEW, ar_text="none", rollout_tokens=NEW)
     values.update(overrides)
-    return DistillConfig(**values)
+    return build_config(DistillConfig, values, {})  # flat options, as on the command line
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,69 @@ def test_round_block_sizes_collect_each_round_at_its_size_and_train_on_its_size_
     plain = config(setup, rounds=2)  # without it every round collects at --block-size and keeps all data
     assert plain.collect_config(2).block_size == BLOCK
     assert plain.train_config(2).data == f"{out / 'trajectories'},{out / 'trajectories-round2'}"
+
+
+def cli_args(cfg: DistillConfig) -> list[str]:
+    args = ["distill"]
+    for name, value in config_to_dict(cfg).items():
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        if name == "ar_text" and value is None:
+            value = "none"  # the recipe's default is stdlib-train
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+    return args
+
+
+def test_the_command_prints_the_evaluation_with_its_held_out_set_and_measures(setup, distilled, capsys):
+    capsys.readouterr()
+    assert cli_main(cli_args(config(setup))) == 0
+    out = capsys.readouterr().out
+    evaluation = json.loads((setup[0] / "out" / "evaluation.json").read_text())
+    assert f"distilled {setup[1]} -> {setup[0] / 'out' / 'model'} (skipped: train" in out
+    assert evaluation_table(evaluation) in out
+    assert f"held-out sets: {setup[3]} (12 prompts, not Python, no parse rate)" in out
+
+
+def test_distill_trains_one_epoch_of_the_collected_records_by_default():
+    """The recipe of distill_ablations.md's r7 with the training length of the data, not 450 steps."""
+    cfg = DistillConfig()
+    assert cfg.recipe == DISTILL_RECIPE and cfg.recipe.epochs is None and cfg.recipe.max_steps is None
+    assert cfg.train_config().recipe.total_steps(steps_per_epoch=37) == 37
+    assert (cfg.recipe.distance, cfg.recipe.kd_weight, cfg.recipe.ar_weight) == ("argmax", 10.0, 0.0)
+
+
+def test_without_eval_prompts_the_last_prompts_of_a_users_set_are_held_out(setup, tmp_path):
+    cfg = config(setup, eval_prompts=None, eval_count=12, out=str(tmp_path / "out"))
+    plan = plan_evaluation(cfg)
+    texts = [json.loads(line) for line in setup[2].read_text().splitlines()]
+    assert plan.limit == 36 and [p.id for p in plan.held_out] == [t["id"] for t in texts[36:]]
+    assert plan.prompts == str(tmp_path / "out" / "heldout_prompts.jsonl") and "no --eval-prompts" in plan.line
+    assert cfg.collect_config(1, limit=plan.limit).max_prompts == 36
+    assert cfg.drafts_config(tmp_path, limit=plan.limit).max_prompts == 36
+    assert cfg.train_config(1, eval_prompts=plan.prompts).recipe.eval_prompts == plan.prompts
+    with pytest.raises(UserError, match="leaves none to train on"):
+        plan_evaluation(config(setup, eval_prompts=None, eval_count=48))
+    # the stdlib domain: a named prompt set evaluates on stdlib-val, nothing held out
+    stdlib = plan_evaluation(config(setup, eval_prompts=None, prompts="stdlib-train"))
+    assert (stdlib.prompts, stdlib.held_out, stdlib.limit) == ("stdlib-val", [], None)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("ar text", "--ar-text"),
+    ("eval prompts", "prompt file not found"),
+    ("prompts", "prompt file not found"),
+    ("model out", "holds other files"),
+])
+def test_every_input_is_checked_before_collection(setup, tmp_path, case, message):
+    overrides = {"ar text": dict(ar_text=str(tmp_path / "missing.txt")),
+                 "eval prompts": dict(eval_prompts=str(tmp_path / "missing.jsonl")),
+                 "prompts": dict(prompts=str(tmp_path / "missing.jsonl")),
+                 "model out": {}}[case]
+    out = tmp_path / "out"
+    if case == "model out":
+        (out / "model").mkdir(parents=True)
+        (out / "model" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=message):
+        distill(config(setup, out=str(out), **overrides))
+    assert not (out / "trajectories").exists()

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.data.trajectories import TrajectoryRecord
 from cllm.modeling.forwards import BlockGroup, enable_checkpointing, forward_blocks, forward_packed, rows_from_lists
 from cllm.training.batches import Counts, make_micro_batch, pack, prompt_chains
+from cllm.training.config import Recipe, TrainConfig
 from cllm.training.objective import micro_batch_loss
-from cllm.training.train import TrainConfig
 
 V, N = 40, 5
 
@@ -128,9 +128,9 @@ def test_packed_layout_gives_the_records_layouts_loss(teacher):
     draws = torch.rand(len(recs), 3, generator=torch.Generator().manual_seed(0))
     values = []
     for layout in ("records", "packed"):
-        cfg = TrainConfig(consistency="gc+lc", distance="fkl", ar_target="fixed_points", ar_weight=1.0,
-                          kd_weight=2.0, consistency_teacher=teacher, states_per_record=2, layout=layout,
-                          label_smoothing=0.0)
+        cfg = TrainConfig(recipe=Recipe(consistency="gc+lc", distance="fkl", ar_target="fixed_points", ar_weight=1.0,
+                                        kd_weight=2.0, consistency_teacher=teacher, states_per_record=2, layout=layout,
+                                        label_smoothing=0.0))
         mb = make_micro_batch(recs, draws, pad_id=0, block_size=N, config=cfg)
         assert (mb.packing is not None) == (layout == "packed")
         counts = Counts()

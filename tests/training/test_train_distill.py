@@ -13,7 +13,7 @@ from cllm.data.trajectories import TrajectoryReader
 from cllm.training.batches import Counts, make_micro_batch, make_rollouts, rollout_prompts
 from cllm.training.objective import FrozenTeacher, micro_batch_loss
 from cllm.training.train import train
-from tests.test_train import BLOCK, build_world, config, foreign_model, step_losses, tiny_llama
+from tests.training.test_train import BLOCK, build_world, config, foreign_model, step_losses, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def loop_positions_of(records):
 
 def test_several_trajectory_directories_train_together(world, tmp_path):
     from cllm.training.collect import CollectConfig, collect
-    from tests.test_train import NEW, write_prompts
+    from tests.training.test_train import NEW, write_prompts
 
     more = tmp_path / "more"
     collect(CollectConfig(model=str(world.target), prompts=str(write_prompts(tmp_path / "p.jsonl", 16, seed=5)),
@@ -214,15 +214,15 @@ def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level
 def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(world, tmp_path, monkeypatch):
     import json
 
-    import cllm.training.train as train_module
-    from cllm.training.train import BEST
+    import cllm.training.loop as loop_module
+    from cllm.training.run import BEST
 
     common = dict(max_steps=40, eval_interval=10, eval_count=8, select="gated")
     # the synthetic target repeats one word 16 times: every evaluation fails the degenerate gate
     none = train(config(world, tmp_path / "none", **common))
     assert none.selected_step is None and not (tmp_path / "none" / BEST).exists()
     # with gates that every evaluation passes, the fastest one is exported
-    monkeypatch.setattr(train_module, "passes_text_gates", lambda *args: True)
+    monkeypatch.setattr(loop_module, "passes_text_gates", lambda *args: True)
     run = train(config(world, tmp_path / "any", **common))
     evals = [json.loads(line) for line in (tmp_path / "any" / "train_log.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval_tokens_per_forward_not_looping"] for r in evals if r["step"] and "eval_ar_loss" in r}
@@ -249,7 +249,7 @@ def test_ar_target_auto_falls_back_to_the_fixed_points_without_references(world,
     import json
 
     from cllm.training.collect import CollectConfig, collect
-    from tests.test_train import NEW, write_prompts
+    from tests.training.test_train import NEW, write_prompts
 
     prompts = write_prompts(tmp_path / "bare.jsonl", 16, seed=3, references=False)
     collect(CollectConfig(model=str(world.target), prompts=str(prompts), out=str(tmp_path / "bare"),

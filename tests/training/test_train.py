@@ -11,6 +11,7 @@ head's worth, so a hundred steps show it on held-out prompts.
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ from transformers import (
 )
 
 from cllm.cli import main as cli_main
+from cllm.core.config import build_config, config_to_dict
 from cllm.core.errors import UserError
 from cllm.data.trajectories import TrajectoryReader
 from cllm.evaluation.heldout import decode_prompts, heldout_prompts
@@ -39,8 +41,10 @@ from cllm.modeling.forwards import checkpointed, enable_checkpointing
 from cllm.training import distributed as parallel
 from cllm.training.batches import Counts, make_micro_batch
 from cllm.training.collect import CollectConfig, collect
+from cllm.training.config import TrainConfig
 from cllm.training.objective import micro_batch_loss
-from cllm.training.train import CHECKPOINT, TrainConfig, train
+from cllm.training.run import CHECKPOINT
+from cllm.training.train import train
 
 FILLER = [f"r{i}" for i in range(16)]
 CONTENT = [f"c{i}" for i in range(8)]
@@ -51,7 +55,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFF
 
 
 # ------------------------------------------------------------------------------------------
-# The synthetic world (shared with tests/test_distill.py)
+# The synthetic world (shared with tests/training/test_distill.py)
 
 
 def make_tokenizer(vocab=VOCAB) -> PreTrainedTokenizerFast:
@@ -140,15 +144,14 @@ def config(world: World, out, **overrides) -> TrainConfig:
                   batch_size=16, lr=1e-3, label_smoothing=0.0, max_steps=120, eval_interval=60,
                   checkpoint_interval=50)
     values.update(overrides)
-    return TrainConfig(**values)
+    return build_config(TrainConfig, values, {})  # flat options, as on the command line
 
 
 def cli_args(cfg: TrainConfig) -> list[str]:
     args = ["train"]
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+    for name, value in config_to_dict(cfg).items():
         if value is not None:
-            args += ["--" + f.name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+            args += ["--" + name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
     return args
 
 
@@ -393,7 +396,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-EXAMPLES = Path(__file__).parents[1] / "examples" / "accelerate"
+EXAMPLES = Path(__file__).parents[2] / "examples" / "accelerate"
 
 
 @pytest.mark.slow
@@ -413,7 +416,8 @@ def test_two_processes_train_like_one_and_only_rank_0_writes(world, tmp_path):
     summary = json.loads((tmp_path / "two" / "train_summary.json").read_text())
     assert (summary["processes"], summary["engine"]) == (2, "ddp")
     # the same global batches in one process (two accumulated micro-batches): the same losses
-    train(dataclasses.replace(cfg, out=str(tmp_path / "one"), micro_batch_size=8))
+    accumulating = dataclasses.replace(cfg.recipe, micro_batch_size=8)
+    train(dataclasses.replace(cfg, out=str(tmp_path / "one"), recipe=accumulating))
     two, one = step_losses(tmp_path / "two"), step_losses(tmp_path / "one")
     assert [r[0] for r in two] == [r[0] for r in one] == list(range(1, 7))
     assert torch.allclose(torch.tensor(two)[:, 1:], torch.tensor(one)[:, 1:], rtol=1e-4, atol=1e-6)
@@ -491,3 +495,75 @@ def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
     assert cli_main(cli_args(cfg)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm train: error:") and "\n" not in err and message in err
+
+
+# ------------------------------------------------------------------------------------------
+# Training length, the plan said at the start, inputs checked before anything long
+
+
+def test_epochs_and_max_steps_are_one_or_the_other(world, tmp_path, capsys):
+    with pytest.raises(UserError, match="not both"):
+        config(world, tmp_path / "out", epochs=2)  # config() gives --max-steps
+    args = cli_args(config(world, tmp_path / "out")) + ["--epochs", "2"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cllm train: error:") and "\n" not in err and "--max-steps" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_a_step_count_one_epoch_of_the_records_runs(world, tmp_path):
+    summary = train(config(world, tmp_path / "epoch", max_steps=None, eval_count=0, batch_size=16))
+    records = len(TrajectoryReader(world.data).records())
+    assert summary.finished and summary.total_steps == records // 16 == summary.steps
+
+
+def test_a_run_written_before_epochs_and_max_steps_were_exclusive_resumes(world, tmp_path):
+    """Such a run's checkpoint carries epochs beside max_steps (which then decided): resuming it
+    with the same --max-steps is the same run."""
+    common = dict(max_steps=6, eval_count=0, checkpoint_interval=3)
+    train(config(world, tmp_path / "straight", **common))
+    train(config(world, tmp_path / "old", stop_at_step=3, **common))
+    saved = torch.load(tmp_path / "old" / CHECKPOINT, weights_only=False)
+    saved["config"]["epochs"] = 1  # what the old default wrote
+    torch.save(saved, tmp_path / "old" / CHECKPOINT)
+    train(config(world, tmp_path / "old", **common))
+    assert step_losses(tmp_path / "old") == step_losses(tmp_path / "straight")
+    with pytest.raises(UserError, match="holds a run of --max-steps 6, not 2 epochs"):
+        train(config(world, tmp_path / "old", **{**common, "max_steps": None, "epochs": 2}))
+
+
+def test_train_says_what_it_will_do_and_how_long_the_rest_takes(world, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="cllm"):
+        train(config(world, tmp_path / "out", max_steps=4, eval_count=4, eval_interval=2))
+    lines = [r.getMessage() for r in caplog.records]
+    records = len(TrajectoryReader(world.data).records())
+    plan = next(line for line in lines if "steps per epoch" in line)
+    assert f"{records} records, batch size 16: {records // 16} steps per epoch, --max-steps 4" in plan
+    assert any(f"held-out evaluation on {world.val_prompts} (the first 4 prompts)" in line for line in lines)
+    eta = next(line for line in lines if "to go" in line)
+    assert eta.startswith("step 1 took") and "(3 steps, 2 evaluations)" in eta
+
+
+def test_without_eval_prompts_outside_the_stdlib_domain_there_is_no_evaluation_and_a_line_says_so(
+        world, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="cllm"):
+        summary = train(config(world, tmp_path / "out", eval_prompts=None, max_steps=2))
+    assert summary.eval_before is None and summary.eval_after is None
+    (line,) = [r.getMessage() for r in caplog.records if "no --eval-prompts" in r.getMessage()]
+    assert str(world.train_prompts) in line and "pass a JSONL of held-out prompts" in line
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["eval_prompts"] is None
+
+
+@pytest.mark.parametrize("case, message", [
+    ("ar text", "--ar-text"),
+    ("eval prompts", "not found"),
+    ("teacher", "model directory not found"),
+])
+def test_inputs_are_checked_before_the_model_is_built(world, tmp_path, monkeypatch, case, message):
+    overrides = {"ar text": dict(ar_text=str(tmp_path / "missing.txt")),
+                 "eval prompts": dict(eval_prompts=str(tmp_path / "missing.jsonl")),
+                 "teacher": dict(teacher=str(tmp_path / "nowhere"), kd_weight=1.0)}[case]
+    monkeypatch.setattr("cllm.training.train.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(UserError, match=message):
+        train(config(world, tmp_path / "out", **overrides))
+    assert not (tmp_path / "out").exists()

@@ -1,7 +1,7 @@
 """`cllm.training.distributed` and the shipped accelerate configs (examples/accelerate/): the options each
 engine allows, the mixed precision accelerate is told, the DeepSpeed values train fills in. FSDP
 and DeepSpeed need GPUs, so their configs are parsed and checked here, not run; DDP runs in
-tests/test_train.py and tests/test_collect.py (2 gloo CPU processes)."""
+tests/training/test_train.py and tests/training/test_collect.py (2 gloo CPU processes)."""
 
 import json
 from pathlib import Path
@@ -25,7 +25,7 @@ from cllm.training.distributed import (
 )
 from cllm.training.train import TrainConfig, train
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples" / "accelerate"
 CONFIGS = {"ddp.yaml": DistributedType.MULTI_GPU, "fsdp.yaml": DistributedType.FSDP,
            "deepspeed_zero2.yaml": DistributedType.DEEPSPEED, "deepspeed_zero3.yaml": DistributedType.DEEPSPEED}

@@ -1,0 +1,24 @@
+"""`cllm collect`: Jacobi-decode a prompt set with the target model and record every block's
+trajectory (`cllm.training.collect`); rank 0 prints what the run did.
+"""
+
+from __future__ import annotations
+
+from cllm.training.collect import CollectConfig, CollectSummary, collect
+from cllm.training.console import is_main_process, log_to_terminal
+
+Config = CollectConfig
+
+
+def run(config: Config) -> int:
+    """Collect (or resume collecting) into `config.out` and print the summary."""
+    with log_to_terminal():
+        summary = collect(config)
+    if is_main_process():
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: CollectSummary) -> None:
+    for line in summary.lines():
+        print(line)

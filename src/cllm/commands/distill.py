@@ -1,0 +1,33 @@
+"""`cllm distill`: from a target model to a CLLM in one command (`cllm.training.distill`):
+collect, train, evaluate target against CLLM on held-out prompts, build the CLLM's draft
+table. Each stage's lines as it ends, then the evaluation: its table, the held-out set and the
+measures it applied, and a warning when the CLLM loops far more than its target.
+"""
+
+from __future__ import annotations
+
+from cllm.evaluation.gates import measures_line
+from cllm.training.cards import evaluation_table
+from cllm.training.console import is_main_process, log_to_terminal
+from cllm.training.distill import DistillConfig, DistillSummary, distill, repetition_warning
+
+Config = DistillConfig
+
+
+def run(config: Config) -> int:
+    """Distill (each finished stage skipped on a rerun) and print the evaluation."""
+    with log_to_terminal():
+        summary = distill(config)
+    if is_main_process():
+        _print_summary(config, summary)
+    return 0
+
+
+def _print_summary(config: Config, summary: DistillSummary) -> None:
+    skipped = f" (skipped: {', '.join(summary.skipped)})" if summary.skipped else ""
+    print(f"distilled {config.model} -> {summary.model_dir}{skipped}")
+    evaluation = summary.evaluation
+    print(evaluation_table(evaluation))
+    print(measures_line(evaluation["quality"]))
+    if (warning := repetition_warning(evaluation)) is not None:
+        print(warning)

@@ -1,0 +1,269 @@
+"""What `cllm train` and `cllm distill` are told: the training `Recipe` both share (every field,
+default, help text and check declared here once) and `TrainConfig`, the recipe plus what only
+`cllm train` asks for (its data, the frozen teacher, LoRA's shape, resuming).
+
+A nested dataclass's fields are flags of the command that holds it (`cllm.core.config`), and
+`config_to_dict` flattens them, so train_config.json and the checkpoints stay flat. `cllm
+distill`'s own defaults are one recipe value, `cllm.training.distill.DISTILL_RECIPE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cllm.core.config import is_off
+from cllm.core.errors import UserError
+from cllm.data.prompts import NAMED_SETS
+from cllm.modeling.losses import Distance
+from cllm.models import SHIPPED
+
+Consistency = Literal["gc", "lc", "gc+lc"]
+ArTarget = Literal["auto", "labels", "fixed_points", "both"]
+
+STDLIB_EVAL = "stdlib-val"  # the held-out set of the shipped models' domain (Python's standard library)
+NO_EVAL_PROMPTS = "no --eval-prompts"  # how the line saying a run has no held-out set begins
+
+_CHOICES = {"consistency": ("gc", "lc", "gc+lc"), "distance": ("fkl", "rkl", "jsd", "argmax"),
+            "state_schedule": ("uniform", "progressive"), "select": ("last", "gated"),
+            "rollout_policy": ("model", "teacher"), "layout": ("records", "packed"),
+            "kd_distance": ("fkl", "rkl", "jsd", "argmax"), "consistency_teacher": ("model", "target"),
+            "ar_target": ("auto", "labels", "fixed_points", "both"), "dtype": ("float32", "bfloat16")}
+
+
+def _check_positive(config, names: list[str]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class Recipe:
+    """How a CLLM is trained: the losses and their weights, the states and rows they count on,
+    the optimizer, the training length and the held-out evaluation along the way."""
+
+    consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), "
+        "local (LC), or both"})
+    distance: Distance = field(default="fkl", metadata={"help": "distance of the consistency loss: forward KL "
+        "(the reference), reverse KL, JSD, or argmax (cross-entropy on the target's argmax)"})
+    ar_weight: float = field(default=10.0, metadata={"help": "weight w of the AR loss in consistency + w * AR "
+        "(reference 10)"})
+    ar_target: ArTarget = field(default="auto", metadata={"help": "AR rows: the ground truth (labels), the target's "
+        "fixed points, both, or auto (labels when the trajectories' prompts had references, else fixed points)"})
+    ar_text: str | None = field(default=None, metadata={"help": "AR loss also on random windows of this text: "
+        "'stdlib-train' (the embedded corpus), a UTF-8 text file of your domain, or 'none'; keeps language modelling "
+        "over whole contexts, not only the prompts' continuations"})
+    ar_text_windows: int = field(default=8, metadata={"help": "text windows per step (with --ar-text)"})
+    ar_text_length: int = field(default=256, metadata={"help": "tokens per text window (with --ar-text)"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the AR loss (reference 0.1)"})
+    kd_weight: float = field(default=0.0, metadata={"help": "weight of a distillation term D(teacher || model) on the "
+        "AR rows (labels / fixed points / text windows, as --ar-target and --ar-text choose) and on --rollout-prompts: "
+        "soft labels from the frozen teacher, in place of (--ar-weight 0) or beside the hard AR term"})
+    kd_distance: Distance = field(default="fkl", metadata={"help": "distance of the distillation term: forward "
+        "KL(teacher || model), reverse KL, JSD, or argmax (cross-entropy on the teacher's argmax: what greedy decoding "
+        "keeps)"})
+    consistency_teacher: Literal["model", "target"] = field(default="model", metadata={"help": "whose logits on the "
+        "fixed point (GC) or next state (LC) the states learn: the model being trained, stop-gradient (the reference), "
+        "or the frozen teacher"})
+    rollout_prompts: int = field(default=0, metadata={"help": "on-policy distillation: per step, this many of the "
+        "records' prompts are continued by the model being trained and the distillation term also counts on its text "
+        "(GKD; needs --kd-weight)"})
+    rollout_tokens: int = field(default=128, metadata={"help": "new tokens per rollout"})
+    rollout_temperature: float = field(default=0.0, metadata={"help": "0: greedy rollouts; > 0: sampled at this "
+        "temperature"})
+    rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "who writes the rollouts: "
+        "the model being trained (on-policy, GKD) or the frozen teacher (its own continuations, e.g. sampled at a low "
+        "temperature as Medusa-2's self-distillation data)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B "
+        "models"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then "
+        "cosine decay to 0"})
+    epochs: int | None = field(default=None, metadata={"help": "passes over the records; give this or --max-steps, "
+        "not both (default: 1 without --max-steps)"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps, in place of --epochs (default: "
+        "none: the epochs decide)"})
+    batch_size: int = field(default=16, metadata={"help": "records (--layout packed: prompts) per optimizer step, all "
+        "processes together"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "records (--layout packed: prompts) per "
+        "forward (gradient accumulation); default batch-size / processes"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 "
+        "(autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed "
+        "precision (DeepSpeed: bf16 weights beside float32 master weights)"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged "
+        "into the saved checkpoint"})
+    gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first "
+        "wrong one (default: all, the reference)"})
+    state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a "
+        "record train: uniformly drawn (the reference), or Jacobi Forcing's progressive schedule: block j of a prompt "
+        "aims at noise linspace(0, 1, 16)[j mod 16] (noise = the fraction of the block's tokens not yet at the fixed "
+        "point) and takes the states nearest to it"})
+    skip_copies: bool = field(default=False, metadata={"help": "consistency counts no position whose target equals one "
+        "of the two state tokens before it while that token is wrong: copying a wrong input token forward is the "
+        "shortcut that teaches repetition"})
+    cut_loops: bool = field(default=False, metadata={"help": "consistency counts no fixed-point token that continues a "
+        "loop (the text up to it ends in a pattern of at most 8 tokens repeated over 24): an on-policy round's own "
+        "repetitions are cut out of its targets, the rest of the prompt kept (distill: rounds 2+; use with "
+        "--drop-loops false)"})
+    layout: Literal["records", "packed"] = field(default="records", metadata={"help": "how a micro-batch's forward "
+        "is laid out: records (each record's prefix once, its states after it) or packed (Jacobi Forcing's: one "
+        "sequence per prompt, its clean text, the prompt and every fixed point, once, then the state blocks of all its "
+        "records, each attending to the prompt, the fixed points before its block and itself); packed draws whole "
+        "prompts, so --batch-size and --micro-batch-size count prompts"})
+    states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they "
+        "share one forward of the record's prefix, so k states cost far less than k records"})
+    seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init (distill: "
+        "and of the collection's guesses)"})
+    eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompt set (name or JSONL/Parquet "
+        "file) to evaluate on (default: stdlib-val when the model is a shipped one or the prompts a named set; else "
+        "train evaluates on none and distill on the last --eval-count of --prompts, held out of collection)"})
+    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps "
+        "the reference tokens of the AR validation loss"})
+    eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluation"})
+    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after "
+        "the last)"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"help": "which weights training ends with: the "
+        "last step's, or (gated) those of the evaluation with the most Jacobi tokens per forward over non-looping "
+        "completions among those whose greedy completions loop at most 5 points more often than the target's and "
+        "degenerate at most 3% of the time (the last step's when none passes)"})
+    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the "
+        "end and on Ctrl-C)"})
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ["batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
+                               "ar_text_windows", "ar_text_length", "rollout_tokens", "eval_interval",
+                               "checkpoint_interval"]
+                        + [n for n in ("epochs", "max_steps", "micro_batch_size", "gc_window")
+                           if getattr(self, n) is not None])
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name.replace('_', '-')} must be one of {', '.join(allowed)}, got "
+                                f"{getattr(self, name)!r}")
+        if self.epochs is not None and self.max_steps is not None:
+            raise UserError(f"give --epochs ({self.epochs}) or --max-steps ({self.max_steps}), not both")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size "
+                            f"{self.micro_batch_size}")
+        for name in ("ar_weight", "kd_weight", "lr", "rollout_temperature"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
+        if self.lr == 0:
+            raise UserError("lr must be positive")
+        if not 0 <= self.label_smoothing < 1 or not 0 <= self.warmup_ratio < 1:
+            raise UserError("label-smoothing and warmup-ratio must be in [0, 1)")
+        if self.seed < 0 or self.rollout_prompts < 0:
+            raise UserError("seed and rollout-prompts must be >= 0")
+        if self.rollout_prompts and not self.kd_weight:
+            raise UserError("--rollout-prompts needs --kd-weight > 0: the rollouts are scored by the teacher")
+        if is_off(self.ar_text):
+            self.ar_text = None
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The optimizer steps of the whole run: --max-steps, or --epochs (1 by default) passes."""
+        return self.max_steps or (self.epochs or 1) * steps_per_epoch
+
+    @property
+    def uses_gc(self) -> bool:
+        return self.consistency in ("gc", "gc+lc")
+
+    @property
+    def uses_lc(self) -> bool:
+        return self.consistency in ("lc", "gc+lc")
+
+    @property
+    def uses_ar_rows(self) -> bool:
+        """The AR rows are computed: the hard AR term or the distillation term counts on them."""
+        return self.ar_weight > 0 or self.kd_weight > 0
+
+    @property
+    def ar_on_fixed_points(self) -> bool:
+        return self.uses_ar_rows and self.ar_target in ("fixed_points", "both")
+
+    @property
+    def ar_on_labels(self) -> bool:
+        return self.uses_ar_rows and self.ar_target in ("labels", "both")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.kd_weight > 0 or self.consistency_teacher == "target"
+
+
+@dataclass
+class TrainConfig:
+    model: str = field(default="stdlib-coder", metadata={"help": "the target the trajectories were collected with "
+        "(shipped name, checkpoint dir or hub id); training starts from it"})
+    data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect`"})
+    out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, "
+        "checkpoints/); rerun to resume"})
+    recipe: Recipe = field(default_factory=Recipe)  # its fields are flags of their own
+    teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and "
+        "--consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter "
+        "disabled); trajectories collected with it are accepted too"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each layer's activations in "
+        "backward (transformers' gradient checkpointing): far less activation memory, about a third more compute, and "
+        "each state row then recomputes its record's prefix (no shared KV cache)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+    lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or "
+        "comma-separated module names"})
+    augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC "
+        "only)"})
+    eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no "
+        "evaluation)"})
+    eval_block_size: int | None = field(default=None, metadata={"help": "Jacobi block size of the evaluation (default: "
+        "the data's)"})
+    stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is "
+        "reached; rerun without it to continue"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
+        "starts over"})
+    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval "
+        "prompt file"})
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ["lora_r", "lora_alpha"] + [n for n in ("eval_block_size", "stop_at_step")
+                                                          if getattr(self, n) is not None])
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError("lora-dropout must be in [0, 1)")
+        if self.augmented and self.recipe.consistency != "gc":
+            raise UserError("augmented states break the adjacency LC needs: use --augmented only with --consistency gc")
+        if self.eval_count < 0:
+            raise UserError("eval-count must be >= 0")
+        if not self.out or not self.data:
+            raise UserError("data and out must name directories")
+
+
+def one_length(values: dict) -> dict:
+    """A config as a flat dict, its training length in one form: --max-steps, or --epochs (1 when
+    neither is given). Runs written before the two were exclusive carried epochs beside
+    max_steps, which overrode them: what they ran is what this compares."""
+    steps = values.get("max_steps")
+    return {**values, "epochs": None if steps is not None else values.get("epochs") or 1}
+
+
+def with_one_length(config: TrainConfig) -> TrainConfig:
+    """`config` with its training length in `one_length`'s form."""
+    recipe = config.recipe
+    epochs = None if recipe.max_steps is not None else recipe.epochs or 1
+    return dataclasses.replace(config, recipe=dataclasses.replace(recipe, epochs=epochs))
+
+
+def is_shipped(model: str) -> bool:
+    """`model` names or is the folder of a shipped model (the stdlib domain's)."""
+    if model in SHIPPED:
+        return True
+    path = Path(model).expanduser()
+    return path.is_dir() and any(path.resolve() == p.resolve() for p in SHIPPED.values())
+
+
+def default_eval_set(model: str, prompts: str | None) -> str | None:
+    """The held-out set of a run given no --eval-prompts: stdlib-val when the run is in the
+    shipped models' domain (a shipped model, or prompts from a named set), else None."""
+    return STDLIB_EVAL if is_shipped(model) or prompts in NAMED_SETS else None
