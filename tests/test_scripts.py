@@ -7,7 +7,6 @@ No timing is checked: the scripts' numbers are measurements, their shape is the 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shlex
@@ -19,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cllm.cli import COMMANDS, build_parser
+from cllm.cli import build_parser, command_module
 from cllm.core.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from tests.serving.test_server import free_port, wait_until_up
@@ -177,5 +176,4 @@ def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
         # and the values are ones the command takes: its config validates them
         args, extras = build_parser(argv[0]).parse_known_args(argv)
         assert extras == []
-        module, config_class = COMMANDS[argv[0]][:2]
-        build_config(getattr(importlib.import_module(module), config_class), None, vars(args))
+        build_config(command_module(argv[0]).Config, None, vars(args))

@@ -1,8 +1,9 @@
 """The `cllm` command line: one subcommand per pipeline step, generated from config dataclasses.
 
-`COMMANDS` maps each subcommand to ``(module, config class, function, summary)``. The function
-takes the validated config and can be called from Python just the same. Modules are imported
-lazily so that `cllm --help` stays fast. A `UserError`/`ValueError`/`FileNotFoundError` raised
+`COMMANDS` maps each subcommand to its summary; its module `cllm.commands.<name>` holds `Config`
+(the dataclass its flags come from) and `run(config) -> int`, which can be called from Python
+just the same. Command modules are imported only when their command runs, so that `cllm --help`
+stays fast. A `UserError`/`ValueError`/`FileNotFoundError` raised
 by a command is a user mistake: it is printed as one line and the exit status is 2
 (set ``CLLM_DEBUG=1`` to see the traceback).
 """
@@ -14,38 +15,34 @@ import difflib
 import importlib
 import os
 import sys
-from typing import Any
+from types import ModuleType
 
+from cllm.core import __version__
 from cllm.core.config import add_dataclass_arguments, build_config, read_config_file
 from cllm.core.errors import UserError, first_line
+from cllm.core.versions import check_versions
 
-COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "pretrain": ("cllm.commands.pretrain", "Config", "run",
-                 "train the embedded target model from scratch on the stdlib corpus"),
-    "collect": ("cllm.commands.collect", "Config", "run",
-                "Jacobi-decode a prompt set with the target and record trajectories"),
-    "train": ("cllm.commands.train", "Config", "run", "consistency (GC/LC) + AR fine-tuning on collected trajectories"),
-    "distill": ("cllm.commands.distill", "Config", "run", "collect + train + a short evaluation in one command"),
-    "drafts": ("cllm.commands.drafts", "Config", "run",
-               "build a model's draft table from its own greedy completions (faster Jacobi, same output)"),
-    "medusa": ("cllm.commands.medusa", "Config", "run",
-               "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact"),
-    "generate": ("cllm.commands.generate", "Config", "run", "decode a prompt (AR or Jacobi), streaming"),
-    "chat": ("cllm.commands.chat", "Config", "run", "multi-turn chat in the terminal"),
-    "serve": ("cllm.commands.serve", "Config", "run", "OpenAI-compatible HTTP server"),
-    "bench": ("cllm.commands.bench", "Config", "run", "measure AR vs Jacobi vs CLLM vs peers: speed and quality"),
-    "profile": ("cllm.commands.profile", "Config", "run",
-                "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s"),
-    "tune": ("cllm.commands.tune", "Config", "run",
-             "measure a model's step cost here and write its decode defaults beside it"),
-    "demo": ("cllm.commands.demo", "Config", "run", "the whole story on the embedded default models"),
+# subcommand -> summary; `cllm.commands.<name>` holds its `Config` and `run(config) -> int`
+COMMANDS: dict[str, str] = {
+    "pretrain": "train the embedded target model from scratch on the stdlib corpus",
+    "collect": "Jacobi-decode a prompt set with the target and record trajectories",
+    "train": "consistency (GC/LC) + AR fine-tuning on collected trajectories",
+    "distill": "collect + train + a short evaluation in one command",
+    "drafts": "build a model's draft table from its own greedy completions (faster Jacobi, same output)",
+    "medusa": "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact",
+    "generate": "decode a prompt (AR or Jacobi), streaming",
+    "chat": "multi-turn chat in the terminal",
+    "serve": "OpenAI-compatible HTTP server",
+    "bench": "measure AR vs Jacobi vs CLLM vs peers: speed and quality",
+    "profile": "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s",
+    "tune": "measure a model's step cost here and write its decode defaults beside it",
+    "demo": "the whole story on the embedded default models",
 }
 
 
-def _load(name: str) -> tuple[type, Any]:
-    module_name, config_name, func_name, _ = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    return getattr(module, config_name), getattr(module, func_name)
+def command_module(name: str) -> ModuleType:
+    """`cllm.commands.<name>`, imported when that command runs (so `cllm --help` stays fast)."""
+    return importlib.import_module(f"cllm.commands.{name}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,8 +76,6 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[s
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser for `command` (its module is imported to read its config dataclass);
     the other subcommands get only their summary, so `cllm --help` imports nothing heavy."""
-    from cllm.core import __version__
-
     parser = _Parser(
         prog="cllm",
         description="Consistency LLMs: collect Jacobi trajectories, train, measure and serve "
@@ -88,12 +83,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cllm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, _, _, summary) in COMMANDS.items():
+    for name, summary in COMMANDS.items():
         p = sub.add_parser(name, help=summary, description=summary)
         p.add_argument("--config", metavar="FILE", help="JSON or YAML file of options (flags override it)")
         if name != command:
             continue
-        add_dataclass_arguments(p, _load(name)[0])
+        add_dataclass_arguments(p, command_module(name).Config)
     return parser
 
 
@@ -105,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
               f"commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if command is not None:
-        from cllm.core.versions import check_versions
-
         try:  # before any command module imports transformers
             check_versions()
         except UserError as exc:
@@ -121,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_unknown_flags(parser, args.command, extras), file=sys.stderr)
         return 2
     prog = f"cllm {args.command}"
-    config_cls, func = _load(args.command)
+    module = command_module(args.command)
     try:
         file_values = read_config_file(args.config) if args.config else None
-        config = build_config(config_cls, file_values, vars(args))
-        result = func(config)
+        config = build_config(module.Config, file_values, vars(args))
+        result = module.run(config)
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130

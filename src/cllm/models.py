@@ -37,6 +37,8 @@ from cllm.decoding import RECOMMENDED
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
 
+log = logging.getLogger(__name__)
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -380,10 +382,6 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
 # ---------------------------------------------------------------------------------- Medusa heads
 # The loader of the heads `cllm medusa` saves (`cllm.training.medusa.save_heads`); their module
 # and file names are `cllm.modeling.heads`'.
-
-
-
-log = logging.getLogger(__name__)
 
 
 def heads_dir(source: str | os.PathLike) -> Path | None:

@@ -206,6 +206,41 @@ def _check_vocabularies(target: torch.nn.Module, draft: torch.nn.Module) -> None
 
 
 @torch.inference_mode()
+def _drop_finished(rc: kv.RowCache, drafter: ModelDrafter, active: list[_Row]) -> list[_Row]:
+    """The rows still decoding; the others' entries leave both models' caches."""
+    still = [i for i, row in enumerate(active) if not row.done]
+    if still and len(still) < len(active):
+        kv.select_rows(rc, still)
+        drafter.select_rows(still)
+    elif still:
+        kv.maybe_compact(rc)
+        drafter.compact()
+    return [active[i] for i in still]
+
+
+def _draft_and_verify(target, rc: kv.RowCache, drafter: ModelDrafter, active: list[_Row], n: int,
+                      sampling: Sampling | None, stats: DecodeStats, eos: set[int], max_new_tokens: int) -> list[int]:
+    """One step: the draft proposes n tokens per row, the target verifies them in one forward,
+    the accepted ones and the target's own token become final. Returns each row's accepted drafts."""
+    generators = [row.generator for row in active]
+    drafts = drafter.propose([row.known for row in active], n, generators)
+    # the target verifies [last final, d1 .. dn] of every row in one forward
+    device = model_device(target)
+    last = torch.tensor([row.known[-1:] for row in active], device=device)  # (B, 1)
+    tail = torch.cat([last, drafts.tokens.to(device)], dim=1)  # (B, n + 1)
+    logits = kv.feed(target, rc, tail, [n + 1] * len(active))  # (B, n + 1, V)
+    stats.forward_passes += 1
+    stats.fed.append(n + 1)
+    verified = _verify(logits, tail, drafts, sampling, generators)
+    # the accepted drafts and the target's own token are final; both caches keep exactly them
+    for row, (_, tokens) in zip(active, verified, strict=True):
+        stats.count(row.index, _make_final(row, tokens, eos, max_new_tokens))
+    accepted = [a for a, _ in verified]
+    kv.commit(rc, keep=[a + 1 for a in accepted], fed=n + 1)
+    drafter.accept(accepted)
+    return accepted
+
+
 def speculative_decode(
     target: torch.nn.Module,
     draft: torch.nn.Module,
@@ -255,7 +290,7 @@ def speculative_decode(
     prompt = prepare_prompt(target, input_ids, attention_mask, max_new_tokens)
     prepare_prompt(draft, input_ids, attention_mask, max_new_tokens)  # the draft's position limit too
     _check_vocabularies(target, draft)
-    B, eos, device = prompt.batch_size, eos_set(eos_token_id), prompt.input_ids.device
+    B, eos = prompt.batch_size, eos_set(eos_token_id)
     rows = [_Row(r, g) for r, g in enumerate(row_generators(generator, B))]
     stats = DecodeStats()
     if max_new_tokens == 0:
@@ -268,35 +303,10 @@ def speculative_decode(
         stats.count(row.index, _make_final(row, [token], eos, max_new_tokens))
     drafter = ModelDrafter(draft, [prompt.row_tokens(r).tolist() for r in range(B)], sampling)
     active, k = rows, draft_tokens
-    while True:
-        # 2. finished rows leave both caches
-        still = [i for i, row in enumerate(active) if not row.done]
-        if not still:
-            break
-        if len(still) < len(active):
-            kv.select_rows(rc, still)
-            drafter.select_rows(still)
-            active = [active[i] for i in still]
-        else:
-            kv.maybe_compact(rc)
-            drafter.compact()
-        generators = [row.generator for row in active]
+    while active := _drop_finished(rc, drafter, active):  # 2. finished rows leave both caches
         # 3. the draft proposes n tokens per row, none past the budget of the row nearest its end
         n = min(k, min(max_new_tokens - len(row.known) for row in active) - 1)
-        drafts = drafter.propose([row.known for row in active], n, generators)
-        # 4. the target verifies [last final, d1 .. dn] of every row in one forward
-        last = torch.tensor([row.known[-1:] for row in active], device=device)  # (B, 1)
-        tail = torch.cat([last, drafts.tokens.to(device)], dim=1)  # (B, n + 1)
-        logits = kv.feed(target, rc, tail, [n + 1] * len(active))  # (B, n + 1, V)
-        stats.forward_passes += 1
-        stats.fed.append(n + 1)
-        verified = _verify(logits, tail, drafts, sampling, generators)
-        # 5. the accepted drafts and the target's own token are final; both caches keep exactly them
-        for row, (_, tokens) in zip(active, verified, strict=True):
-            stats.count(row.index, _make_final(row, tokens, eos, max_new_tokens))
-        accepted = [a for a, _ in verified]
-        kv.commit(rc, keep=[a + 1 for a in accepted], fed=n + 1)
-        drafter.accept(accepted)
+        accepted = _draft_and_verify(target, rc, drafter, active, n, sampling, stats, eos, max_new_tokens)
         if n:
             k = next_draft_tokens(k, all(a == n for a in accepted), draft_schedule)
 
