@@ -4,7 +4,7 @@
         --threads 2 --out benchmarks/cllm-evaluation
 
 Each model decodes the first 64 HumanEval prompts (never trained on) and 100 stdlib-val prompts
-spread over the set, greedy, 128 new tokens; `cllm.evaluation.quality.compare_models` measures parse /
+spread over the set, greedy, 128 new tokens; `cllm.evaluation.gates.compare_models` measures parse /
 degenerate / looping rates, the target's NLL of each model's greedy text, where it leaves the
 target's, plain-Jacobi tokens per forward at n = 16 and 32 over all completions and over those
 that do not loop (Jacobi output checked against greedy on every prompt), and the validation

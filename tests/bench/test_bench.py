@@ -391,7 +391,8 @@ def test_an_out_that_is_a_model_or_holds_foreign_files_is_refused_before_anythin
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert main(small_args(tiny, out)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and ("model's directory" if where != "a foreign directory" else "did not write") in err
+    why = "folder: choose another" if where != "a foreign directory" else "did not write"
+    assert err.count("\n") == 1 and why in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     (out / "notes.txt").unlink()
 

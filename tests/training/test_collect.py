@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cllm.cli import main as cli_main
 from cllm.core.errors import UserError
+from cllm.core.outputs import MARKER, claim_folder
 from cllm.core.seeds import derived_seed as prompt_seed
 from cllm.data.tokenizer import EOT, train_tokenizer
 from cllm.data.trajectories import (
@@ -241,7 +242,7 @@ def test_killed_collection_resumes_to_exactly_the_uninterrupted_records(setup, r
     summary = collect(cfg)
     assert summary.skipped >= written and summary.skipped + summary.prompts == len(PROMPTS)
     assert read_records(out) == reference[2]
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial files left
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != MARKER]  # no partial files left
     again = collect(cfg)  # a finished directory: nothing left to do
     assert again.prompts == 0 and again.skipped == len(PROMPTS)
     assert read_records(out) == reference[2]
@@ -271,16 +272,19 @@ def test_directory_with_other_meta_is_refused_and_left_untouched(setup, referenc
     assert snapshot(out) == before
 
 
-def test_shards_without_meta_or_damaged_shards_stop_collection(setup, reference, tmp_path):
+def test_shards_collect_did_not_mark_stop_it_and_a_damaged_shard_of_its_own_is_redone(setup, reference, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     shard = list_shards(reference[0])[0]
     (out / shard.name).write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(UserError, match="no meta.json"):
+    with pytest.raises(UserError, match="did not write"):
         collect(config(setup, out))
+    claim_folder(out, "collect")  # now its own folder, with a cut shard in it
     write_meta(out, TrajectoryReader(reference[0]).meta)
-    with pytest.raises(UserError, match="damaged trajectory shard"):
-        collect(config(setup, out))
+    collect(config(setup, out))
+    assert (out / (shard.name + ".damaged")).exists()
+    assert sorted(r.prompt_id for r in TrajectoryReader(out).records()) == \
+        sorted(r.prompt_id for r in TrajectoryReader(reference[0]).records())
 
 
 @pytest.mark.parametrize("where", ["the model", "a foreign directory"])
@@ -294,7 +298,7 @@ def test_an_out_that_is_the_model_or_holds_foreign_files_is_refused_untouched(se
         (out / ".draft.partial").write_text("not collect's")
     before = snapshot(out)
     cfg = config(setup, out)
-    with pytest.raises(UserError, match="is the --model directory" if where == "the model" else "did not write"):
+    with pytest.raises(UserError, match="is the --model folder" if where == "the model" else "did not write"):
         collect(cfg)
     capsys.readouterr()
     assert cli_main(cli_args(cfg)) == 2

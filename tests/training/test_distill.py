@@ -172,7 +172,7 @@ def test_without_eval_prompts_the_last_prompts_of_a_users_set_are_held_out(setup
     ("ar text", "--ar-text"),
     ("eval prompts", "prompt file not found"),
     ("prompts", "prompt file not found"),
-    ("model out", "holds other files"),
+    ("model out", "did not write"),
 ])
 def test_every_input_is_checked_before_collection(setup, tmp_path, case, message):
     overrides = {"ar text": dict(ar_text=str(tmp_path / "missing.txt")),

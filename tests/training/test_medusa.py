@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cllm.cli import main
+from cllm.core.outputs import MARKER
 from cllm.decoding import greedy_decode
 from cllm.decoding.rivals.medusa import medusa_decode
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE
@@ -45,7 +46,7 @@ def test_heads_land_beside_the_checkpoint_without_changing_it(trained):
     folder = directory / HEADS_DIR
     assert fingerprint(directory) == before
     assert {p.name for p in folder.iterdir()} == {CONFIG_FILE, WEIGHTS_FILE, "medusa_log.jsonl",
-                                                  "medusa_train_config.json", "evaluation.json"}
+                                                  "medusa_train_config.json", "evaluation.json", MARKER}
     record = json.loads((folder / CONFIG_FILE).read_text())
     assert record["model_fingerprint"] == before and record["num_heads"] == 2 and len(record["tree"]) == 5
     assert record["training"]["texts"] == 6 and record["training"]["holdout_texts"] == 2
@@ -120,7 +121,7 @@ def test_bad_options_are_one_line_errors(trained, prompt_file, tmp_path, capsys,
 def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tmp_path, capsys):
     directory, _ = trained
     (tmp_path / "notes.txt").write_text("mine")
-    for out, why in ((tmp_path, "notes.txt"), (directory, "is the --model directory")):
+    for out, why in ((tmp_path, "did not write"), (directory, "is the --model folder")):
         code, _, err = run(capsys, "medusa", "--model", directory, "--out", out)
         assert code == 2 and err.count("\n") == 1 and why in err
     assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -456,7 +456,7 @@ def foreign_model(world: World, kind: str) -> Path:
     ("no labels", "no ground-truth labels"),
     ("batch too big", "fewer than batch-size"),
     ("bad option", "consistency must be one of"),
-    ("foreign out", "holds other files"),
+    ("foreign out", "did not write"),
 ])
 def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
     overrides = {}

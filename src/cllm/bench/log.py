@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cllm.core.outputs import claim_folder
 from cllm.core.runs import append_jsonl
 from cllm.decoding import DecodeStats
 
@@ -52,8 +53,7 @@ class BenchLog:
 
     @classmethod
     def open(cls, out: str | Path, key: str, *, resume: bool = True) -> BenchLog:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = claim_folder(out, "bench")
         log = cls(out / PROGRESS, key)
         if log.path.is_file():
             records = _read(log.path)
@@ -71,12 +71,15 @@ class BenchLog:
 
     def _load(self, records: list[dict]) -> None:
         for r in records:
-            if r.get("kind") == "decode":
-                self.decodes[(r["method"], r["prompt_id"])] = r
-            elif r.get("kind") == "sweep":
-                self.sweeps[(r["role"], int(r["n"]))] = r
-            elif r.get("kind") == "value":
-                self.values[r["name"]] = r["value"]
+            try:
+                if r.get("kind") == "decode":
+                    self.decodes[(r["method"], r["prompt_id"])] = r
+                elif r.get("kind") == "sweep":
+                    self.sweeps[(r["role"], int(r["n"]))] = r
+                elif r.get("kind") == "value":
+                    self.values[r["name"]] = r["value"]
+            except (KeyError, TypeError, ValueError):  # a damaged record: measured again
+                continue
 
     def decode(self, method: str, prompt_id: str, prompt_ids: list[int]) -> dict | None:
         """The recorded decode of `prompt_id` by `method`, if its prompt tokens are the same."""
@@ -107,10 +110,14 @@ def stats_from(record: dict | None) -> DecodeStats | None:
 
 
 def _read(path: Path) -> list[dict]:
+    """The file's records (JSON objects); a line cut short by a kill, or anything that is not a
+    record, is left out (what it held is measured again)."""
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # the last line of a killed run may be cut short
+            record = json.loads(line)
+        except ValueError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records

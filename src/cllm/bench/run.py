@@ -25,15 +25,16 @@ import transformers
 
 from cllm.bench import report
 from cllm.bench.config import BenchConfig, with_references
-from cllm.bench.log import PROGRESS, BenchLog, run_key
+from cllm.bench.log import BenchLog, run_key
 from cllm.bench.methods import Decoded, ForwardCounter, Method, build_methods, engine_decoder
 from cllm.bench.metrics import ExactnessError, all_metrics, check_exact, check_promises, exact_match, merge_stats
 from cllm.bench.models import ROLES, BenchModels, check_vocabularies, fingerprints, is_shipped_family, model_info
 from cllm.bench.pictures import write_trajectory_html
 from cllm.bench.timing import measure
-from cllm.core.config import OFF, config_to_dict
+from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_warning, machine_info
+from cllm.core.outputs import check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import Prompt, encode_prompts, load_prompts
 from cllm.decoding.inputs import position_limit
@@ -360,13 +361,14 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
 def write_report(result: BenchResult, out: str | Path, tokenizer, *, json_path: str | None = None) -> Path:
     """The report folder: bench.json, outputs.jsonl, report.md, PNGs, trajectory.html."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "bench")
     plots = report.plotting_available()
     if not plots and report.PLOTS_MISSING not in result.data["notes"]:
         result.data["notes"].append(report.PLOTS_MISSING)
     text = json.dumps(result.data, indent=2) + "\n"
     (out / "bench.json").write_text(text)
     if json_path:
+        check_new_file(json_path, flag="--json", replaceable=is_bench_json, what="bench JSON")
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(text)
     with open(out / "outputs.jsonl", "w") as fh:
@@ -397,18 +399,23 @@ def _write_trajectory_page(result: BenchResult, path: Path, tokenizer) -> None:
 
 
 def check_out_is_bench_folder(config: BenchConfig) -> None:
-    """Refuse, before anything loads or is written, an --out that is a model's directory or
-    holds files bench did not write (it rewrites config.json, report.md... there)."""
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    for name, flag in ((config.target, "--target"), (config.cllm, "--cllm"), (config.draft_model, "--draft-model")):
-        path = SHIPPED.get(name, Path(name).expanduser()) if name and name.lower() not in OFF else None
-        if path is not None and path.is_dir() and out.is_dir() and out.resolve() == path.resolve():
-            raise UserError(f"--out {out} is the {flag} model's directory; choose another")
-    if out.is_dir() and any(out.iterdir()) and not any((out / f).exists() for f in (PROGRESS, "bench.json")):
-        raise UserError(f"--out {out} holds files cllm bench did not write (no {PROGRESS} or bench.json); "
-                        "use a new directory")
+    """Refuse, before anything loads or is written, an --out that is a model's folder or holds
+    files bench did not write (`cllm.core.outputs`), and a --json file that is not a bench JSON."""
+    models = [(flag, SHIPPED.get(name, Path(name).expanduser()))
+              for name, flag in ((config.target, "--target"), (config.cllm, "--cllm"),
+                                 (config.draft_model, "--draft-model")) if name and not is_off(name)]
+    check_folder(config.out, "bench", inputs=models)
+    if config.json:
+        check_new_file(config.json, flag="--json", replaceable=is_bench_json, what="bench JSON")
+
+
+def is_bench_json(path: Path) -> bool:
+    """Whether `path` holds a bench JSON (what --json writes): an object with its top keys."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"config", "machine", "methods"} <= data.keys()
 
 
 def raise_on_violations(result: BenchResult) -> None:

@@ -39,6 +39,7 @@ from cllm.bench.report import results_renderables
 from cllm.bench.run import BenchResult, raise_on_violations, run_bench, write_report
 from cllm.core.config import write_config
 from cllm.core.machine import load_average_1min, threads_for_load
+from cllm.core.outputs import check_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import load_prompts
 from cllm.data.tokenizer import train_tokenizer
@@ -171,6 +172,7 @@ def run(config: Config) -> int:
     """1. a short bench, its table and report folder; 2. one prompt decoded live on the engine
     the headline measures, then its first blocks' trajectories."""
     hf_logging.disable_progress_bar()  # one progress display: ours
+    check_folder(config.out, "bench")  # its report folder is a bench report's (refused before anything loads)
     console = Console()
     threads = _threads(config, console)
     bench_config, models = _models(config, threads, console)

@@ -268,6 +268,19 @@ def completed_prompt_ids(directory: str | Path) -> set[str]:
     return done
 
 
+def set_aside_damaged_shards(directory: str | Path) -> list[Path]:
+    """Read every shard whole (footer, page checksums, every record); a damaged one is renamed
+    `<name>.damaged`, so that no reader sees it and a resumed collection decodes its prompts
+    again. Returns the new names."""
+    moved = []
+    for path in list_shards(directory):
+        try:
+            read_shard(path)
+        except TrajectoryError:
+            moved.append(path.rename(path.with_name(path.name + ".damaged")))
+    return moved
+
+
 def read_shard(path: str | Path) -> list[TrajectoryRecord]:
     """All records of one shard, fully validated."""
     path = Path(path)

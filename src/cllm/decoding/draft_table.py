@@ -83,8 +83,11 @@ class DraftTable:
             tensors[f"next_{o}"] = torch.tensor([n for _, n in items], dtype=torch.int32)
         meta = {"format": FORMAT, "orders": list(self.orders), **self.meta}
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"cllm": json.dumps(meta)})
-        tmp.replace(path)  # never a half-written table under the real name
+        try:
+            save_file(tensors, str(tmp), metadata={"cllm": json.dumps(meta)})
+            tmp.replace(path)  # never a half-written table under the real name
+        finally:
+            tmp.unlink(missing_ok=True)  # nothing left behind when the write or the rename fails
         path.chmod(0o644)  # safetensors writes 0600; a table is as shareable as the checkpoint
         return path
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
+from cllm.core.outputs import check_folder, claim_folder
 from cllm.decoding import RECOMMENDED
 from cllm.models import resolve_dtype
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
@@ -213,6 +213,8 @@ def markdown(p: StepProfile) -> str:
 
 def profile(config: ProfileConfig) -> StepProfile:
     """Build the model, time every k, write OUT/profile.json and OUT/profile.md; returns the profile."""
+    if config.out is not None:
+        check_folder(config.out, "profile")
     device = resolve_device(config.device)
     dtype = default_dtype(config.dtype, device)
     if config.threads is not None:
@@ -237,7 +239,7 @@ def profile(config: ProfileConfig) -> StepProfile:
                "device": device.type, "prefix": config.prefix},
         machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config))
     if config.out is not None:
-        out = Path(config.out)
+        out = claim_folder(config.out, "profile")
         write_json(result.to_dict(), out / PROFILE_JSON)
         (out / PROFILE_TABLE).write_text(markdown(result))
     return result

@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from cllm.core import __version__
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import check_folder, claim_folder
 from cllm.core.seeds import derived_seed
 from cllm.data import trajectories as tj
 from cllm.data.prompts import Prompt, PromptText, load_prompts, prompt_ids, reference_ids
@@ -264,19 +265,9 @@ def _prepare_out_dir(out: Path, meta: tj.TrajectoryMeta, model_dir: Path | None)
 
 
 def check_trajectory_folder(out: Path, model_dir: Path | None) -> None:
-    """--out is a folder `collect` may write: a new one or one it wrote (a meta.json), never the
-    model's own directory."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if model_dir is not None and model_dir.is_dir() and out.exists() and out.resolve() == model_dir.resolve():
-        raise UserError(f"--out {out} is the --model directory; choose another")
-    if (out / tj.META_FILE).exists():
-        return
-    if tj.list_shards(out):
-        raise UserError(f"{out} holds trajectory shards but no {tj.META_FILE}; use another --out")
-    elif out.is_dir() and any(out.iterdir()):
-        raise UserError(f"--out {out} holds files cllm collect did not write (no {tj.META_FILE}); "
-                        "use a new directory")
+    """--out is a folder `collect` may write (`cllm.core.outputs`: a new one, or one it marked),
+    never the model's own directory."""
+    check_folder(out, "collect", inputs=[("--model", model_dir)])
 
 
 def _encode(prompts, tokenizer, *, max_prompt_len: int) -> tuple[list[tuple[int, Prompt]], int]:
@@ -316,6 +307,11 @@ def collect(config: CollectConfig) -> CollectSummary:
     # 2. check the output directory before touching it; learn what is done before any process
     #    writes, so that every process deals the same remaining prompts
     _prepare_out_dir(out, meta, Path(resolve_model_path(config.model)))
+    if state.is_main_process:  # a shard that does not read whole is collected again
+        for moved in tj.set_aside_damaged_shards(out):
+            log.warning("%s does not read whole: set aside as %s, its prompts are collected again",
+                        moved.with_suffix(""), moved.name)
+    state.wait_for_everyone()
     done = tj.completed_prompt_ids(out)
     remaining = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
     mine = remaining[state.process_index :: state.num_processes]
@@ -394,7 +390,7 @@ def _load_inputs(config: CollectConfig, mine: list, tokenizer,
 
 def _write_run_files(out: Path, meta: tj.TrajectoryMeta, config: CollectConfig) -> None:
     """The output directory with meta.json (once) and config.json; leftovers of a crash go."""
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "collect")
     if not (out / tj.META_FILE).exists():
         tj.write_meta(out, meta)
     write_config(config, out / "config.json")

@@ -52,11 +52,12 @@ from accelerate import PartialState
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import check_folder, claim_folder
 from cllm.data.prompts import PromptText, load_prompts
 from cllm.decoding.inputs import position_limit
 from cllm.evaluation.gates import QualitySettings, compare_models, gates
 from cllm.evaluation.heldout import heldout_prompts, reference_loss
-from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id
+from cllm.models import fingerprint, load_model, load_tokenizer, pad_token_id, resolve_model_path
 from cllm.training import collect as collect_stage
 from cllm.training import run as train_run
 from cllm.training.cards import cllm_card, evaluation_table
@@ -170,7 +171,8 @@ class DistillConfig:
     def drafts_config(self, model_dir: Path, *, limit: int | None = None) -> DraftsConfig:
         """The CLLM's draft table, from the first --drafts-prompts of --prompts (at most `limit`)."""
         return DraftsConfig(model=str(model_dir), prompts=self.prompts, max_prompts=_first(self.drafts_prompts, limit),
-                            max_new_tokens=self.drafts_max_new_tokens, batch_size=self.collect_batch_size)
+                            max_new_tokens=self.drafts_max_new_tokens, batch_size=self.collect_batch_size,
+                            force=True)  # the CLLM is this run's own: its table is rebuilt when out of date
 
     def eval_settings(self, prompts: str) -> dict:
         """What the final evaluation of `prompts` depends on (a rerun with the same reuses it)."""
@@ -233,9 +235,7 @@ def check_inputs(config: DistillConfig) -> EvalPlan:
     output folder, the model, --prompts and the trajectories' folder (collection), --ar-text,
     the held-out prompts, the teacher and the CLLM's folder (training). Returns the plan of the
     evaluation."""
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
+    check_folder(config.out, "distill", inputs=[("--model", resolve_model_path(config.model))])
     collect_stage.check_inputs(config.collect_config(1))
     plan = plan_evaluation(config)
     train_config = config.train_config(1, eval_prompts=plan.prompts)
@@ -270,6 +270,8 @@ def distill(config: DistillConfig) -> DistillSummary:
         log.warning("holding out %d of the %d prompts of %s for evaluation leaves %d to train on",
                     len(plan.held_out), plan.limit + len(plan.held_out), config.prompts, plan.limit)
     out, state = Path(config.out), PartialState()
+    if state.is_main_process:
+        claim_folder(out, "distill")
     if plan.held_out and state.is_main_process:
         _write_held_out(Path(plan.prompts), plan.held_out)
     state.wait_for_everyone()

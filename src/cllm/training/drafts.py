@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from cllm.core import __version__
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import check_new_file
 from cllm.data.prompts import encode_prompts, load_prompts
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.draft_table import ORDERS, DraftTable
@@ -58,6 +59,8 @@ class DraftsConfig:
         "occurrences"})
     out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
         "found there by --draft-table auto)"})
+    force: bool = field(default=False, metadata={"help": "replace an existing draft table (the model's own, or --out); "
+        "a file that is not a draft table is never replaced"})
     dtype: str = field(default="float32", metadata={"help": "model dtype"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
@@ -98,9 +101,25 @@ def table_path(config: DraftsConfig) -> Path:
 
 
 def check_inputs(config: DraftsConfig) -> None:
-    """The model (a local checkpoint, or --out given) and the prompt set, before any model loads."""
-    table_path(config)
+    """The model (a local checkpoint, or --out given), the prompt set and where the table goes,
+    before any model loads: an existing table is replaced only with --force, and never a file
+    that is not a draft table (a model's weights, say)."""
+    out = table_path(config)
     load_prompts(config.prompts, limit=config.max_prompts)
+    check_new_file(out, force=config.force, what="draft table")
+    if out.exists() and not _is_draft_table(out):
+        raise UserError(f"--out {out} is not a draft table: refusing to replace it, even with --force")
+    sidecar = out.with_suffix(".config.json")
+    if sidecar.is_dir() or (sidecar.exists() and not out.exists()):
+        raise UserError(f"{sidecar} exists where the table's config goes: move it, or choose another --out")
+
+
+def _is_draft_table(path: Path) -> bool:
+    try:
+        DraftTable.read_meta(path)
+    except Exception:  # noqa: BLE001 - any file the table reader refuses is not a table
+        return False
+    return True
 
 
 def build_draft_table(config: DraftsConfig) -> DraftsSummary:

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForC
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
 from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
@@ -239,7 +240,7 @@ def pretrain(config: PretrainConfig) -> Path:
 
 def _open_run(config: PretrainConfig) -> _Run:
     """The checkpoint to resume (checked against the config), or a clean start; then the data."""
-    out = Path(config.out)
+    out = check_folder(config.out, "pretrain")
     ckpt_path, log_path = out / CHECKPOINT, out / LOG
     torch.set_num_threads(config.threads)
     saved = None
@@ -249,7 +250,7 @@ def _open_run(config: PretrainConfig) -> _Run:
     elif ckpt_path.exists():
         ckpt_path.unlink()
         log_path.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "pretrain")
     return _Run(config, out, saved, *_prepare(config, out, saved is not None))
 
 
@@ -364,6 +365,7 @@ def export(model, tokenizer, config: PretrainConfig, out: Path) -> None:
     model.to(dtype).save_pretrained(out, safe_serialization=True)
     model.to(torch.float32)
     save_tokenizer(tokenizer, out)
+    share_like_siblings(out)
 
 
 # ---------------------------------------------------------------------------------- model card

@@ -19,6 +19,7 @@ import torch
 
 from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError, first_line
+from cllm.core.outputs import check_folder, share_like_siblings
 from cllm.core.runs import check_same_run
 from cllm.data.prompts import load_prompts
 from cllm.data.trajectories import TrajectoryMeta, TrajectoryReader, TrajectoryRecord
@@ -63,16 +64,10 @@ def check_inputs(config: TrainConfig) -> None:
 
 
 def check_run_folder(out: Path, config: TrainConfig) -> None:
-    """--out is a folder this run may write: a new one, or one holding a `cllm train` run (never
-    the model's or the data's own folder)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    model_dir = Path(resolve_model_path(config.model))
-    for other, what in ((model_dir, "--model"), (Path(config.data), "--data")):
-        if other.exists() and out.resolve() == other.resolve():
-            raise UserError(f"--out {out} is the {what} directory; choose another")
-    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG).exists():
-        raise UserError(f"--out {out} holds other files (no {CONFIG}); use a new directory")
+    """--out is a folder this run may write (`cllm.core.outputs`: a new one, or one holding a
+    `cllm train` run), never the model's or the data's own folder."""
+    data = [("--data", p.strip()) for p in config.data.split(",") if p.strip()]
+    check_folder(out, "train", inputs=[("--model", resolve_model_path(config.model)), *data])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,3 +209,4 @@ def export(accelerator, model, tokenizer, out: Path, *, lora: bool) -> None:
             unwrapped.save_pretrained(out, state_dict=weights, safe_serialization=True)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out)
+        share_like_siblings(out)

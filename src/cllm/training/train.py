@@ -60,6 +60,7 @@ from accelerate.utils import parse_flag_from_env
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import claim_folder
 from cllm.core.runs import append_jsonl, truncate_log
 from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.decoding.inputs import position_limit
@@ -178,7 +179,7 @@ def _open_run(config: TrainConfig) -> RunState:
         if run.saved is None:
             for stale in (run.ckpt_path, out / BEST, run.log_path, out / SUMMARY):
                 stale.unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
+        claim_folder(out, "train")
         write_config(config, out / CONFIG)
     return run
 

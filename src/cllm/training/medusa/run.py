@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from cllm.core import __version__, runs
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
+from cllm.core.outputs import check_folder, claim_folder
 from cllm.data.prompts import encode_prompts
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import model_device, position_limit
@@ -105,18 +106,10 @@ class _Run:
 
 
 def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
-    """Refuse (touching nothing) a file, the model's own folder, a folder holding anything this
-    command did not write, and finished heads without --force."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if model_dir.is_dir() and out.exists() and out.resolve() == model_dir.resolve():
-        raise UserError(f"--out {out} is the --model directory; the heads go in a folder of their own")
-    if not out.is_dir():
-        return
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES and not p.name.startswith("."))
-    if foreign:
-        raise UserError(f"--out {out} holds files cllm medusa did not write ({', '.join(foreign[:3])}); use another "
-                        "folder")
+    """Refuse (touching nothing) what `cllm.core.outputs.check_folder` refuses (a file, the
+    model's own folder, a folder this command did not mark as its own), and finished heads
+    without --force."""
+    check_folder(out, "medusa", force=config.force, inputs=[("--model", model_dir)])
     if (out / WEIGHTS_FILE).exists() and not config.force:
         raise UserError(f"{out} already holds Medusa heads; --force replaces them")
 
@@ -153,7 +146,7 @@ def _open_run(config: MedusaConfig) -> _Run:
     else:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, "medusa")
     write_config(config, out / TRAIN_CONFIG)
     if config.threads:
         torch.set_num_threads(config.threads)
