@@ -191,7 +191,7 @@ def test_a_model_of_its_own_is_evaluated_on_its_held_out_texts_with_a_warning_fo
     code, text, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY, "--holdout", 5,
                           "--out", out)
     assert code == 0, err
-    warnings = [line for line in text.splitlines() if "warning" in line]
+    warnings = [line for line in err.splitlines() if "warning" in line]
     assert warnings == ["cllm medusa: warning: --holdout 5 leaves 3 of 8 texts to train on, fewer than it holds out; "
                         "give more prompts or a smaller --holdout"]
     assert "evaluating on holdout" in text and "holdout x 2" in text

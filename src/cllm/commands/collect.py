@@ -4,15 +4,15 @@ trajectory (`cllm.training.collect`); rank 0 prints what the run did.
 
 from __future__ import annotations
 
+from cllm.core.progress import echo_log, is_main_process
 from cllm.training.collect import CollectConfig, CollectSummary, collect
-from cllm.training.console import is_main_process, log_to_terminal
 
 Config = CollectConfig
 
 
 def run(config: Config) -> int:
     """Collect (or resume collecting) into `config.out` and print the summary."""
-    with log_to_terminal():
+    with echo_log():
         summary = collect(config)
     if is_main_process():
         _print_summary(summary)

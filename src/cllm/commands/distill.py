@@ -6,9 +6,9 @@ measures it applied, and a warning when the CLLM loops far more than its target.
 
 from __future__ import annotations
 
+from cllm.core.progress import echo_log, is_main_process
 from cllm.evaluation.gates import measures_line
 from cllm.training.cards import evaluation_table
-from cllm.training.console import is_main_process, log_to_terminal
 from cllm.training.distill import DistillConfig, DistillSummary, distill, repetition_warning
 
 Config = DistillConfig
@@ -16,7 +16,7 @@ Config = DistillConfig
 
 def run(config: Config) -> int:
     """Distill (each finished stage skipped on a rerun) and print the evaluation."""
-    with log_to_terminal():
+    with echo_log():
         summary = distill(config)
     if is_main_process():
         _print_summary(config, summary)

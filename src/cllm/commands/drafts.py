@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from cllm.training.console import log_to_terminal
+from cllm.core.progress import echo_log
 from cllm.training.drafts import DraftsConfig, build_draft_table
 
 Config = DraftsConfig
@@ -13,7 +13,7 @@ Config = DraftsConfig
 
 def run(config: Config) -> int:
     """Build the table and say how big it is and where it went."""
-    with log_to_terminal():
+    with echo_log():
         summary = build_draft_table(config)
     print(summary.line())
     return 0

@@ -6,8 +6,8 @@ it did; rank 0 alone prints.
 
 from __future__ import annotations
 
+from cllm.core.progress import echo_log, is_main_process
 from cllm.training.config import TrainConfig
-from cllm.training.console import is_main_process, log_to_terminal
 from cllm.training.train import TrainSummary, train
 
 Config = TrainConfig
@@ -15,7 +15,7 @@ Config = TrainConfig
 
 def run(config: Config) -> int:
     """Train (or resume) the run in `config.out` and print its summary."""
-    with log_to_terminal():
+    with echo_log():
         summary = train(config)
     if is_main_process():
         _print_summary(summary)

@@ -10,13 +10,17 @@ A library that only logs its steps is shown by its command with `echo_log`.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as Bar
+from tqdm.auto import tqdm
 
 
 class Stage:
@@ -89,28 +93,51 @@ class Progress:
             self.line(f"{title} done in {time.perf_counter() - began:.1f} s" + (f" ({detail})" if detail else ""))
 
 
-class _Echo(logging.Handler):
-    """Log records as plain lines on stdout, after a prefix."""
+def is_main_process() -> bool:
+    """Rank 0 of a launched run (`accelerate launch`, `torchrun`), or a plain process."""
+    return os.environ.get("RANK", "0") == "0"
 
-    def __init__(self, prefix: str) -> None:
-        super().__init__(logging.INFO)
-        self.prefix = prefix
+
+class _AboveBars(logging.StreamHandler):
+    """Writes through `tqdm.write`: a progress bar on the terminal is cleared, then redrawn."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"{self.prefix}{record.getMessage()}", flush=True)
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
 
 
 @contextmanager
-def echo_log(logger: str, prefix: str = ""):
-    """While a command runs, print the INFO lines its library logs under `logger` (e.g.
-    "cllm.profiling"), each after `prefix`: the library logs its steps, the command shows them."""
+def echo_log(logger: str = "cllm", prefix: str = "") -> Iterator[None]:
+    """While a command runs, show what its library logs under `logger` (e.g. "cllm.profiling"):
+    INFO lines on stdout and warnings on stderr, each after `prefix`, written above tqdm's bars;
+    on the main process of a launched run alone (the others keep logging's default). The
+    library logs its steps, the command shows them."""
+    if not is_main_process():
+        yield
+        return
     log = logging.getLogger(logger)
-    handler, level = _Echo(prefix), log.level
-    log.addHandler(handler)
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
+    info, warnings = _AboveBars(sys.stdout), _AboveBars(sys.stderr)
+    info.addFilter(_Below(logging.WARNING))
+    warnings.setLevel(logging.WARNING)
+    handlers, level = [info, warnings], log.level
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(prefix.replace("%", "%%") + "%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         yield
     finally:
-        log.removeHandler(handler)
+        for handler in handlers:
+            log.removeHandler(handler)
         log.setLevel(level)

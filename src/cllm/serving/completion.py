@@ -177,7 +177,7 @@ def complete(
         on_iteration: the Jacobi engine's hook, for trajectories (greedy methods only).
         cancelled: polled after every step; True stops decoding (e.g. the client went away).
         draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
-        heads: Medusa heads (`cllm.modeling.heads.load_heads`): greedy Medusa decoding instead of
+        heads: Medusa heads (`cllm.models.load_heads`): greedy Medusa decoding instead of
             `params.method` (its default tree; `on_iteration` is not called).
     """
     stream = TextStream(codec, params.stop, on_text)

@@ -2,7 +2,7 @@
 load it: its tokenizer (as a `TextCodec`), its draft table and, when asked, its Medusa heads.
 
 The loading itself is `cllm.models`' (checkpoints, tokenizers, draft tables) and
-`cllm.modeling.heads.load_heads`' (Medusa heads); this module only puts them together.
+`cllm.models.load_heads`' (Medusa heads); this module only puts them together.
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def rollout_prompts(records: Sequence[TrajectoryRecord]) -> list[list[int]]:
 @torch.no_grad()
 def make_rollouts(model, prompts: Sequence[Sequence[int]], config: TrainConfig, seeds: Sequence[int], *,
                   eos_token_id, pad_id: int) -> PrefixBlocks:
-    """PrefixBlocks ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
+    """Rows ``prompt + the model's own continuation`` (greedy, or sampled at the rollout
     temperature, one generator per prompt seeded by `seeds`), decoded with the KV cache."""
     recipe = config.recipe
     device = next(model.parameters()).device

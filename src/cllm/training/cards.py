@@ -101,7 +101,8 @@ def cllm_card(info: dict, section: str = "") -> str:
         f"Held-out prompts `{ev['prompts']}` (first {ev['count']}), greedy, Jacobi block size {ev['block_size']},",
         f"{ev['max_new_tokens']} new tokens. Tokens per forward = new tokens / forward passes, prefill",
         "included (cllm's docs/method.md#counting); AR loss = mean nats/token on the prompts' references.",
-    ]
+    ] if ev.get("prompts") and ev.get("count") else [
+        "No held-out evaluation during training (no held-out prompts were given: `--eval-prompts`)."]
     measures = table(("", "base model", "this CLLM"), [
         ("Jacobi tokens per forward", fmt(before.get("tokens_per_forward")), fmt(after.get("tokens_per_forward"))),
         ("AR validation loss", fmt(before.get("ar_loss")), fmt(after.get("ar_loss"))),
