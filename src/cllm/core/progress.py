@@ -93,6 +93,14 @@ class Progress:
             self.line(f"{title} done in {time.perf_counter() - began:.1f} s" + (f" ({detail})" if detail else ""))
 
 
+def progress_bar(**kwargs: Any) -> tqdm:
+    """A tqdm bar (its keywords) that redraws at most every second on a terminal and every 30
+    seconds elsewhere: a log file gets a line per half minute, not one per step."""
+    kwargs.setdefault("mininterval", 1.0 if sys.stderr.isatty() else 30.0)
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(**kwargs)
+
+
 def is_main_process() -> bool:
     """Rank 0 of a launched run (`accelerate launch`, `torchrun`), or a plain process."""
     return os.environ.get("RANK", "0") == "0"

@@ -49,12 +49,12 @@ import torch
 import torch.distributed as dist
 from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
-from tqdm.auto import tqdm
 
 from cllm.core import __version__
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import check_folder, claim_folder
+from cllm.core.progress import progress_bar
 from cllm.core.seeds import derived_seed
 from cllm.data import trajectories as tj
 from cllm.data.prompts import Prompt, PromptText, load_prompts, prompt_ids, reference_ids
@@ -333,6 +333,10 @@ def collect(config: CollectConfig) -> CollectSummary:
         states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
         new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds, processes=state.num_processes,
     )
+    if summary.prompts and not summary.records:
+        log.warning("no trajectory was kept: every block was dropped (%d degenerate, %d looping), so `cllm train` "
+                    "has nothing to learn from; the model's greedy text repeats itself on these prompts",
+                    summary.dropped, summary.dropped_loops)
     return summary
 
 
@@ -403,7 +407,7 @@ def _decode_shards(model, encoded: list[tuple[int, Prompt]], config: CollectConf
     one atomically written shard. Returns the counts and the seconds it took."""
     totals = _Counts()
     seq = tj.next_shard_seq(out, state.process_index)
-    bar = tqdm(total=len(encoded), unit="prompt", desc="collect", disable=not state.is_main_process)
+    bar = progress_bar(total=len(encoded), unit="prompt", desc="collect", disable=not state.is_main_process)
     start = time.perf_counter()
     for s in range(0, len(encoded), config.shard_size):
         # Batch prompts of similar length together (less padding); records don't care.

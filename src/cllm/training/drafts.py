@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from cllm.core import __version__
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import check_new_file
+from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts, load_prompts
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.draft_table import ORDERS, DraftTable
@@ -139,7 +139,7 @@ def build_draft_table(config: DraftsConfig) -> DraftsSummary:
                     new, config.max_new_tokens, limit)
     prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts, keep=limit - new if limit else None)
     started = time.perf_counter()
-    with tqdm(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
+    with progress_bar(total=len(prompts), unit="prompt", desc="drafts: greedy completions") as bar:
         outputs = greedy_completions(model, [p.ids for p in prompts], max_new_tokens=new,
                                      batch_size=config.batch_size, eos_token_id=tokenizer.eos_token_id,
                                      pad_id=pad_token_id(tokenizer), progress=bar.update)

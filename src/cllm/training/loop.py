@@ -10,16 +10,15 @@ exactly what the uninterrupted one drew.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from cllm.core.config import config_to_dict
+from cllm.core.progress import progress_bar
 from cllm.core.runs import append_jsonl, save_checkpoint, sigint_flag
 from cllm.core.seeds import derived_seed
 from cllm.data.trajectories import TrajectoryRecord
@@ -269,8 +268,7 @@ def run_loop(run: RunState) -> None:
     config, accelerator = run.config, run.accelerator
     stop_at = min(run.total, config.stop_at_step or run.total)
     first = run.step + 1
-    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not run.is_main,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    bar = progress_bar(total=run.total, initial=run.step, desc="train", unit="step", disable=not run.is_main)
     with sigint_flag() as interrupted:
         while run.step < stop_at:
             t0 = time.perf_counter()

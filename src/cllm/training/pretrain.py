@@ -23,19 +23,18 @@ import json
 import logging
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
+from cllm.core.progress import progress_bar
 from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
@@ -305,8 +304,7 @@ def _loop(run: _Run) -> None:
     config, model = run.config, run.model
     model.train()
     tokens_per_step = config.batch_size * config.context
-    bar = tqdm(total=config.steps, initial=run.step, desc="pretrain", unit="step",
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    bar = progress_bar(total=config.steps, initial=run.step, desc="pretrain", unit="step")
     with sigint_flag() as interrupted:
         while run.step < config.steps:
             t0 = time.perf_counter()
@@ -419,7 +417,7 @@ def evaluate_target(
                               context=position_limit(model), spread=True)
     parsed = degenerate = looping = 0
     samples = []
-    for prompt in tqdm(prompts, desc="completions", unit="prompt"):
+    for prompt in progress_bar(iterable=prompts, desc="completions", unit="prompt"):
         decoded = decode_prompts(model, [prompt], method="greedy", max_new_tokens=max_new_tokens, eos_token_id=eot,
                                  pad_id=eot)
         new, finished = strip_eos(decoded.new_tokens[0], eot)

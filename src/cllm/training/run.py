@@ -135,8 +135,8 @@ def resolve_eval_set(config: TrainConfig, meta: TrajectoryMeta) -> tuple[TrainCo
             return config, (f"{NO_EVAL_PROMPTS}: the trajectories' prompts ({meta.prompts}) are not the stdlib "
                             "domain, so no held-out evaluation; pass a JSONL of held-out prompts")
         config = dataclasses.replace(config, recipe=dataclasses.replace(recipe, eval_prompts=found))
-    return config, (f"held-out evaluation on {config.recipe.eval_prompts} (the first {config.eval_count} "
-                    f"prompts) every {recipe.eval_interval} steps")
+    return config, (f"held-out evaluation on {config.recipe.eval_prompts} (its first {config.eval_count} prompts at "
+                    f"most) every {recipe.eval_interval} steps")
 
 
 def data_digest(records: Sequence[TrajectoryRecord]) -> str:

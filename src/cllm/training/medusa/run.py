@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from cllm.core import __version__, runs
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import check_folder, claim_folder
+from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import model_device, position_limit
@@ -168,7 +168,7 @@ def _read_texts(run: _Run) -> None:
         log.warning("warning: --holdout %d leaves %d of %d texts to train on, fewer than it holds out; "
                     "give more prompts or a smaller --holdout", config.holdout, len(run.train_texts), len(texts))
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
-    with tqdm(total=len(texts), unit="text", desc="medusa: hidden states") as bar:
+    with progress_bar(total=len(texts), unit="text", desc="medusa: hidden states") as bar:
         run.train_states = hidden_states(run.model, run.train_texts, pad_id=pad, eos_token_id=eos,
                                          progress=bar.update)
         run.held_states = hidden_states(run.model, run.held_texts, pad_id=pad, eos_token_id=eos,
@@ -205,7 +205,7 @@ def _train(run: _Run) -> bool:
         runs.save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
                                               "elapsed_s": run.elapsed + time.perf_counter() - began})
 
-    with runs.sigint_flag() as interrupted, tqdm(total=config.steps, initial=trainer.step_index, unit="step",
+    with runs.sigint_flag() as interrupted, progress_bar(total=config.steps, initial=trainer.step_index, unit="step",
                                                  desc="medusa: training") as bar:
         while trainer.step_index < config.steps:
             record = trainer.step()
@@ -276,7 +276,7 @@ def _evaluate(run: _Run) -> dict | None:
     limit = position_limit(run.model)
     new = min(config.eval_max_new_tokens, limit // 2) if limit else config.eval_max_new_tokens
     prompt_set, prompts = _evaluation_prompts(run, new)
-    with tqdm(total=len(prompts), unit="prompt", desc="medusa: evaluation") as bar:
+    with progress_bar(total=len(prompts), unit="prompt", desc="medusa: evaluation") as bar:
         evaluation = evaluate_heads(run.model, run.heads, prompts, max_new_tokens=new,
                                     eos_token_id=run.tokenizer.eos_token_id, progress=bar.update)
     evaluation.update(prompt_set=prompt_set, max_new_tokens=new, threads=torch.get_num_threads(),

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from cllm.core.errors import UserError
+from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts
 from cllm.data.trajectories import read_meta, read_records
 from cllm.decoding import cache as kv
@@ -71,7 +71,7 @@ def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path
             new = min(new, limit // 2)  # leave half the context to the prompt
         prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts,
                                  keep=limit - new if limit else None)
-        with tqdm(total=len(prompts), unit="prompt", desc="medusa: greedy text") as bar:
+        with progress_bar(total=len(prompts), unit="prompt", desc="medusa: greedy text") as bar:
             texts = greedy_texts(model, [p.ids for p in prompts], max_new_tokens=new,
                                  batch_size=config.decode_batch_size,
                                  eos_token_id=tokenizer.eos_token_id, pad_id=pad_token_id(tokenizer),
