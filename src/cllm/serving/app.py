@@ -53,7 +53,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from cllm.core.errors import UserError
 from cllm.serving.api import ApiError, chat_messages, completion_prompt
 from cllm.serving.config import ServeConfig, allowed_hosts, api_key
-from cllm.serving.http import guarded_protocol
+from cllm.serving.http import guarded_protocol, room_for_connections
 from cllm.serving.loading import ServedModel, free_cores, load_served
 from cllm.serving.service import Service
 
@@ -243,7 +243,8 @@ def open_app(config: ServeConfig) -> BoundApp:
 
 def serve_app(bound: BoundApp, config: ServeConfig) -> None:
     """Serve until SIGTERM / Ctrl-C (uvicorn), running requests given `--shutdown-grace` seconds."""
-    protocol = guarded_protocol(header_timeout=config.header_timeout, max_connections=config.max_connections)
+    protocol = guarded_protocol(header_timeout=config.header_timeout,
+                                max_connections=room_for_connections(config.max_connections))
     server = uvicorn.Server(uvicorn.Config(
         bound.app, log_level=config.log_level, access_log=False, http=protocol,
         timeout_graceful_shutdown=config.shutdown_grace + SHUTDOWN_MARGIN))  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -90,6 +91,28 @@ class GuardedH11Protocol(H11Protocol):
         victim = min(idle, key=lambda c: c.idle_since) if idle else self
         log.info("%d connections open (--max-connections): closed the one idle the longest", len(self.connections))
         victim.transport.close()
+
+
+SPARE_FILES = 256  # file descriptors kept for the model's files, logs, the listening socket
+
+
+def room_for_connections(wanted: int) -> int:
+    """How many connections the process can hold open: `wanted`, after raising the soft limit
+    on open files towards the hard one if needed, else what the limit leaves (logged). A cap
+    above the limit would let accept() fail before the cap evicts anyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    room = wanted if soft == resource.RLIM_INFINITY else min(wanted, soft - SPARE_FILES)
+    if room < wanted:
+        log.warning("--max-connections %d: the open-file limit (%d) leaves room for %d", wanted, soft, room)
+    return max(room, 1)
 
 
 def guarded_protocol(*, header_timeout: float, max_connections: int) -> type[GuardedH11Protocol]:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
+from cllm.core.outputs import share_like_siblings
 from cllm.modeling.heads import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, MedusaHeads
 from cllm.modeling.losses import Distance
 from cllm.models import fingerprint
@@ -177,4 +178,5 @@ def save_heads(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
               "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "own_projection": heads.own_projection,
               "parameters_added": heads.parameters_added(), "accuracies": heads.accuracies, "tree": heads.tree}
     (directory / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    share_like_siblings(directory)  # safetensors writes 0600
     return directory
