@@ -31,13 +31,9 @@ from cllm.training.medusa import (
 )
 from tests.commands.test_generate import save_tiny_model
 from tests.decoding.conftest import ARCHS, VOCAB, random_prompt, tiny_model
+from tests.modeling.test_losses import logits
 
 # ------------------------------------------------------------------------------ the loss
-
-
-def logits(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g) * 2
 
 
 def shifted(model_logits, K):
