@@ -168,7 +168,7 @@ def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
     done = run("bash", script, env={**ENV, "PYTHON": str(stub), "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line)[2:] for line in calls.read_text().splitlines()]  # after `-m cllm.cli`
-    assert [c[0] for c in commands] == ["profile", "profile", "tune"]
+    assert [c[0] for c in commands] == ["profile", "profile", "profile", "tune"]
     helps = {name: run(sys.executable, "-m", "cllm.cli", name, "--help").stdout for name in ("profile", "tune")}
     for argv in commands:
         flags = [a for a in argv if a.startswith("--")]

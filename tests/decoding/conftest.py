@@ -10,6 +10,8 @@ import pytest
 import torch
 import transformers as tf
 
+from cllm.decoding import lean
+
 VOCAB = 256
 MAX_POSITIONS = 256
 
@@ -35,6 +37,9 @@ def _config(arch: str):
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
+# llama and qwen2 decode through the lean runner (`cllm.decoding.lean`); "@transformers" runs the
+# same tests on transformers' own forward, so both paths pass every exactness test
+PATHS = ARCHS + ["llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -46,9 +51,12 @@ def tiny_model(arch: str) -> torch.nn.Module:
     return _MODELS[arch]
 
 
-@pytest.fixture(params=ARCHS)
-def arch(request) -> str:
-    return request.param
+@pytest.fixture(params=PATHS)
+def arch(request):
+    """An architecture's name, with the decoding forward it is tested on switched on."""
+    name, _, path = request.param.partition("@")
+    with lean.runner_enabled(path != "transformers"):
+        yield name
 
 
 def random_prompt(seed: int, length: int) -> torch.Tensor:

@@ -77,6 +77,11 @@ class BenchConfig:
         "use them all, the plain Jacobi methods the block size and guess"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
         "the tokens-per-forward sweep (empty: no sweep)"})
+    forward_tokens: list[int] = field(default_factory=lambda: [1, 4, 16, 32], metadata={"help": "fed tokens per row "
+        "at which one forward of the target is timed, on every forward that can run it (the lean runner, "
+        "transformers'), at each --forward-batches (empty: not timed)"})
+    forward_batches: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "batch sizes of those "
+        "forward timings"})
     methods: list[str] = field(default_factory=list, metadata={"help": "methods to run (default: all available of "
         f"{', '.join(METHODS)}); the references they are measured against are added: target_ar always, cllm_ar "
         "beside any other cllm_* method"})
@@ -126,6 +131,9 @@ class BenchConfig:
         for name in ("warmup", "val_prompts", "val_tokens", "trajectory_prompt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("forward_tokens", "forward_batches"):
+            if any(not isinstance(n, int) or n < 1 for n in getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be ints >= 1, got {getattr(self, name)}")
         if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
             raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
         unknown = [m for m in self.methods if m not in METHODS]

@@ -261,6 +261,15 @@ def markdown_report(data: dict[str, Any]) -> str:
                   _md_table(["n", *data["sweep"]],
                             [[str(n), *(_cell(per.get(str(n), {}).get("tokens_per_forward"), "{:.3f}")
                                                              for per in data["sweep"].values())] for n in ns])]
+    if data.get("forward_cost"):
+        cost = data["forward_cost"]
+        ks = sorted({int(k) for per_b in cost["ms"].values() for per_k in per_b.values() for k in per_k})
+        parts += ["", "## One forward of the target (ms)", "",
+                  f"A causal forward of k fed tokens per row after {cost['prefix']} cached tokens, the min over the "
+                  f"rounds; the methods above decode on: {cost['forward']}.", "",
+                  _md_table(["forward", "batch", *(f"k = {k}" for k in ks)],
+                            [[path, B, *(_cell(per_k.get(str(k)), "{:.3f}") for k in ks)]
+                             for path, per_b in cost["ms"].items() for B, per_k in per_b.items()])]
     if data.get("quality"):
         q = data["quality"]
         parts += ["", "## HumanEval tests (pass@1)", "",

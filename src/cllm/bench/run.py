@@ -37,11 +37,13 @@ from cllm.core.machine import load_warning, machine_info
 from cllm.core.outputs import check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import Prompt, encode_prompts, load_prompts
+from cllm.decoding import lean
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.evaluation.heldout import heldout_prompts, reference_loss
 from cllm.evaluation.humaneval import STOP, completion_text, run_tests
 from cllm.models import SHIPPED
+from cllm.profiling.steptime import time_forwards
 
 COUNTING = ("docs/method.md#counting: forward passes = every model call (prefill included; the target's or CLLM's "
             "calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over "
@@ -82,6 +84,7 @@ class _Run:
     sweep: dict[str, Any] = field(default_factory=dict)
     trajectories: dict[str, Any] = field(default_factory=dict)
     val: dict[str, float | None] = field(default_factory=dict)
+    forward_cost: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trajectory_prompt(self) -> Prompt:
@@ -104,7 +107,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | 
         _sweep(run, counters)  # 4. tokens per forward against block size (counts only)
         run.trajectories = record_trajectories(models, config, counters, run.trajectory_prompt)  # 5. the picture's
         run.val = validation_losses(models, config, run.val_set, run.progress, run.log)  # 6. each model's
-    return _result(run)  # 7. the bench JSON
+    run.forward_cost = forward_cost(models.target, config, run.progress)  # 7. one forward, on each path
+    return _result(run)  # 8. the bench JSON
 
 
 def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | None, progress: Progress,
@@ -233,6 +237,7 @@ def _result(run: _Run) -> BenchResult:
         "counting": COUNTING,
         "val_set": {"name": run.val_set, "prompts": config.val_prompts, "tokens_per_prompt": config.val_tokens},
         "sweep": run.sweep,
+        "forward_cost": run.forward_cost,
         "exactness": run.exactness,
         # the promise holds in float32; in lower precision mismatches are reported, not fatal
         "exactness_enforced": next(run.models.target.parameters()).dtype == torch.float32,
@@ -243,6 +248,26 @@ def _result(run: _Run) -> BenchResult:
     if quality is not None:
         data["quality"] = quality
     return BenchResult(data, run.prompts, run.outputs, run.trajectories, run.violations)
+
+
+FORWARD_PREFIX = 128  # cached tokens before a timed forward (a typical position in a completion)
+
+
+def forward_cost(model: torch.nn.Module, config: BenchConfig, progress: Progress) -> dict[str, Any]:
+    """Milliseconds of one causal forward of the target at each --forward-tokens and
+    --forward-batches, on the lean runner (where it runs the model) and on transformers' forward:
+    the min over --repeats interleaved rounds (`cllm.profiling.steptime.time_forwards`)."""
+    ks, batches = config.forward_tokens, config.forward_batches
+    if not ks or not batches:
+        return {}
+    limit = position_limit(model) or FORWARD_PREFIX + max(ks) + 1
+    prefix = max(1, min(FORWARD_PREFIX, limit - max(ks)))
+    with progress.stage("forward cost", 1, detail=f"k = {ks}, batch = {batches}, {prefix} cached tokens") as stage:
+        times = time_forwards(model, ks, batches, prefix=prefix, rounds=config.repeats, seed=config.seed)
+        stage.advance()
+    return {"prefix": prefix, "forward": lean.describe(model),
+            "ms": {path: {str(B): {str(k): round(1e3 * min(s), 4) for k, s in per_k.items()}
+                          for B, per_k in per_batch.items()} for path, per_batch in times.items()}}
 
 
 def humaneval_quality(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],

@@ -14,7 +14,7 @@ from rich.console import Console
 from cllm.bench.pictures import render_block_terminal, sources_summary, trajectory_legend
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
-from cllm.decoding import IterationEvent
+from cllm.decoding import IterationEvent, lean
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.serving.completion import TextCodec, complete
 from cllm.serving.options import DecodeOptions
@@ -27,6 +27,8 @@ class GenerateConfig(DecodeOptions):
     prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
     show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
         "(final / correct / wrong)"})
+    verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which forward decodes "
+        "the model (the lean runner, or transformers' forward and why) and the engine's settings"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,6 +86,9 @@ def run(config: Config) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     prompt = read_prompt(config)
     served = config.load()
+    if config.verbose:
+        print(f"forward: {lean.describe(served.model)}", file=sys.stderr)
+        print(f"decoding: {config.params().label}, {config.engine}", file=sys.stderr)
     prompt_ids = served.codec.encode(prompt)
     if not prompt_ids:
         raise UserError("the prompt encodes to no tokens")

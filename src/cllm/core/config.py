@@ -115,7 +115,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, defaults
             kwargs.update(type=tp)
         else:
             kwargs.update(type=str)
-        parser.add_argument(_flag(f.name), **kwargs)
+        short = [f.metadata["short"]] if "short" in f.metadata else []  # e.g. -v beside --verbose
+        parser.add_argument(*short, _flag(f.name), **kwargs)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -32,6 +32,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from cllm.decoding import lean
+
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 # Compact when the cache holds more than this many columns beyond the longest row's valid
@@ -87,7 +89,7 @@ def _prefill(
     dense = bool(valid.all())
     # positions count real tokens only, so a left-padded row reads exactly like an unpadded one
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-    kv = DynamicCache()
+    kv = _new_cache(model, *input_ids.shape)
     out = _call(model, kv, input_ids, position_ids, None if dense else valid, last_only=True, hidden=hidden)
     rc = RowCache(kv=kv, lengths=valid.sum(dim=1).tolist(), valid=None if dense else valid)
     return rc, out
@@ -137,9 +139,16 @@ def forward_hidden(
     return Forward(logits=out.logits, hidden=out.hidden_states[-1])
 
 
+def _new_cache(model: torch.nn.Module, batch: int, length: int) -> DynamicCache | lean.LeanKV:
+    """The cache of a decoding run: the lean runner's preallocated one where it can run the
+    model (never with gradients), else transformers' DynamicCache."""
+    runner = None if torch.is_grad_enabled() else lean.runner_for(model)
+    return runner.new_cache(batch, length) if runner is not None else DynamicCache()
+
+
 def _call(
     model: torch.nn.Module,
-    kv: DynamicCache,
+    kv: DynamicCache | lean.LeanKV,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -147,6 +156,9 @@ def _call(
     last_only: bool,
     hidden: bool,
 ) -> Forward:
+    if isinstance(kv, lean.LeanKV):  # the lean runner made this cache: it runs the forward too
+        out = kv.runner.forward(kv, input_ids, position_ids, attention_mask, last_only=last_only, hidden=hidden)
+        return Forward(logits=out.logits, hidden=out.hidden)
     kwargs = {_cache_kwarg(model): kv, "use_cache": True}
     if last_only and accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefill needs the last position's logits only

@@ -27,7 +27,7 @@ from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
 from cllm.core.outputs import check_folder, claim_folder
-from cllm.decoding import RECOMMENDED
+from cllm.decoding import RECOMMENDED, lean
 from cllm.models import resolve_dtype
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
 from cllm.profiling.steptime import (
@@ -84,6 +84,8 @@ class ProfileConfig:
     host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the "
         "engine's host time per step (0: skip)"})
     seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})
+    forward: Literal["auto", "transformers"] = field(default="auto", metadata={"help": "the forward timed: auto (the "
+        "lean runner where it runs the model, the Llama family; else transformers'), or transformers"})
     out: str | None = field(default="reports/profile", metadata={"help": "folder for profile.json and profile.md "
         "('none': print only)"})
 
@@ -98,6 +100,8 @@ class ProfileConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.host_tokens < 0:
             raise ValueError(f"--host-tokens must be >= 0, got {self.host_tokens}")
+        if self.forward not in ("auto", "transformers"):
+            raise ValueError(f"--forward must be auto or transformers, got {self.forward!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         parse_tpf(self.tpf)
@@ -198,7 +202,8 @@ def markdown(p: StepProfile) -> str:
             f"{m['prefix']} cached tokens; torch {p.machine['torch']}, {p.machine['threads']} "
             f"thread{'s' if p.machine['threads'] != 1 else ''}, "
             f"load average {p.machine['load_average_1min']}"
-            + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else ""))
+            + (f", {p.machine['gpu']}" if "gpu" in p.machine and m["device"] == "cuda" else "")
+            + (f"; {m['forward']}" if "forward" in m else ""))
     cols = ["k", "t(k) ms (min)", "t(k) ms (median)", "t(k)/t(1)", "tree t(k) ms", "tree t(k)/t(1)",
             "host ms/step, Jacobi n=k", "host ms/step, engine budget k"]
     cols += [f"{name} (TPF {t:g}) tok/s, x AR" for name, t in p.tpf.items()]
@@ -232,11 +237,13 @@ def profile(config: ProfileConfig) -> StepProfile:
     log.info("timing k = %s after %d cached tokens, %d rounds%s", ", ".join(map(str, config.k)), config.prefix,
              config.repeats, f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else "")
     tpf = parse_tpf(config.tpf)
-    rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
-                   host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
+    with lean.runner_enabled(config.forward == "auto"):
+        rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
+                       host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
+        forward = lean.describe(model) if config.forward == "auto" else "transformers' forward (--forward transformers)"
     result = StepProfile(
         model={"shape": config.shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
-               "device": device.type, "prefix": config.prefix},
+               "device": device.type, "prefix": config.prefix, "forward": forward},
         machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config))
     if config.out is not None:
         out = claim_folder(config.out, "profile")

@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import sync
 from cllm.decoding import cache as kv
-from cllm.decoding import jacobi_decode
+from cllm.decoding import jacobi_decode, lean
 from cllm.decoding.jacobi import TokenTrie
 from cllm.modeling.shapes import LLAMA_SHAPES
 from cllm.models import resolve_dtype
@@ -176,6 +176,47 @@ def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds
             sync(device)
             getattr(out, name).setdefault(k, []).append(clock() - t0)
     assert rc.lengths == [prefix], "a step did not roll the cache back"
+    return out
+
+
+def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
+                  rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
+    """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
+    cached tokens, on each forward the model can take: {"lean" (`cllm.decoding.lean`, when it
+    runs the model), "transformers": {B: {k: [seconds per round]}}}. Rounds are interleaved over
+    (forward, B, k) and rotated; each step is rolled back, so every one sees the same cache."""
+    device, vocab = next(model.parameters()).device, model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    paths = (["lean"] if lean.why_not(model) is None else []) + ["transformers"]
+    caches, ids = {}, {}
+    for path in paths:
+        for B in batches:
+            prompt = torch.randint(vocab, (B, prefix), generator=torch.Generator().manual_seed(seed)).to(device)
+            with lean.runner_enabled(path == "lean"), torch.inference_mode():
+                caches[path, B], _ = kv.prefill(model, prompt, torch.ones_like(prompt))
+    for B in batches:
+        for k in ks:
+            ids[B, k] = torch.randint(vocab, (B, k), generator=g).to(device)
+
+    @torch.inference_mode()
+    def step(path: str, B: int, k: int) -> None:
+        rc = caches[path, B]
+        logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
+        logits.argmax(-1).tolist()  # the step's one device sync
+        kv.commit(rc, keep=[0] * B, fed=k)
+
+    order = [(path, B, k) for path in paths for B in batches for k in ks]
+    for key in order + order:  # warm-up: every shape twice
+        step(*key)
+    out: dict[str, dict[int, dict[int, list[float]]]] = {p: {B: {} for B in batches} for p in paths}
+    for r in range(rounds):
+        shift = r % len(order)
+        for path, B, k in order[shift:] + order[:shift]:
+            sync(device)
+            t0 = time.perf_counter()
+            step(path, B, k)
+            sync(device)
+            out[path][B].setdefault(k, []).append(time.perf_counter() - t0)
     return out
 
 

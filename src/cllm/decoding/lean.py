@@ -1,0 +1,278 @@
+"""A lean decoding forward for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3): what a
+Jacobi step costs is mostly the framework around ~10 MFLOP of arithmetic, so the engine owns
+its forward where it can, as gpt-fast and llama.cpp do.
+
+`LeanRunner` runs the model's own modules (embeddings, norms, projections, MLP, LM head, rotary
+embedding: the weights are the loaded model's, nothing is converted or copied) in a straight
+line per layer: one attention call per layer over a preallocated cache, masks built by index
+arithmetic, logits only where the caller reads them, no host sync. `LeanKV` is that cache: one
+buffer per layer grown geometrically, with the surface of transformers' `DynamicCache` that
+`cllm.decoding.cache` uses (`get_seq_length`, `crop`, `layers[i].keys` / `.values`,
+`batch_select_indices`), so every commit, rollback, hole and compaction there works unchanged.
+
+`runner_for(model)` says whether a model can take it (and `why_not` why it cannot); the cache
+adapter uses it for every decoding forward (never with gradients: training keeps transformers'
+forward). It is exact: token for token the transformers model's greedy output
+(`tests/decoding/test_lean.py`, and the engine's exactness suites run on both paths).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTIONS = ("sdpa", "eager")
+GROWTH = 256  # cache slots reserved beyond what a forward needs when the buffers grow
+
+_enabled = True
+_runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def runner_enabled(enabled: bool) -> Iterator[None]:
+    """Within: decoding forwards use the lean runner where supported (True), or transformers'
+    forward everywhere (False). Tests run the exactness suites both ways."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    """Why the lean runner cannot run `model` (None: it can)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"architecture {kind!r} is not one the runner knows ({', '.join(SUPPORTED)})"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or getattr(model, "lm_head", None) is None:
+        return "the model is not laid out as transformers' *ForCausalLM (wrapped, e.g. by peft?)"
+    attention = getattr(config, "_attn_implementation", "sdpa")
+    if attention not in ATTENTIONS:
+        return f"attention implementation {attention!r} (the runner computes sdpa's)"
+    window = getattr(config, "sliding_window", None)
+    sliding = getattr(config, "use_sliding_window", window is not None)
+    if window is not None and sliding and window < getattr(config, "max_position_embeddings", 0):
+        return f"sliding-window attention ({window} tokens)"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "layers other than full attention"
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "a decoder layer without separate q/k/v/o projections"
+    return None
+
+
+def runner_for(model: torch.nn.Module) -> LeanRunner | None:
+    """The model's runner (built once per model), or None when it cannot take one, when the lean
+    path is switched off, or when the model is in training mode."""
+    if not _enabled or model.training:
+        return None
+    if model not in _runners:
+        _runners[model] = LeanRunner(model) if why_not(model) is None else None
+    return _runners[model]
+
+
+def describe(model: torch.nn.Module) -> str:
+    """Which forward decodes `model`, and why, in a line (`cllm generate -v`)."""
+    reason = why_not(model)
+    if reason is None:
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return f"lean runner ({model.config.model_type}, {dtype})"
+    return f"transformers' forward: {reason}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+
+
+class _LayerView:
+    """Layer i's keys and values as DynamicCache exposes them: (B, H, S, D) views of the valid
+    slots; assigning one stores it (reallocating when it outgrows the buffer)."""
+
+    def __init__(self, kv: LeanKV, i: int) -> None:
+        self._kv, self._i = kv, i
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._kv.view(0, self._i)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor) -> None:
+        self._kv.store(0, self._i, value)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._kv.view(1, self._i)
+
+    @values.setter
+    def values(self, value: torch.Tensor) -> None:
+        self._kv.store(1, self._i, value)
+
+
+class LeanKV:
+    """Per layer a keys and a values buffer (B, H_kv, capacity, D); `length[w][i]` slots of
+    buffer w (0: keys, 1: values) of layer i are in use (equal between operations)."""
+
+    def __init__(self, layers: int, batch: int, heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, heads, capacity, head_dim)
+        self.buffers = [[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2)]
+        self.length = [[0] * layers, [0] * layers]
+        self.layers = [_LayerView(self, i) for i in range(layers)]
+        self.runner: LeanRunner | None = None  # the runner whose forwards fill it
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.length[0][layer]
+
+    def view(self, which: int, i: int) -> torch.Tensor:
+        return self.buffers[which][i][:, :, : self.length[which][i]]
+
+    def store(self, which: int, i: int, value: torch.Tensor) -> None:
+        buffer = self.buffers[which][i]
+        B, H, S, D = value.shape
+        if B != buffer.shape[0] or S > buffer.shape[2]:
+            buffer = self.buffers[which][i] = value.new_empty((B, H, max(S + GROWTH, buffer.shape[2]), D))
+        buffer[:, :, :S] = value
+        self.length[which][i] = S
+
+    def crop(self, max_length: int) -> None:
+        """DynamicCache's `crop`: a negative argument drops that many slots from the end."""
+        for lengths in self.length:
+            for i, n in enumerate(lengths):
+                lengths[i] = n + max_length if max_length < 0 else min(n, max_length)
+
+    def batch_select_indices(self, index: torch.Tensor) -> None:
+        for buffers in self.buffers:
+            for i, buffer in enumerate(buffers):
+                buffers[i] = buffer.index_select(0, index.to(buffer.device))
+
+    def append(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new (B, H, L, D) entries after layer i's used slots; returns every slot in use."""
+        for which, new in ((0, keys), (1, values)):
+            start = self.length[which][i]
+            end = start + new.shape[2]
+            buffer = self.buffers[which][i]
+            if end > buffer.shape[2]:  # grow: double, at least what this forward needs
+                grown = buffer.new_empty((*buffer.shape[:2], max(2 * buffer.shape[2], end + GROWTH), buffer.shape[3]))
+                grown[:, :, :start] = buffer[:, :, :start]
+                buffer = self.buffers[which][i] = grown
+            buffer[:, :, start:end] = new
+            self.length[which][i] = end
+        return self.view(0, i), self.view(1, i)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor  # (B, L, V), or (B, 1, V) for the last position only
+    hidden: torch.Tensor | None = None  # (B, L, H): the final norm's output (what the LM head reads)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanRunner:
+    """The decoding forward of one model (see the module docstring); state is the model's modules."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config, inner = model.config, model.model
+        self.model = weakref.ref(model)
+        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.scale = self.head_dim**-0.5
+
+    def new_cache(self, batch: int, capacity: int) -> LeanKV:
+        weight = self.embed.weight
+        kv = LeanKV(len(self.layers), batch, self.kv_heads, self.head_dim, capacity + GROWTH, weight.dtype,
+                    weight.device)
+        kv.runner = self
+        return kv
+
+    def forward(self, kv: LeanKV, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, *, last_only: bool = False,
+                hidden: bool = False) -> LeanOutput:
+        """One forward over (B, L) new tokens at `position_ids`, appended to `kv`.
+        `attention_mask`: None (every cached entry visible, causal among the new tokens), (B, S + L)
+        key validity (causal among the new tokens), or a full (B, 1, L, S + L) mask."""
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=kv)
+        self._run_hooks("_forward_pre_hooks", inputs)
+        B, L = input_ids.shape
+        x = self.embed(input_ids)  # (B, L, H)
+        cos, sin = self.rotary(x, position_ids)  # (B, L, D) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), x.device)
+        gqa = self.kv_heads != self.heads
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, L, -1, self.head_dim)
+            k = attn.k_proj(h).view(B, L, -1, self.head_dim)
+            v = attn.v_proj(h).view(B, L, -1, self.head_dim).transpose(1, 2)
+            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, L, D)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=gqa)  # (B, heads, L, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        out = LeanOutput(self.lm_head(x), x if hidden else None)
+        self._run_hooks("_forward_hooks", inputs, out)
+        return out
+
+    def _run_hooks(self, kind: str, kwargs: dict, *output: LeanOutput) -> None:
+        """The model's forward pre-hooks and hooks see every decoding forward, whichever code
+        computes it (a bench counting forwards, a test reading logits): called as torch calls
+        them, with the transformers-style keywords (no positional arguments) and, after the
+        forward, an output with `.logits`. Their return values are ignored."""
+        model = self.model()
+        hooks = getattr(model, kind, None)
+        if not hooks:
+            return
+        with_kwargs = getattr(model, f"{kind}_with_kwargs", {})
+        for key, hook in list(hooks.items()):
+            if with_kwargs.get(key):
+                hook(model, (), kwargs, *output)
+            else:
+                hook(model, (), *output)
+
+    @staticmethod
+    def _mask(mask: torch.Tensor | None, B: int, L: int, S: int, device: torch.device) -> torch.Tensor | None:
+        """The (B or 1, 1, L, S + L) boolean mask of a forward of L new tokens after S cached
+        slots; every query sees itself, so no row is fully masked (a left pad's output is
+        garbage nobody reads, never NaN)."""
+        if mask is None and L == 1:
+            return None  # one new token sees every slot: no mask at all (the fastest kernel)
+        own = torch.arange(S, S + L, device=device)[:, None]  # (L, 1): each query's own slot
+        slots = torch.arange(S + L, device=device)[None, :]  # (1, S + L)
+        if mask is None or mask.dim() == 2:
+            allowed = (slots <= own)[None, None]  # causal among the new tokens: (1, 1, L, S + L)
+            if mask is not None:
+                allowed = allowed & mask.to(device).bool()[:, None, None, :]
+        else:
+            allowed = mask.to(device)
+            allowed = allowed if allowed.dtype == torch.bool else allowed == 0  # an additive mask: 0 = allowed
+        return allowed | (slots == own)[None, None]

@@ -1,0 +1,163 @@
+"""The lean runner against transformers' own forward, on every architecture it takes: the same
+logits (prefill, causal feeds over a cache with holes, tree feeds), the same greedy tokens
+through the engine (block sizes 1 to 32, EOS inside a block, left-padded batches, recycling
+trees) in float32; greedy in bfloat16 equal to transformers' bfloat16 greedy; and its cache
+edited by the adapter exactly as a DynamicCache is."""
+
+import pytest
+import torch
+import transformers as tf
+
+from cllm import greedy_decode, jacobi_decode
+from cllm.decoding import cache as kv
+from cllm.decoding import lean
+from tests.decoding.conftest import MAX_POSITIONS, VOCAB, random_prompt
+
+LEAN_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+_MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def lean_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    if (arch, dtype) not in _MODELS:
+        sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
+                     initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+        config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+                  "qwen3": tf.Qwen3Config}[arch](**sizes)
+        torch.manual_seed(1234)
+        with torch.inference_mode(False):  # ordinary parameters, even when built inside an inference-mode test
+            _MODELS[arch, dtype] = tf.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    return _MODELS[arch, dtype]
+
+
+def both(model, fn):
+    """fn() with the lean runner, then with transformers' forward."""
+    with lean.runner_enabled(True):
+        a = fn()
+    with lean.runner_enabled(False):
+        b = fn()
+    return a, b
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+@torch.inference_mode()
+def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and_trees(arch):
+    model = lean_model(arch)
+    assert lean.why_not(model) is None and lean.describe(model).startswith("lean runner")
+    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((1, 7), (2, 3), (3, 11))]
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    fed = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
+    tree = torch.tensor([[True] * 5] * 5).tril()
+    tree[3, 1:3] = False  # node 3 hangs off node 0: a second branch
+    offsets = torch.tensor([[0, 1, 2, 1, 2]] * 3)
+
+    def run():
+        rc, first = kv.prefill(model, ids, mask)
+        logits = [first, kv.feed(model, rc, fed, [5, 2, 4])]
+        kv.commit(rc, [3, 1, 4], fed=5)  # different rows keep different counts: holes
+        logits.append(kv.feed(model, rc, fed[:, :3], [3, 3, 1]))
+        kv.commit(rc, [1, 2, 1], fed=3)
+        logits.append(kv.feed_tree(model, rc, fed, offsets, tree[None].expand(3, 5, 5)))
+        kv.commit_kept(rc, [[0, 3], [0, 1, 2], [0]], fed=5)
+        logits.append(kv.feed(model, rc, fed[:, :1], [1, 1, 1]))
+        return [x.clone() for x in logits], type(rc.kv).__name__
+
+    (got, kind), (want, other) = both(model, run)
+    assert kind == "LeanKV" and other == "DynamicCache"
+    for g, w, valid in zip(got, want, [None, [5, 2, 4], [3, 3, 1], None, None], strict=True):
+        if valid is None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        else:  # padded positions compute garbage nobody reads
+            for r, n in enumerate(valid):
+                torch.testing.assert_close(g[r, :n], w[r, :n], rtol=1e-4, atol=1e-4)
+
+
+SETTINGS = {
+    "ar": dict(block_size=1),
+    "n=4": dict(block_size=4),
+    "n=16": dict(block_size=16),
+    "n=32": dict(block_size=32),
+    "recycling": dict(block_size=4, recycle=8, recycle_budget=24),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def test_the_engine_on_the_runner_gives_transformers_greedy_tokens(arch, name):
+    model = lean_model(arch)
+    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((5, 9), (6, 4), (7, 14))]
+    with lean.runner_enabled(False):
+        full = greedy_decode(model, torch.tensor([prompts[0]]), max_new_tokens=40).new_tokens[0]
+    eos = next((t for i, t in enumerate(full[3:30], 3) if t not in full[:i]), None)  # stops mid-block
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with lean.runner_enabled(False):
+        expected = greedy_decode(model, ids, mask, max_new_tokens=40, eos_token_id=eos).new_tokens
+    with lean.runner_enabled(True):
+        got = jacobi_decode(model, ids, mask, max_new_tokens=40, eos_token_id=eos,
+                            generator=torch.Generator().manual_seed(0), **SETTINGS[name])
+    assert got.new_tokens == expected, (arch, name)
+    assert eos in got.new_tokens[0]
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def test_in_bfloat16_the_runner_gives_same_dtype_transformers_greedy_tokens(arch):
+    """Greedy decoding on the runner equals transformers' in bfloat16 too. (Jacobi's exactness is
+    a float32 promise on either forward: in bfloat16 a forward over k tokens rounds differently
+    from k one-token forwards, so near-ties can go the other way.)"""
+    model = lean_model(arch, torch.bfloat16)
+    for seed in (8, 9, 10):
+        prompt = random_prompt(seed, 10)
+        with lean.runner_enabled(False):
+            expected = greedy_decode(model, prompt, max_new_tokens=32).new_tokens
+        with lean.runner_enabled(True):
+            assert greedy_decode(model, prompt, max_new_tokens=32).new_tokens == expected, (arch, seed)
+
+
+def test_other_models_and_training_keep_transformers_forward():
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).eval()
+    assert "gpt2" in lean.why_not(gpt2) and lean.runner_for(gpt2) is None
+    assert lean.describe(gpt2).startswith("transformers' forward: ")
+    windowed = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                      num_key_value_heads=1, max_position_embeddings=512,
+                                                      sliding_window=64)).eval()
+    assert "sliding" in lean.why_not(windowed)
+    model = lean_model("llama")
+    model.train()
+    try:
+        assert lean.runner_for(model) is None  # dropout and gradients: transformers' forward
+    finally:
+        model.eval()
+    with torch.enable_grad():  # a training forward never gets the lean cache
+        rc, _ = kv.prefill(model, random_prompt(1, 4), torch.ones(1, 4, dtype=torch.long))
+        assert type(rc.kv).__name__ == "DynamicCache"
+
+
+@torch.inference_mode()
+def test_the_lean_cache_is_edited_by_the_adapter_as_a_dynamic_cache_is():
+    model = lean_model("qwen2")
+    a, b = random_prompt(11, 6), random_prompt(12, 9)
+
+    def run():
+        rc, _ = kv.prefill(model, a, torch.ones_like(a))
+        other, _ = kv.prefill(model, b, torch.ones_like(b))
+        kv.append_rows(rc, other)  # rows of different lengths: left-padded, hidden
+        fed = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+        kv.feed(model, rc, fed, [6, 6])
+        kv.commit(rc, [6, 6], fed=6)
+        kv.rollback(rc, [2, 0])  # a draft model's rejected tokens: forgotten
+        kv.feed(model, rc, fed[:, :4], [4, 4])
+        kv.commit(rc, [1, 3], fed=4)  # holes
+        kv.compact(rc)
+        kv.select_rows(rc, [1])
+        return [(layer.keys.clone(), layer.values.clone()) for layer in rc.kv.layers], rc.lengths
+
+    (got, got_lengths), (want, want_lengths) = both(model, run)
+    assert got_lengths == want_lengths
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
