@@ -29,7 +29,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not llamacpp and not vllm"
 
 # llama.cpp through llama-cpp-python, in a venv of its own (its bench methods join every run
-# where it is installed). pip builds llama.cpp from source, ~10 min on 2 cores; its multimodal
+# where it is installed). pip builds llama.cpp from source, ~10-30 min on 2 cores; its multimodal
 # library is left out (nothing here uses it).
 LLAMACPP_VENV := .venv-llamacpp
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
