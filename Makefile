@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-fast test-llamacpp demo bench lint clean
 
 install: $(STAMP)
 
@@ -21,11 +21,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# the engines' tests run in their own environments (test-llamacpp, ...)
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not llamacpp and not vllm"
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not llamacpp and not vllm"
+
+# llama.cpp through llama-cpp-python, in a venv of its own (its bench methods join every run
+# where it is installed). pip builds llama.cpp from source, ~10-30 min on 2 cores; its multimodal
+# library is left out (nothing here uses it).
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(LLAMACPP_VENV)/bin/python -m pip install --quiet -e '.[dev,llamacpp]'
+	touch $(LLAMACPP_STAMP)
+
+test-llamacpp: $(LLAMACPP_STAMP)
+	$(LLAMACPP_VENV)/bin/python -m pytest -q -m llamacpp
 
 demo: install
 	$(VENV)/bin/cllm demo
@@ -37,4 +54,4 @@ lint: install
 	$(VENV)/bin/ruff check src tests scripts
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LLAMACPP_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "bench": "measure AR vs Jacobi vs CLLM vs peers: speed and quality",
     "profile": "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s",
     "tune": "measure a model's step cost here and write its decode defaults beside it",
+    "export": "write a model as a GGUF file for llama.cpp (and its draft table as llama.cpp's lookup cache)",
     "demo": "the whole story on the embedded default models",
 }
 

@@ -21,6 +21,10 @@ Methods (the names are a contract: docs/method.md#bench-methods):
                                 model proposes --draft-tokens tokens, the target verifies; exact
   cllm_speculative              the same with the CLLM as the verifier (its own AR: cllm_ar)
   medusa                        the target's Medusa heads (`cllm medusa`), greedy; exact
+  llamacpp_ar, llamacpp_lookup  llama.cpp (llama-cpp-python) on the target's GGUF export: greedy,
+                                and with its prompt lookup (--llamacpp-lookup-tokens); exact
+  cllm_llamacpp_ar,             the same on the CLLM (cllm.bench.llamacpp); all four run when
+  cllm_llamacpp_lookup          llama-cpp-python is installed (cllm[llamacpp]), else a note says so
 
 The draft methods (assisted, speculative, cllm_speculative) need --draft-model, by default the
 shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are.
@@ -51,6 +55,11 @@ EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_gen
                  "medusa": "target_ar"}
 # the methods that decode with the draft model (skipped when there is none)
 DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
+# llama.cpp through llama-cpp-python (cllm.bench.llamacpp): run when it is installed, else skipped with a note
+LLAMACPP_METHODS = ("llamacpp_ar", "llamacpp_lookup", "cllm_llamacpp_ar", "cllm_llamacpp_lookup")
+METHODS += LLAMACPP_METHODS
+EXACT_AGAINST |= {"llamacpp_ar": "target_ar", "llamacpp_lookup": "target_ar", "cllm_llamacpp_ar": "cllm_ar",
+                  "cllm_llamacpp_lookup": "cllm_ar"}
 
 
 @dataclass
@@ -89,6 +98,10 @@ class BenchConfig:
     warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup "
         "method"})
+    llamacpp_lookup_tokens: int = field(default=8, metadata={"help": "tokens llama-cpp-python's prompt lookup "
+        "drafts per step in the *llamacpp_lookup methods"})
+    gguf_dir: str | None = field(default=None, metadata={"help": "where the llamacpp methods keep the models' GGUF "
+        "exports, reused while they match (default: ~/.cache/cllm/gguf)"})
     temperature: float = field(default=0.7, metadata={"help": "temperature of the *_sampling methods"})
     draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and "
         "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
@@ -122,7 +135,7 @@ class BenchConfig:
     def __post_init__(self):
         positive = dict(max_new_tokens=self.max_new_tokens,
                         repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
-                        draft_tokens=self.draft_tokens)
+                        draft_tokens=self.draft_tokens, llamacpp_lookup_tokens=self.llamacpp_lookup_tokens)
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")

@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from cllm.bench.config import DRAFT_METHODS, METHODS, BenchConfig
+from cllm.bench.llamacpp import llamacpp_decoders
 from cllm.bench.models import BenchModels
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
@@ -189,12 +190,14 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         candidates["medusa"] = Method("medusa", models.target, medusa(
             models.target, models.heads, ct, tree=config.medusa_tree or None, **settings.common), [ct],
             added_memory(models.heads))
+    candidates |= _llamacpp_methods(config, models, wanted)
     wanted = list(wanted) or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
         raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
                         f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
-                        "medusa needs heads: --medusa)")
+                        "medusa needs heads: --medusa, *llamacpp_* need llama-cpp-python: pip install "
+                        "'cllm[llamacpp]')")
     return [candidates[m] for m in METHODS if m in wanted]
 
 
@@ -253,3 +256,21 @@ def _draft_methods(s: _Settings, models: BenchModels, counters: dict[str, Forwar
         methods["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
             models.cllm, draft, cc, cd, **spec), [cc, cd], drafted)
     return methods
+
+
+def _llamacpp_methods(config: BenchConfig, models: BenchModels, wanted: Sequence[str]) -> dict[str, Method]:
+    """llama.cpp's greedy and prompt lookup on each model's GGUF export (`cllm.bench.llamacpp`);
+    none when llama-cpp-python is not installed. A decoder counts its own calls: it is its counter."""
+    decoders = llamacpp_decoders(config, {"target": models.target, "cllm": models.cllm}, models.tokenizer,
+                                 list(wanted))
+    return {name: Method(name, getattr(models, role), _llamacpp_run(decoder), [decoder],
+                         {**added_memory(), "engine": decoder.engine})
+            for name, (role, decoder) in decoders.items()}
+
+
+def _llamacpp_run(decoder) -> Callable[[Prompt], Decoded]:
+    def run(prompt: Prompt) -> Decoded:
+        out = decoder(prompt.ids)
+        return Decoded(out.tokens, out.forward_passes, out.accepted)
+
+    return run

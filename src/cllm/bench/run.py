@@ -25,6 +25,7 @@ import transformers
 
 from cllm.bench import report
 from cllm.bench.config import BenchConfig, with_references
+from cllm.bench.llamacpp import skipped_note
 from cllm.bench.log import BenchLog, run_key
 from cllm.bench.methods import Decoded, ForwardCounter, Method, build_methods, engine_decoder
 from cllm.bench.metrics import ExactnessError, all_metrics, check_exact, check_promises, exact_match, merge_stats
@@ -120,7 +121,7 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     device = next(models.target.parameters()).device
     machine = {**machine_info(device), "dtype": config.dtype, "seed": config.seed}
     machine["load_warning"] = load_warning(machine["load_average_1min"], machine["cores"], config.threads)
-    notes = list(models.notes)
+    notes = list(models.notes) + skipped_note(config.methods)  # llama-cpp-python missing: no llamacpp_* methods
     if machine["load_warning"]:
         progress.warn(machine["load_warning"])
         notes.append(machine["load_warning"])
