@@ -64,7 +64,7 @@ class Batch:
 
 
 def engine_chain(history, width, table=TABLE, tail=()):
-    """The draft our engine's drafters chain for `history`: pool, then table (tail first if any)."""
+    """The draft our engine's drafters chain for `history`: pool, then table (then the tail, if any)."""
     return chained(vllm_drafters(table, jacobi_tail=bool(tail)), DraftContext(list(history), carried=tail), width)[0]
 
 
@@ -74,8 +74,8 @@ def test_the_chain_is_made_of_the_engines_own_drafters():
     engine_tree = Drafters.from_settings(RECOMMENDED_CONFIG, TABLE, sampling=False).tree
     assert isinstance(pool, PoolDrafter) and pool.min_ngram == engine_tree[0].min_ngram  # the engine's recycling pool
     assert isinstance(table, TableDrafter) and table.table is TABLE
-    assert [type(d).__name__ for d in vllm_drafters(TABLE, jacobi_tail=True)] == ["CarriedDrafts", "PoolDrafter",
-                                                                                 "TableDrafter"]
+    assert [type(d).__name__ for d in vllm_drafters(TABLE, jacobi_tail=True)] == ["PoolDrafter", "TableDrafter",
+                                                                                 "CarriedDrafts"]
     assert vllm_drafters(None) == (pool,)
 
 
@@ -143,9 +143,16 @@ def test_rows_that_move_between_steps_keep_their_jacobi_tail(model_dir):
     forward(proposer, [1, 9, 10, 11, 12] + [3, 4, 8, 13, 14])
     b2, a2 = b + [1, 9], a + [3, 4, 8]
     second = Batch([b2, a2]).propose(proposer, [[1, 9], [3, 4, 8]])
-    assert second[0][:3] == [10, 11, 12] and second[1][:2] == [13, 14]  # each row's own tail first
+    assert second[0][:3] == [10, 11, 12] and second[1][:2] == [13, 14]  # no n-gram or table draft: each row's tail
     assert second == [engine_chain(b2, 4, tail=[10, 11, 12]), engine_chain(a2, 4, tail=[13, 14])]
     assert proposer.counts["jacobi"] == 5
+
+
+def test_the_tail_fills_what_the_n_grams_and_the_table_leave_at_its_own_positions(model_dir):
+    proposer = CllmJacobiProposer(vllm_config(model_dir, k=6))
+    assert proposer.draft([9, 1, 2], [20, 21, 22, 23, 24, 25]) == [3, 4, 5, 6, 24, 25]  # the table's 4, then the tail
+    assert proposer.draft([8, 8], [20, 21]) == [20, 21]
+    assert proposer.counts == {"table": 4, "jacobi": 4}
 
 
 def test_a_forward_that_does_not_add_up_drops_the_tails_not_the_drafts(model_dir):

@@ -72,8 +72,8 @@ class BenchConfig:
         "and cllm_speculative (1: the fastest measured with the shipped draft on a 2-core CPU; a GPU affords more)"})
     vllm_tokens: int = field(default=8, metadata={"help": "vllm_ngram, vllm_suffix, vllm_cllm: tokens drafted per "
         "step at most (k)"})
-    vllm_jacobi_tail: bool = field(default=False, metadata={"help": "vllm_cllm: our proposer drafts the Jacobi tail "
-        "first (vLLM 0.32)"})
+    vllm_jacobi_tail: bool = field(default=False, metadata={"help": "vllm_cllm: our proposer adds the Jacobi tail "
+        "(vLLM 0.32)"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
         "JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})

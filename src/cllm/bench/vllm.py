@@ -9,7 +9,7 @@ target's greedy decoding (`target_ar`) token for token.
   request's own prompt and output: its cache of past responses is off, since the bench decodes
   every prompt several times (round 2 would draft round 1's answer);
 - `vllm_cllm`: our proposer (`cllm.serving.vllm`: the request's n-grams + the model's draft
-  table, the Jacobi tail first with `--vllm-jacobi-tail`).
+  table, + the Jacobi tail with `--vllm-jacobi-tail`).
 
 Forward passes are vLLM's engine steps that gave the request tokens (one forward of the target
 each; the bench steps the engine itself), so tokens per forward read as our methods' do. They run

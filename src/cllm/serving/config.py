@@ -74,7 +74,7 @@ class ServeConfig:
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
     speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
         "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "
-        "table), cllm-jacobi (the Jacobi tail first; vLLM 0.32), ngram (vLLM's prompt lookup), none (plain decoding)"})
+        "table), cllm-jacobi (+ the Jacobi tail; vLLM 0.32), ngram (vLLM's prompt lookup), none (plain decoding)"})
     speculative_tokens: int = field(default=DEFAULT_SPECULATIVE_TOKENS, metadata={"help": "--engine vllm: tokens "
         "drafted per step at most (k)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "--engine vllm: GPUs the model is split across "

@@ -5,7 +5,7 @@ vLLM verifies one linear draft per request and step (its `custom_class` speculat
 `CllmProposer` drafts it with the engine's own drafters (`cllm.decoding.jacobi.drafters`,
 `chained`), not a copy of them: the request's n-gram pool (prompt + output so far,
 `PoolDrafter`), continued by the model's draft table (`TableDrafter`, as `cllm drafts` saved it
-in the model's folder). `CllmJacobiProposer` puts the Jacobi tail first (`CarriedDrafts`): the
+in the model's folder). `CllmJacobiProposer` adds the Jacobi tail (`CarriedDrafts`) last: the
 target's own predictions after the first rejected draft, what Jacobi decoding feeds next, read
 from the verifying forward by a hook on the model's logits processor. That is a vLLM internal
 (the logits of every verified position, row by row): it is checked against the vLLM release it
@@ -85,11 +85,14 @@ def require_vllm(what: str) -> None:
 
 def vllm_drafters(table: DraftTable | None, *, jacobi_tail: bool = False) -> tuple[Drafter, ...]:
     """The chain one request's draft is made of, each link continuing the ones before it: the
-    Jacobi tail (optional), the n-gram pool (a match of 2+ tokens, as the engine's recycling; a
-    2-token match drafts half as far), then the draft table."""
+    n-gram pool (a match of 2+ tokens, as the engine's recycling; a 2-token match drafts half as
+    far), the draft table, then, optionally, the Jacobi tail where they leave room. The tail
+    comes last: first, it displaced better drafts (the shipped CLLM, 6 HumanEval prompts, k = 8:
+    2.7 tokens per step without it, 1.05 with it first, 2.7 last; its plain Jacobi makes 1.1 per
+    forward)."""
     pool = PoolDrafter(most=1, min_ngram=RECOMMENDED_CONFIG.recycle_min_ngram, spare=0)
     tail = (CarriedDrafts(),) if jacobi_tail else ()
-    return (*tail, pool, *((TableDrafter(table),) if table is not None else ()))
+    return (pool, *((TableDrafter(table),) if table is not None else ()), *tail)
 
 
 def jacobi_tail(predicted: Sequence[int], drafted: Sequence[int], sampled: Sequence[int]) -> list[int]:
@@ -158,7 +161,7 @@ class CllmProposer:
         return drafts
 
     def draft(self, history: list[int], tail: Sequence[int] = ()) -> list[int]:
-        """What follows `history` (the Jacobi tail, when known, as the first link)."""
+        """What follows `history` (the Jacobi tail, when known, as the last link)."""
         width = min(self.k, self.max_model_len - len(history))
         if width <= 0:
             return []
@@ -192,8 +195,8 @@ class CllmProposer:
 
 
 class CllmJacobiProposer(CllmProposer):
-    """`CllmProposer` with the Jacobi tail first: the target's predictions after the first
-    rejected draft (what a CLLM is trained to get right)."""
+    """`CllmProposer` with the Jacobi tail after the n-grams and the table: the target's
+    predictions after the first rejected draft (what a CLLM is trained to get right)."""
 
     jacobi_tail: ClassVar[bool] = True
 
@@ -221,7 +224,8 @@ def speculative_config(model_dir: str | os.PathLike, *, jacobi_tail: bool = Fals
     Args:
         model_dir: the model vLLM is given (the same folder): its draft table (`cllm drafts`)
             is read from it; a damaged one, or one built for another tokenizer, is refused here.
-        jacobi_tail: draft the Jacobi tail first (`CllmJacobiProposer`; vLLM 0.32 only).
+        jacobi_tail: the Jacobi tail fills what the n-grams and the table leave
+            (`CllmJacobiProposer`; vLLM 0.32 only).
         overrides: vLLM's speculative settings, e.g. `num_speculative_tokens=16`.
     """
     load_draft_table(resolve_model_path(model_dir))
