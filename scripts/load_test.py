@@ -50,8 +50,10 @@ def percentile(values: list[float], q: float) -> float:
 
 async def complete(client: httpx.AsyncClient, prompt: str, args, method: str) -> dict:
     """One streamed completion: its text, tokens, latency and time to first token."""
-    body = {"prompt": prompt, "max_tokens": args.max_tokens, "method": method, "temperature": 0,
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if method != "server":  # `server`: the server's own greedy decoding (any OpenAI server, e.g. vLLM's)
+        body["method"] = method
     start = time.perf_counter()
     first, text, usage = None, [], {}
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -75,10 +77,19 @@ async def complete(client: httpx.AsyncClient, prompt: str, args, method: str) ->
             "tokens": usage.get("completion_tokens", 0), "forwards": usage.get("forward_passes", 0)}
 
 
+def _json(response: httpx.Response) -> dict:
+    """A JSON object answer, or {} (vLLM's /health is empty, its /metrics Prometheus text)."""
+    try:
+        found = response.json()
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, reference: dict[str, str],
                 deadline: float) -> dict:
     total = max(args.min_requests, concurrency * args.rounds)
-    before = (await client.get("/metrics")).json().get("batching", {})
+    before = _json(await client.get("/metrics")).get("batching", {})
     queue = list(range(total))
     results: list[dict] = []
     not_sent = 0
@@ -101,7 +112,7 @@ async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    after = (await client.get("/metrics")).json().get("batching", {})
+    after = _json(await client.get("/metrics")).get("batching", {})
     ok = [r for r in results if "error" not in r]
     steps = after.get("steps", 0) - before.get("steps", 0)
     rows = after.get("rows_stepped", 0) - before.get("rows_stepped", 0)
@@ -116,7 +127,8 @@ async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, 
         "mismatches": sum(r["text"] != reference[r["prompt"]] for r in ok),
         "wall_seconds": round(wall, 3), "requests_per_second": len(ok) / wall, "tokens_per_second": tokens / wall,
         "completion_tokens": tokens,
-        "tokens_per_forward": tokens / max(1, sum(r["forwards"] for r in ok)),
+        "tokens_per_forward": tokens / max(1, sum(r["forwards"] for r in ok)) if any(r["forwards"] for r in ok)
+        else None,  # a server that does not report its forwards (vLLM's)
         "latency_p50_ms": 1000 * percentile([r["latency"] for r in ok], 50),
         "latency_p99_ms": 1000 * percentile([r["latency"] for r in ok], 99),
         "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in ok], 50),
@@ -129,7 +141,7 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=max(args.concurrency) + 2,
                           max_keepalive_connections=max(args.concurrency) + 2)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout, limits=limits) as client:
-        server = (await client.get("/health")).json()
+        server = _json(await client.get("/health"))
         deadline = time.monotonic() + args.time_limit
         levels, references = [], {}
         for method in args.methods:
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     parser.add_argument("--concurrency", default="1,8,32,64", help="client counts, comma-separated (each <= 64)")
-    parser.add_argument("--methods", default="jacobi,ar", help="greedy decoders, comma-separated")
+    parser.add_argument("--methods", default="jacobi,ar", help="greedy decoders, comma-separated: jacobi, ar, or "
+                        "server (no method field: the server's own decoding, for another OpenAI server such as vLLM's)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--min-requests", type=int, default=16, help="requests per level at least")
@@ -184,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error("--concurrency takes integers, e.g. 1,8,32,64")
     args.methods = [m for m in args.methods.split(",") if m]
-    if not all(1 <= c <= 64 for c in args.concurrency) or not set(args.methods) <= {"jacobi", "ar"}:
-        parser.error("--concurrency values must be in 1..64 and --methods among jacobi, ar")
+    if not all(1 <= c <= 64 for c in args.concurrency) or not set(args.methods) <= {"jacobi", "ar", "server"}:
+        parser.error("--concurrency values must be in 1..64 and --methods among jacobi, ar, server")
     if not 1 <= args.rounds <= 20 or not 1 <= args.min_requests <= 500:
         parser.error("--rounds must be in 1..20 and --min-requests in 1..500")
     print(HEADER, file=sys.stderr)

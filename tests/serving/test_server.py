@@ -344,7 +344,7 @@ def test_sampling_follows_the_seed_the_temperature_and_top_p(client, oracle, mod
     first, again, other = sample(11), sample(11), sample(12)
     assert first == again != other
     engine = ServeConfig(model=str(model_dir))  # the server runs with the default engine settings
-    params = DecodeParams(engine=dataclasses.replace(engine.engine, block_size=BLOCK), max_new_tokens=NEW,
+    params = DecodeParams(engine=dataclasses.replace(engine.jacobi, block_size=BLOCK), max_new_tokens=NEW,
                           temperature=0.9, top_p=0.95, seed=11)
     expected = complete(oracle.model, TextCodec(oracle.tokenizer), oracle.ids("def f(x):"), params,
                         draft_table=load_draft_table(model_dir))

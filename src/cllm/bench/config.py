@@ -45,14 +45,17 @@ from cllm.evaluation.humaneval import QUALITIES
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
-           "cllm_speculative", "medusa")
+           "cllm_speculative", "medusa",
+           # vLLM (cllm.bench.vllm; run only when named, in an environment with vLLM: make vllm)
+           "vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_cllm")
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
 ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacobi_plain", "cllm_jacobi_sampling")
 # method -> the method whose tokens it must reproduce exactly (greedy decoding of the same model)
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
                  "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
-                 "medusa": "target_ar"}
+                 "medusa": "target_ar",
+                 **{m: "target_ar" for m in ("vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_cllm")}}
 # the methods that decode with the draft model (skipped when there is none)
 DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
 # llama.cpp through llama-cpp-python (cllm.bench.llamacpp): run when it is installed, else skipped with a note
@@ -76,6 +79,10 @@ class BenchConfig:
         "besides the root, built from the heads' measured accuracies (0: the heads' saved tree)"})
     draft_tokens: int = field(default=1, metadata={"help": "tokens the draft model proposes per step in speculative "
         "and cllm_speculative (1: the fastest measured with the shipped draft on a 2-core CPU; a GPU affords more)"})
+    vllm_tokens: int = field(default=8, metadata={"help": "vllm_ngram, vllm_suffix, vllm_cllm: tokens drafted per "
+        "step at most (k)"})
+    vllm_jacobi_tail: bool = field(default=False, metadata={"help": "vllm_cllm: our proposer adds the Jacobi tail "
+        "(vLLM 0.32)"})
     prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
         "JSONL/Parquet file"})
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
@@ -135,7 +142,8 @@ class BenchConfig:
     def __post_init__(self):
         positive = dict(max_new_tokens=self.max_new_tokens,
                         repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
-                        draft_tokens=self.draft_tokens, llamacpp_lookup_tokens=self.llamacpp_lookup_tokens)
+                        draft_tokens=self.draft_tokens, llamacpp_lookup_tokens=self.llamacpp_lookup_tokens,
+                        vllm_tokens=self.vllm_tokens)
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")

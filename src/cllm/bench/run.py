@@ -32,6 +32,7 @@ from cllm.bench.metrics import ExactnessError, all_metrics, check_exact, check_p
 from cllm.bench.models import ROLES, BenchModels, check_vocabularies, fingerprints, is_shipped_family, model_info
 from cllm.bench.pictures import write_trajectory_html
 from cllm.bench.timing import measure
+from cllm.bench.vllm import VLLM_METHODS, vllm_methods
 from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_warning, machine_info
@@ -193,7 +194,9 @@ def _transformers_quiet() -> Iterator[None]:
 
 
 def _time_methods(run: _Run, counters: dict[str, ForwardCounter]) -> None:
-    run.methods = build_methods(run.config, run.models, counters, run.wanted)
+    ours = [m for m in run.wanted if m not in VLLM_METHODS]  # the engines' methods are built apart
+    run.methods = [*build_methods(run.config, run.models, counters, ours),
+                   *vllm_methods(run.config, run.models, run.wanted).values()]
     run.decoded, run.seconds = measure(run.methods, run.prompts, repeats=run.config.repeats,
                                        warmup=run.config.warmup, device=run.device, progress=run.progress,
                                        log=run.log)

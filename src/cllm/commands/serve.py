@@ -1,7 +1,8 @@
 """`cllm serve`: an OpenAI-compatible HTTP server over one model (`cllm.serving.app`), until
 SIGTERM or Ctrl-C. The port is bound before the model loads (a taken port fails at once); a
 line on stderr says what is served where, after a warning when the port is open beyond this
-machine without an API key.
+machine without an API key. `--engine vllm`: vLLM's OpenAI server, drafting with our proposer,
+takes this process's place (`cllm.serving.vllm_serve`).
 """
 
 from __future__ import annotations
@@ -12,22 +13,44 @@ import torch
 
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
+from cllm.serving.vllm_serve import replace_process, vllm_server
 
 Config = ServeConfig
 
 
 def run(config: Config) -> int:
     """Load the model and serve it until interrupted."""
+    if config.engine == "vllm":
+        return _serve_vllm(config)
     bound = open_app(config)
-    keyed = api_key(config) is not None
-    warning = exposure_warning(config.host, bound.port, keyed)
-    if warning:
-        print(f"cllm serve: warning: {warning}", file=sys.stderr, flush=True)
+    keyed = _warn_if_exposed(config, bound.port)
     table = bound.served.draft_table
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{bound.port}/v1 "
-          f"(greedy: {config.method}, n = {config.engine.block_size}{drafts}; batches up to {config.max_batch_size} "
+          f"(greedy: {config.method}, n = {config.jacobi.block_size}{drafts}; batches up to {config.max_batch_size} "
           f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
           file=sys.stderr, flush=True)
     serve_app(bound, config)
     return 0
+
+
+def _serve_vllm(config: Config) -> int:
+    """vLLM's OpenAI server, drafting with our proposer, in this process's place."""
+    cmd, env, notes = vllm_server(config)  # refuses first: no vLLM here, no such model
+    keyed = _warn_if_exposed(config, config.port)
+    for note in notes:
+        print(f"cllm serve: note: {note}", file=sys.stderr, flush=True)
+    print(f"cllm serve: '{config.model_id}' through vLLM on http://{config.host}:{config.port}/v1 (drafts: "
+          f"{config.speculation}, k = {config.speculative_tokens}; batches up to {config.max_batch_size} requests"
+          f"{'; API key required' if keyed else ''})", file=sys.stderr, flush=True)
+    replace_process(cmd, env)  # vLLM's server from here on: its signals, its exit code
+    return 0
+
+
+def _warn_if_exposed(config: Config, port: int) -> bool:
+    """Warn when the port is open beyond this machine without an API key; whether a key is set."""
+    keyed = api_key(config) is not None
+    warning = exposure_warning(config.host, port, keyed)
+    if warning:
+        print(f"cllm serve: warning: {warning}", file=sys.stderr, flush=True)
+    return keyed

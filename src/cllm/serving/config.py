@@ -13,6 +13,7 @@ from typing import Literal
 
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.serving.completion import METHODS
+from cllm.serving.vllm import DEFAULT_SPECULATIVE_TOKENS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "CLLM_API_KEY"
@@ -28,7 +29,10 @@ class ServeConfig:
         "model dir's name)"})
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does "
         "not name one"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+    engine: Literal["cllm", "vllm"] = field(default="cllm", metadata={"help": "cllm: this package's server and Jacobi "
+        "engine; vllm: vLLM's OpenAI server drafting with our proposer (cllm.serving.vllm; needs vLLM: make vllm, or "
+        "pip install 'cllm[vllm]')"})
+    jacobi: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
         "settings (flags --block-size, --recycle, ...)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
         "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
@@ -65,8 +69,16 @@ class ServeConfig:
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
-        "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower)"})
+        "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
+        "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
+    speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
+        "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "
+        "table), cllm-jacobi (+ the Jacobi tail; vLLM 0.32), ngram (vLLM's prompt lookup), none (plain decoding)"})
+    speculative_tokens: int = field(default=DEFAULT_SPECULATIVE_TOKENS, metadata={"help": "--engine vllm: tokens "
+        "drafted per step at most (k)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "--engine vllm: GPUs the model is split across "
+        "(vLLM's --tensor-parallel-size)"})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -86,6 +98,14 @@ class ServeConfig:
             raise ValueError("--threads and --forward-width must be >= 0")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.engine not in ("cllm", "vllm"):
+            raise ValueError(f"--engine must be cllm or vllm, got {self.engine!r}")
+        if self.speculation not in ("cllm", "cllm-jacobi", "ngram", "none"):
+            raise ValueError(f"--speculation must be cllm, cllm-jacobi, ngram or none, got {self.speculation!r}")
+        if self.speculative_tokens < 1 or self.tensor_parallel_size < 1:
+            raise ValueError("--speculative-tokens and --tensor-parallel-size must be >= 1")
+        if self.engine == "cllm" and self.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size needs --engine vllm (the cllm engine runs on one device)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
 

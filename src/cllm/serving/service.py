@@ -169,7 +169,7 @@ class Service:
 
     async def respond(self, request: Request, body: dict, prompt_ids: list[int], chat: bool):
         cfg = self.cfg
-        params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, engine=cfg.engine,
+        params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, engine=cfg.jacobi,
                               max_tokens_key="max_completion_tokens" if chat else "max_tokens")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 

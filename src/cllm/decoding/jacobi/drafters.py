@@ -215,10 +215,10 @@ def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], wid
 # How the engine composes them
 
 
-def fill(chain: Sequence[Drafter], context: DraftContext, count: int) -> tuple[list[int], list[str]]:
-    """`count` tokens after `context.history`: each drafter of the chain continues what the ones
-    before it proposed (its first draft), until `count` are known; with each token, where it
-    came from. The chain ends with a guess, which always fills the rest."""
+def chained(chain: Sequence[Drafter], context: DraftContext, count: int) -> tuple[list[int], list[str]]:
+    """Up to `count` tokens after `context.history`: each drafter of the chain continues what
+    the ones before it proposed (its first draft), until `count` are known or the chain ends;
+    with each token, where it came from. (vLLM's proposer, `cllm.serving.vllm`, drafts so.)"""
     tokens: list[int] = []
     sources: list[str] = []
     for drafter in chain:
@@ -230,6 +230,13 @@ def fill(chain: Sequence[Drafter], context: DraftContext, count: int) -> tuple[l
             draft = found[0][:need]
             tokens += draft
             sources += [drafter.source] * len(draft)
+    return tokens, sources
+
+
+def fill(chain: Sequence[Drafter], context: DraftContext, count: int) -> tuple[list[int], list[str]]:
+    """`count` tokens after `context.history` (`chained`): the chain ends with a guess, which
+    always fills the rest."""
+    tokens, sources = chained(chain, context, count)
     assert len(tokens) == count, "a fill chain ends with a guess"
     return tokens, sources
 
