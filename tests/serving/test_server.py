@@ -397,10 +397,10 @@ def _settings(model_dir, **kwargs) -> ServeConfig:
     return ServeConfig(model=str(model_dir), served_model_name=NAME, **kwargs)
 
 
-def wait_until_up(url: str, proc: subprocess.Popen, log) -> None:
-    """Poll a `cllm serve` subprocess's /health until it answers (90 s at most); on failure,
+def wait_until_up(url: str, proc: subprocess.Popen, log, seconds: float = 90) -> None:
+    """Poll a server subprocess's /health until it answers (`seconds` at most); on failure,
     the test fails with the server's log."""
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + seconds
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:

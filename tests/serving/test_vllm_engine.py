@@ -7,7 +7,6 @@ import gc
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -17,7 +16,7 @@ import torch
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.models import SHIPPED, load_model, load_tokenizer
 from cllm.serving.vllm import engine_environment, speculative_config
-from tests.serving.test_server import ENV, free_port
+from tests.serving.test_server import ENV, free_port, wait_until_up
 
 pytestmark = pytest.mark.vllm
 
@@ -92,7 +91,7 @@ def test_serve_engine_vllm_answers_concurrent_clients_with_greedys_tokens(prompt
     proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
     try:
-        _wait_until_up(url, proc, log)
+        wait_until_up(url, proc, log, seconds=600)
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # the key is asked for
 
         def complete(ids):
@@ -111,18 +110,3 @@ def test_serve_engine_vllm_answers_concurrent_clients_with_greedys_tokens(prompt
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-
-
-def _wait_until_up(url: str, proc: subprocess.Popen, log, seconds: float = 600) -> None:
-    """Poll vLLM's /health until it answers; fail with the server's log if it exits or times out."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"vLLM's server did not come up:\n{log.read()[-4000:]}")
-        time.sleep(1)
