@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm.cli import build_parser, command_module
 from cllm.core.config import build_config
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
-from tests.serving.test_server import free_port, wait_until_up
+from tests.serving.test_server import free_port, stop_server, wait_until_up
 from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,12 +141,7 @@ def test_load_test_against_a_tiny_server_reports_every_level_without_mismatches(
                    "--methods", "jacobi,ar", "--max-tokens", str(NEW), "--rounds", "1", "--min-requests", "2",
                    "--time-limit", "60", "--json", out)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        stop_server(server, log)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert json.loads(done.stdout) == result

@@ -80,12 +80,7 @@ def server(model_dir, tmp_path_factory):
         wait_until_up(url, proc, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
 
 @pytest.fixture(scope="module")
@@ -395,6 +390,16 @@ def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_d
 
 def _settings(model_dir, **kwargs) -> ServeConfig:
     return ServeConfig(model=str(model_dir), served_model_name=NAME, **kwargs)
+
+
+def stop_server(proc: subprocess.Popen, log, seconds: float = 15) -> None:
+    """Stop a server subprocess (killed when it has not exited after `seconds`) and close its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def wait_until_up(url: str, proc: subprocess.Popen, log, seconds: float = 90) -> None:

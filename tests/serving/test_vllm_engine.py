@@ -16,7 +16,7 @@ import torch
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.models import SHIPPED, load_model, load_tokenizer
 from cllm.serving.vllm import engine_environment, speculative_config
-from tests.serving.test_server import ENV, free_port, wait_until_up
+from tests.serving.test_server import ENV, free_port, stop_server, wait_until_up
 
 pytestmark = pytest.mark.vllm
 
@@ -104,9 +104,4 @@ def test_serve_engine_vllm_answers_concurrent_clients_with_greedys_tokens(prompt
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(complete, prompts)) == expected
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log, seconds=60)
