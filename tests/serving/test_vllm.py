@@ -116,6 +116,14 @@ def test_rows_mid_prefill_or_laid_out_otherwise_get_no_draft(model_dir):
     assert proposer.counts["rows_skipped"] == 1
 
 
+def test_a_row_whose_drafting_fails_drafts_nothing_and_its_neighbours_still_draft(model_dir, monkeypatch):
+    proposer = CllmProposer(vllm_config(model_dir))
+    draft = proposer.draft
+    monkeypatch.setattr(proposer, "draft", lambda history, tail=(): 1 / 0 if history[0] == 8 else draft(history, tail))
+    assert Batch([[8, 1, 2], [9, 1, 2]]).propose(proposer, [[2], [2]]) == [[], [3, 4, 5, 6]]
+    assert proposer.counts["rows_failed"] == 1
+
+
 def test_the_jacobi_tail_is_the_targets_predictions_after_the_first_rejected_draft():
     # drafted 3 4 5 6; the target predicted 3 4 9 1 2 (after the context, +3, +3 4, +3 4 5, +3 4 5 6)
     assert jacobi_tail([3, 4, 9, 1, 2], [3, 4, 5, 6], [3, 4, 9]) == [1, 2]

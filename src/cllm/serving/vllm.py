@@ -152,13 +152,26 @@ class CllmProposer:
         tails = self._tails(rows)
         drafts, drafted = [], {}
         for row, tail in zip(rows, tails, strict=True):
-            draft = self.draft(row.history, tail) if row is not None else []
+            draft = self._row_draft(row, tail)
             drafts.append(draft)
             if draft:
                 drafted[tuple(row.history)] = draft
         self._drafted = drafted  # only the last step's: a request not scheduled at a step loses its tail once
         self.counts["steps"] += 1
         return drafts
+
+    def _row_draft(self, row: _Row | None, tail: Sequence[int]) -> list[int]:
+        """One row's draft; a row whose drafting fails drafts nothing (vLLM then decodes it
+        plainly) and fails no other request of the batch."""
+        if row is None:
+            return []
+        try:
+            return self.draft(row.history, tail)
+        except Exception:  # noqa: BLE001 - drafting is speed only: never fail the batch for it
+            if not self.counts["rows_failed"]:
+                log.exception("cllm proposer: drafting failed for a request; it decodes without drafts")
+            self.counts["rows_failed"] += 1
+            return []
 
     def draft(self, history: list[int], tail: Sequence[int] = ()) -> list[int]:
         """What follows `history` (the Jacobi tail, when known, as the last link)."""
