@@ -7,6 +7,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
     from cllm import BatchDecoder   # rows join and leave a running Jacobi batch between steps
     from cllm import speculative_decode   # a draft model proposes, the model verifies (exact)
     from cllm import medusa_decode  # with Medusa heads: cllm.models.load_heads (cllm medusa)
+    from cllm import eagle_decode  # with an EAGLE head: cllm.models.load_eagle (cllm eagle)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "DecodeStats",
     "IterationEvent",
     "__version__",
+    "eagle_decode",
     "greedy_decode",
     "jacobi_decode",
     "medusa_decode",
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
         DecodeStats,
         IterationEvent,
         JacobiConfig,
+        eagle_decode,
         greedy_decode,
         jacobi_decode,
         medusa_decode,

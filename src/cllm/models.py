@@ -35,6 +35,9 @@ from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
 from cllm.decoding import RECOMMENDED
 from cllm.decoding.draft_table import DraftTable
+from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
+from cllm.modeling.eagle import EAGLE_DIR, EagleHead
+from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -434,17 +437,64 @@ def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
 
 
-def _check_heads_fingerprint(record: dict, found: Path, model: torch.nn.Module, model_path) -> None:
+def _check_heads_fingerprint(record: dict, found: Path, model: torch.nn.Module, model_path, *,
+                             kind: str = "Medusa heads", command: str = "cllm medusa") -> None:
     if model_path is not None and record.get("model_fingerprint"):
         saved, have = record["model_fingerprint"], fingerprint(model_path)
     elif record.get("parameters_fingerprint"):
         if next(model.parameters()).dtype != torch.float32:  # a cast changes the parameters' hash
-            log.warning("Medusa heads in %s: the base model's fingerprint is not checked for a model "
-                        "in %s (pass model_path)", found, next(model.parameters()).dtype)
+            log.warning("%s in %s: the base model's fingerprint is not checked for a model "
+                        "in %s (pass model_path)", kind, found, next(model.parameters()).dtype)
             return
         saved, have = record["parameters_fingerprint"], fingerprint(model)
     else:
         return
     if saved != have:
-        raise UserError(f"Medusa heads in {found} were trained on another model (fingerprint {saved}, "
-                        f"this one is {have}); retrain them with cllm medusa")
+        raise UserError(f"{kind} in {found} were trained on another model (fingerprint {saved}, "
+                        f"this one is {have}); retrain with {command}")
+
+
+def eagle_dir(source: str | os.PathLike) -> Path | None:
+    """The EAGLE head folder `source` names: itself when it holds an `eagle_config.json`, else
+    its `eagle/` subfolder when that does (a checkpoint with a head); None otherwise."""
+    path = Path(source).expanduser()
+    for candidate in (path, path / EAGLE_DIR):
+        if (candidate / EAGLE_CONFIG_FILE).is_file():
+            return candidate
+    return None
+
+
+def load_eagle(source: str | os.PathLike, model: torch.nn.Module, model_path: str | os.PathLike | None = None
+               ) -> EagleHead | None:
+    """The EAGLE head saved in `source` (a head folder, or a checkpoint whose `eagle/` holds one)
+    for `model`, on its device and in its dtype, with its default tree; None when `source` is a
+    folder without one. The base model's fingerprint is checked as `load_heads` checks it; a
+    mismatch, other sizes or an unreadable file is a one-line UserError."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"EAGLE head not found: {path}")
+    found = eagle_dir(path)
+    if found is None:
+        return None
+    if model_path is None and found != path and (path / "config.json").is_file():
+        model_path = path  # a checkpoint with its head inside
+    try:
+        record = json.loads((found / EAGLE_CONFIG_FILE).read_text(encoding="utf-8"))
+        sizes = dict(record["sizes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read {found / EAGLE_CONFIG_FILE}: {first_line(exc)}") from None
+    lm_head = model.get_output_embeddings()
+    have = None if lm_head is None else tuple(lm_head.weight.shape)
+    if have != (sizes.get("vocab_size"), sizes.get("hidden_size")):
+        raise UserError(f"the EAGLE head in {found} is for a vocabulary x hidden size of "
+                        f"{(sizes.get('vocab_size'), sizes.get('hidden_size'))}, the model has {have}")
+    _check_heads_fingerprint(record, found, model, model_path, kind="EAGLE head weights", command="cllm eagle")
+    head = EagleHead(model.get_input_embeddings(), lm_head, sizes)
+    try:
+        with safe_open(str(found / EAGLE_WEIGHTS_FILE), framework="pt") as file:
+            head.load_saved_state({name: file.get_tensor(name) for name in file.keys()})
+    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
+        raise UserError(f"cannot load {found / EAGLE_WEIGHTS_FILE}: {first_line(exc)}") from None
+    head.tree = record.get("tree")
+    head.meta = {k: v for k, v in record.items() if k != "tree"}
+    return head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()

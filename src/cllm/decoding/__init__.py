@@ -1,12 +1,13 @@
 """Decoding engines: greedy autoregressive (the oracle), Jacobi with fast-forward commit (greedy,
 or lossless sampling), speculative decoding with a draft model (greedy, or lossless sampling),
-Medusa tree verification (greedy), and plain autoregressive sampling.
+Medusa and EAGLE tree verification (greedy), and plain autoregressive sampling.
 
 Token ids in, token ids out: nothing here knows about tokenizers.
 """
 
 from cllm.decoding.autoregressive import greedy_decode
 from cllm.decoding.jacobi import BatchDecoder, IterationEvent, jacobi_decode
+from cllm.decoding.rivals.eagle import eagle_decode
 from cllm.decoding.rivals.medusa import medusa_decode
 from cllm.decoding.rivals.speculative import speculative_decode
 from cllm.decoding.sampling import sample_decode
@@ -21,6 +22,7 @@ __all__ = [
     "DecodeStats",
     "IterationEvent",
     "JacobiConfig",
+    "eagle_decode",
     "greedy_decode",
     "jacobi_decode",
     "medusa_decode",

@@ -82,15 +82,24 @@ def prefill_hidden(
     return rc, Forward(logits=out.logits[:, -1:], hidden=out.hidden[:, -1:])
 
 
+def prefill_features(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[RowCache, Forward]:
+    """`prefill` that returns the logits (B, T, V) and last hidden state (B, T, H) at every
+    prompt position (an EAGLE head reads the features of the whole prompt)."""
+    return _prefill(model, input_ids, attention_mask, hidden=True, last_only=False)
+
+
 def _prefill(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, hidden: bool
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, hidden: bool,
+    last_only: bool = True,
 ) -> tuple[RowCache, Forward]:
     valid = attention_mask.bool()
     dense = bool(valid.all())
     # positions count real tokens only, so a left-padded row reads exactly like an unpadded one
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
     kv = _new_cache(model, *input_ids.shape)
-    out = _call(model, kv, input_ids, position_ids, None if dense else valid, last_only=True, hidden=hidden)
+    out = _call(model, kv, input_ids, position_ids, None if dense else valid, last_only=last_only, hidden=hidden)
     rc = RowCache(kv=kv, lengths=valid.sum(dim=1).tolist(), valid=None if dense else valid)
     return rc, out
 
@@ -222,6 +231,34 @@ def _tree_inputs(
     own = tree.to(device).bool() | torch.eye(L, dtype=torch.bool, device=device)[None]
     mask = torch.cat([past.to(device)[:, None, :].expand(B, L, S), own], dim=2)[:, None]  # (B,1,L,S+L)
     return position_ids, custom_mask(model, mask)
+
+
+def empty_cache() -> RowCache:
+    """An empty one-row cache for a decoder body called with `feed_embeds` (an EAGLE head's)."""
+    return RowCache(kv=DynamicCache(), lengths=[0], valid=None)
+
+
+def feed_embeds(
+    body: torch.nn.Module, rc: RowCache | None, embeds: torch.Tensor, position_ids: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One forward of a transformers base model (e.g. `LlamaModel`, no LM head) over input
+    embeddings (B, L, H) at `position_ids` (B, L); returns its last hidden states (B, L, H).
+
+    With `rc` (one row, every entry valid) the L entries are appended to its cache and counted
+    in `rc.lengths`; `allowed` (B, L, S + L), True where a fed query may attend to a key (the
+    S cached entries, then the fed ones), lays the fed tokens out as a tree; None is causal.
+    Without `rc` there is no cache (training): causal, and right padding is harmless."""
+    kwargs: dict = {"use_cache": False}
+    mask = None
+    if rc is not None:
+        kwargs = {_cache_kwarg(body): rc.kv, "use_cache": True}
+        if allowed is not None:
+            mask = custom_mask(body, allowed.to(embeds.device).bool()[:, None])  # (B, 1, L, S + L)
+    out = body(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask, **kwargs)
+    if rc is not None:
+        rc.lengths = [n + embeds.shape[1] for n in rc.lengths]
+    return out.last_hidden_state
 
 
 def custom_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
