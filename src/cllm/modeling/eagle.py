@@ -81,6 +81,8 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         # vocab_size=1: the body's own embedding table is never used (inputs_embeds are given)
         self.body = LlamaModel(llama_config(sizes, vocab_size=1))
+        self.body.embed_tokens.requires_grad_(False)
+        nn.init.zeros_(self.body.embed_tokens.weight)  # never read; zero so every copy is the same
         self.body.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: no norm on the fused input
         self.body.norm = nn.Identity()  # ... and none after the layer: its output is the feature
         # the target's embeddings and LM head: a tuple keeps them out of parameters and state dict
