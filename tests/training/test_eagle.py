@@ -58,7 +58,8 @@ def test_the_loss_is_zero_for_identical_inputs_and_ignores_masked_positions():
     mask[1, 3:] = False
     changed = other.clone()
     changed[1, 3:] += 100
-    assert torch.equal(eagle_loss(other, f, other_logits, logits, mask), eagle_loss(changed, f, other_logits, logits, mask))
+    loss = eagle_loss(other, f, other_logits, logits, mask)
+    assert torch.equal(loss, eagle_loss(changed, f, other_logits, logits, mask))
 
 
 def test_the_head_lands_beside_the_checkpoint_and_training_lowers_the_held_out_loss(trained):

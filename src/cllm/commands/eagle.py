@@ -37,7 +37,8 @@ def print_summary(result: EagleResult, seconds: float) -> None:
         tree = evaluation["tree"]
         print(f"  {evaluation['prompt_set']} x {evaluation['prompts']}: {evaluation['tokens_per_forward']:.2f} tokens "
               f"per forward (tree: {tree['nodes']} nodes, depth {tree['depth']}, top-k {tree['top_k']}; "
-              f"{evaluation['mean_fed']:.1f} tokens fed per forward); exact {evaluation['exact']}/{evaluation['prompts']}")
+              f"{evaluation['mean_fed']:.1f} tokens fed per forward); "
+              f"exact {evaluation['exact']}/{evaluation['prompts']}")
         if evaluation["mismatches"]:
             print(f"  NOT EXACT: {evaluation['mismatches']}")
     print(f"  -> {result.out} ({seconds:.0f} s)")

@@ -270,7 +270,8 @@ def evaluate_eagle(model: torch.nn.Module, head: EagleHead, prompts: Sequence[Se
             first = next((j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b),
                          min(len(got), len(expected)))
             mismatches.append({"prompt": i, "first_difference": first})
-        tokens, forwards, drafts = tokens + len(got), forwards + out.forward_passes, drafts + out.stats.draft_forward_passes
+        tokens, forwards = tokens + len(got), forwards + out.forward_passes
+        drafts += out.stats.draft_forward_passes
         fed += out.stats.fed
         for n, c in out.stats.accepted_histogram().items():
             histogram[n] = histogram.get(n, 0) + c
