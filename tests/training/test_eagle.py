@@ -86,6 +86,17 @@ def test_the_head_lands_beside_the_checkpoint_and_training_lowers_the_held_out_l
     assert not any(n.startswith(("embed_tokens", "lm_head", "norm", "layers.0.input_layernorm")) for n in names)
     draft = json.loads((folder / DRAFT_CONFIG_FILE).read_text())
     assert draft["num_hidden_layers"] == 1 and draft["architectures"] == ["LlamaForCausalLM"]
+    # config.json describes those tensors: a one-layer Llama takes all but fc, lacking only what
+    # EAGLE-1 shares with the target or leaves out
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in draft.items() if k != "architectures"}))
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as file:
+        state = {"model." + name: file.get_tensor(name) for name in file.keys()}
+    missing, unexpected = llama.load_state_dict(state, strict=False)
+    assert unexpected == ["model.fc.weight"]
+    assert set(missing) == {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+                            "lm_head.weight"}
 
 
 def test_decoding_with_the_saved_head_is_greedy_and_a_reload_gives_the_same_outputs(trained):

@@ -146,7 +146,8 @@ class EagleHead(nn.Module):
 
     def draft_config(self) -> dict:
         """`config.json` of the layer as a one-layer Llama draft model (EAGLE-1 / vLLM layout)."""
-        record = llama_config(self.sizes).to_dict()
-        record["architectures"] = ["LlamaForCausalLM"]
-        record["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        return record
+        record = llama_config(self.sizes).to_diff_dict()
+        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
+        # the rope base under its 4.x name too, and the dtype under both names, for older readers
+        return {"architectures": ["LlamaForCausalLM"], **record, "rope_theta": self.sizes["rope_theta"],
+                "dtype": dtype, "torch_dtype": dtype}
