@@ -35,8 +35,9 @@ class EagleConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per training prompt"})
     decode_batch_size: int = field(default=16, metadata={"help": "prompts per forward when decoding the training text"})
     holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: the held-out loss"})
-    steps: int = field(default=600, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "texts per step (every position of each counts: prompt and "
+    steps: int = field(default=300, metadata={"help": "optimizer steps (300 x 6 texts: about 10 min on one CPU "
+        "thread for stdlib-coder)"})
+    batch_size: int = field(default=6, metadata={"help": "texts per step (every position of each counts: prompt and "
         "completion)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to "
         "0"})
@@ -59,7 +60,7 @@ class EagleConfig:
         "stdlib domain), else the prompts of the --holdout texts"})
     eval_count: int = field(default=16, metadata={"help": "evaluate on the first N of them (0: no evaluation)"})
     eval_max_new_tokens: int = field(default=128, metadata={"help": "new tokens per evaluation prompt"})
-    eval_every: int = field(default=100, metadata={"help": "held-out loss and a checkpoint every N steps"})
+    eval_every: int = field(default=50, metadata={"help": "held-out loss and a checkpoint every N steps"})
     out: str | None = field(default=None, metadata={"help": "head folder (default: MODEL/eagle, found there by "
         "load_eagle)"})
     force: bool = field(default=False, metadata={"help": "replace a head already in --out (a finished run); an "
