@@ -148,7 +148,7 @@ def _read_texts(run: _Run) -> None:
     """The training text (decoded once; a resumed run reads it back), split into the texts
     trained on and the last --holdout ones, and the frozen model's features on both."""
     config = run.config
-    texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS)
+    texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS, command="eagle")
     if len(texts) <= config.holdout:
         raise UserError(f"{len(texts)} texts leave none to train on after --holdout {config.holdout}")
     run.train_texts, run.held_texts = texts[: -config.holdout], texts[-config.holdout :]

@@ -58,9 +58,11 @@ def texts_from_trajectories(records: Iterable) -> list[Text]:
             for r in ordered]
 
 
-def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path: Path) -> list[Text]:
-    """`cllm medusa`'s texts: read back from an unfinished run, else decoded from --prompts (or
-    read from the --data trajectories) and written to `path` until the run finishes."""
+def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path: Path, *,
+                   command: str = "medusa") -> list[Text]:
+    """`cllm medusa`'s texts (and `cllm eagle`'s, whose config has the same fields): read back
+    from an unfinished run, else decoded from --prompts (or read from the --data trajectories)
+    and written to `path` until the run finishes."""
     if path.exists():
         return [Text(**json.loads(line)) for line in path.read_text().splitlines() if line]
     if config.data:
@@ -71,7 +73,7 @@ def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path
             new = min(new, limit // 2)  # leave half the context to the prompt
         prompts = encode_prompts(config.prompts, tokenizer, limit=config.max_prompts,
                                  keep=limit - new if limit else None)
-        with progress_bar(total=len(prompts), unit="prompt", desc="medusa: greedy text") as bar:
+        with progress_bar(total=len(prompts), unit="prompt", desc=f"{command}: greedy text") as bar:
             texts = greedy_texts(model, [p.ids for p in prompts], max_new_tokens=new,
                                  batch_size=config.decode_batch_size,
                                  eos_token_id=tokenizer.eos_token_id, pad_id=pad_token_id(tokenizer),
