@@ -176,3 +176,16 @@ def test_bad_options_are_one_line_errors(trained, prompt_file, tmp_path, capsys,
                        "--max-new-tokens", "4", *args)
     last = err.strip().splitlines()[-1]  # after the progress bars, if any
     assert code == 2 and last.startswith("cllm eagle: error:") and message in last and "Traceback" not in err
+
+
+def test_the_shipped_head_loads_and_decodes_greedys_text():
+    from cllm.models import resolve_model_path
+
+    directory = resolve_model_path("stdlib-coder")
+    model = load_model(directory)
+    head = load_eagle(directory, model)
+    assert head is not None and head.tree == {"nodes": 4, "depth": 3, "top_k": 4}
+    prompt = torch.tensor([list(range(40, 72))])
+    expected = greedy_decode(model, prompt, max_new_tokens=40, eos_token_id=0).new_tokens
+    out = eagle_decode(model, head, prompt, max_new_tokens=40, eos_token_id=0)
+    assert out.new_tokens == expected and out.forward_passes < len(expected[0])
