@@ -226,7 +226,8 @@ def _evaluation_rows(ev: dict) -> list[tuple[str, str]]:
 
 def medusa2_card(info: dict, evaluation: dict | None) -> str:
     """MODEL_CARD.md of a model `cllm medusa --joint` trained with its heads: `info` holds the
-    run's config, the heads' record (`medusa/medusa_config.json`'s fields) and sizes;
+    run's config, the command that makes it, the heads' record (`medusa/medusa_config.json`'s
+    fields) and sizes;
     `evaluation` its evaluation.json (None without one)."""
     cfg, heads = info["config"], info["heads"]
     training = heads["training"]
@@ -243,14 +244,15 @@ def medusa2_card(info: dict, evaluation: dict | None) -> str:
         "parameters",
         f"- training text: the base model's greedy continuations of `{cfg['prompts']}` ({training['texts']} texts, "
         f"{training['positions']:,} positions; {training['holdout_texts']} more held out)",
-        f"- training: {cfg['steps']} steps of {cfg['batch_size']} texts, the first {cfg['warmup_heads']} the heads "
-        f"alone; loss = KL(base || model) + {cfg['heads_weight']} x the heads' loss (head k learns the base's "
+        f"- training: {cfg['steps']} steps of {cfg['batch_size']} texts, "
+        + (f"the first {cfg['warmup_heads']} the heads alone" if cfg["warmup_heads"] else "all of them joint")
+        + f"; loss = KL(base || model) + {cfg['heads_weight']} x the heads' loss (head k learns the base's "
         f"distribution k tokens on); lr heads {cfg['lr']}, model {cfg['backbone_lr']}; {training['seconds']} s",
         "- heads: " + (f"started from `{cfg['init_heads']}` (the base model's Medusa-1 heads)" if cfg.get("init_heads")
                        else "fresh"),
     ]
     held = table(("held-out texts (teacher-forced)", "start", "end"), [
-        ("KL(base || model) per position", fmt(before["backbone_kl"], 4), fmt(after["backbone_kl"], 4)),
+        ("KL(base \\|\\| model) per position", fmt(before["backbone_kl"], 4), fmt(after["backbone_kl"], 4)),
         ("model's greedy token = base's", fmt(before["model_agreement"]), fmt(after["model_agreement"])),
         ("heads' loss", fmt(before["heads_loss"]), fmt(after["heads_loss"])),
         *((f"head {k + 1} top-1 = base's token {k + 2} ahead", fmt(b), fmt(a))
@@ -259,11 +261,7 @@ def medusa2_card(info: dict, evaluation: dict | None) -> str:
     sections = [card_section("Training, held-out texts", held)]
     if evaluation:
         sections.append(card_section("Evaluation", _medusa2_evaluation(evaluation)))
-    command = "cllm medusa --joint " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in sorted(cfg.items())
-        if k in ("model", "out", "steps", "warmup_heads", "backbone_lr", "heads_weight", "lr", "max_prompts",
-                 "eval_count", "quality_count", "threads"))
-    sections.append(card_section("Reproduce", code_block(command)))
+    sections.append(card_section("Reproduce", code_block(info["command"])))
     sections.append(card_section("Config", code_block(json.dumps(cfg, indent=2, sort_keys=True), "json")))
     return render_card(f"`{heads['base_model']}` + Medusa-2 heads", about, sections)
 
