@@ -224,11 +224,12 @@ def _evaluation_rows(ev: dict) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------ a Medusa-2 model's card
 
 
-def medusa2_card(info: dict, evaluation: dict | None) -> str:
+def medusa2_card(info: dict, evaluation: dict | None, section: str = "") -> str:
     """MODEL_CARD.md of a model `cllm medusa --joint` trained with its heads: `info` holds the
     run's config, the command that makes it, the heads' record (`medusa/medusa_config.json`'s
     fields) and sizes;
-    `evaluation` its evaluation.json (None without one)."""
+    `evaluation` its evaluation.json (None without one); `section`, an optional extra markdown
+    section after the evaluation (e.g. a comparison measured apart)."""
     cfg, heads = info["config"], info["heads"]
     training = heads["training"]
     before, after = training["holdout_before"], training["holdout_after"]
@@ -261,6 +262,8 @@ def medusa2_card(info: dict, evaluation: dict | None) -> str:
     sections = [card_section("Training, held-out texts", held)]
     if evaluation:
         sections.append(card_section("Evaluation", _medusa2_evaluation(evaluation)))
+    if section.strip("\n"):
+        sections.append(section.strip("\n").split("\n"))
     sections.append(card_section("Reproduce", code_block(info["command"])))
     sections.append(card_section("Config", code_block(json.dumps(cfg, indent=2, sort_keys=True), "json")))
     return render_card(f"`{heads['base_model']}` + Medusa-2 heads", about, sections)

@@ -289,14 +289,16 @@ def _write_card(run: JointRun, evaluation: dict | None) -> None:
     write_card(run.out, run.config, run.heads, evaluation)
 
 
-def write_card(out: Path, config: MedusaConfig, heads: MedusaHeads, evaluation: dict | None) -> None:
+def write_card(out: Path, config: MedusaConfig, heads: MedusaHeads, evaluation: dict | None,
+               section: str = "") -> None:
     """OUT/MODEL_CARD.md (`cllm.training.cards.medusa2_card`), with the command that remakes
-    the run: its options that differ from the defaults."""
+    the run: its options that differ from the defaults; `section`: extra markdown after the
+    evaluation."""
     options, defaults = config_to_dict(config), config_to_dict(MedusaConfig(joint=True, out=config.out))
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in options.items()
              if k not in ("joint", "force", "resume") and (k in ("model", "out") or v != defaults[k])]
     info = {"config": options, "command": " ".join(["cllm medusa --joint", *flags]), "heads": dict(heads.meta),
             "parameters_added": heads.parameters_added(), "tree_nodes": len(heads.tree or [])}
-    (out / CARD).write_text(medusa2_card(info, evaluation))
+    (out / CARD).write_text(medusa2_card(info, evaluation, section))
     share_like_siblings(out)
 
