@@ -259,3 +259,29 @@ def test_init_heads_starts_from_the_models_medusa1_heads_and_refuses_another_mod
     code, _, err = run(capsys, "medusa", "--joint", "--model", other, *common, "--init-heads", first,
                        "--out", tmp_path / "o")
     assert code == 2 and "trained on another model" in err.strip().splitlines()[-1]
+
+
+def test_a_forced_rerun_stopped_early_resumes_without_force(base, joint, prompt_file, tmp_path, monkeypatch, capsys):
+    """--force over a finished checkpoint starts over; stopped by Ctrl-C, it is an unfinished run
+    again, which the same command without --force resumes (the old weights are gone)."""
+    import shutil
+    from contextlib import contextmanager
+
+    import cllm.core.runs
+
+    out = tmp_path / "again"
+    shutil.copytree(joint, out)
+    args = ["medusa", "--joint", "--model", base, "--prompts", prompt_file, *TINY, "--eval-count", "0",
+            "--quality-count", "0", "--out", out]
+
+    @contextmanager
+    def pressed():
+        yield {"set": True}
+
+    with monkeypatch.context() as m:
+        m.setattr(cllm.core.runs, "sigint_flag", pressed)
+        assert run(capsys, *args, "--force")[0] == 130
+    assert not (out / "model.safetensors").exists() and (out / "checkpoint.pt").exists()
+    code, out_text, err = run(capsys, *args)
+    assert code == 0 and "resuming" in out_text, err
+    assert same_weights(load_model(out), load_model(joint))

@@ -83,9 +83,9 @@ class JointRun(HeadsRun):
 
 def check_joint_out(out: Path, model_dir: Path, config: MedusaConfig) -> None:
     """Refuse (touching nothing) what `check_folder` refuses, and a finished checkpoint without
-    --force."""
+    --force (an unfinished run, with its checkpoint.pt, resumes)."""
     check_folder(out, "medusa", force=config.force, inputs=[("--model", model_dir)])
-    if (out / MODEL_WEIGHTS).exists() and not config.force:
+    if (out / MODEL_WEIGHTS).exists() and not (out / CHECKPOINT).exists() and not config.force:
         raise UserError(f"{out} already holds a model trained with Medusa heads; --force replaces it")
 
 
@@ -108,6 +108,8 @@ def medusa2(config: MedusaConfig) -> MedusaResult:
 
 
 def _open_run(config: MedusaConfig) -> JointRun:
+    """The checkpoint folder (checked; a new run clears what an earlier one left), whether an
+    unfinished run is there to resume, the original model, its tokenizer and the first heads."""
     model_dir = Path(resolve_model_path(config.model))
     out = Path(config.out)
     check_joint_out(out, model_dir, config)
@@ -116,7 +118,7 @@ def _open_run(config: MedusaConfig) -> JointRun:
     if resuming:
         runs.check_same_run(json.loads((out / TRAIN_CONFIG).read_text()), config, free=RESUME_FREE)
     else:
-        for name in JOINT_RUN_FILES:
+        for name in (*JOINT_RUN_FILES, MODEL_WEIGHTS):
             (out / name).unlink(missing_ok=True)
         for name in RUN_FILES:
             (out / HEADS_DIR / name).unlink(missing_ok=True)
