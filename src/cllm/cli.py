@@ -29,7 +29,7 @@ COMMANDS: dict[str, str] = {
     "train": "consistency (GC/LC) + AR fine-tuning on collected trajectories",
     "distill": "collect + train + a short evaluation in one command",
     "drafts": "build a model's draft table from its own greedy completions (faster Jacobi, same output)",
-    "medusa": "train Medusa heads for a model (frozen) on its own greedy text; decoding with them stays exact",
+    "medusa": "train Medusa heads for a model (frozen; --joint: with it) on its greedy text; decoding stays exact",
     "eagle": "train an EAGLE draft head for a model (frozen) on its own greedy text; decoding with it stays exact",
     "generate": "decode a prompt (AR or Jacobi), streaming",
     "chat": "multi-turn chat in the terminal",

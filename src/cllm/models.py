@@ -57,6 +57,8 @@ EMBEDDED_TARGET = "stdlib-coder"  # the shipped target; the other shipped models
 SHIPPED = {
     "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
     "stdlib-coder-cllm": REPO_ROOT / "models" / "stdlib-coder-cllm",
+    # the target fine-tuned with its Medusa heads (`cllm medusa --joint`, Medusa-2); heads in medusa/
+    "stdlib-coder-medusa2": REPO_ROOT / "models" / "stdlib-coder-medusa2",
     # the draft model of speculative decoding in `cllm bench` (not shipped yet: skipped with a note)
     "stdlib-coder-draft": REPO_ROOT / "models" / "stdlib-coder-draft",
 }

@@ -1,5 +1,6 @@
 """`cllm medusa`: train Medusa heads for a model (frozen) on its own greedy text, save them beside
-it and evaluate them; decoding with them stays exact.
+it and evaluate them; decoding with them stays exact. `--joint` (Medusa-2) trains the model with
+them and saves both as a new checkpoint, measured against the original.
 
 The training is `cllm.training.medusa`'s (`medusa`, run as named steps that log what they do);
 this module shows those lines and prints the summary. Exit status: 0, 1 when Medusa's output
@@ -23,7 +24,7 @@ def run(config: Config) -> int:
         print(f"\ncllm medusa: stopped at step {result.stopped_at}; rerun the same command to resume")
         return 130
     print_summary(result, time.perf_counter() - started)
-    return 0 if result.evaluation is None or not result.evaluation["mismatches"] else 1
+    return 0 if result.evaluation is None or not result.evaluation.get("mismatches") else 1
 
 
 def print_summary(result: MedusaResult, seconds: float) -> None:
@@ -33,7 +34,10 @@ def print_summary(result: MedusaResult, seconds: float) -> None:
     print(f"cllm medusa: {heads.num_heads} heads, {heads.parameters_added():,} parameters added"
           f"{' (own projections)' if heads.own_projection else ' (sharing the LM head)'}")
     print(f"  held-out loss {before['loss']:.3f} -> {after['loss']:.3f}; top-1 agreement per head {was} -> {agree}")
-    if evaluation:
+    if "backbone_kl" in after:
+        print(f"  model vs the original on held-out texts: KL {before['backbone_kl']:.4f} -> {after['backbone_kl']:.4f}"
+              f" per position, same greedy token {after['model_agreement']:.1%}")
+    if evaluation and "exact" in evaluation:
         speed = evaluation["speedup_vs_greedy"]
         print(f"  {evaluation['prompt_set']} x {evaluation['prompts']}: "
               f"{evaluation['tokens_per_forward']:.2f} tokens per "
@@ -41,4 +45,13 @@ def print_summary(result: MedusaResult, seconds: float) -> None:
               f"{evaluation['threads']} threads; exact {evaluation['exact']}/{evaluation['prompts']}")
         if evaluation["mismatches"]:
             print(f"  NOT EXACT: {evaluation['mismatches']}")
+    if evaluation and "quality" in evaluation:
+        q = evaluation["quality"]
+        base, mine = q["original"], q["model"]
+        print(f"  greedy text, {q['prompts']} prompts, original -> this model: looping {base['looping_rate']:.0%} -> "
+              f"{mine['looping_rate']:.0%}, degenerate {base['degenerate_rate']:.0%} -> {mine['degenerate_rate']:.0%}"
+              + (f", parses {base['parse_rate']:.0%} -> {mine['parse_rate']:.0%}" if base["parse_rate"] is not None
+                 else "")
+              + f"; same as the original's {mine['same_as_target']:.0%} of prompts, "
+              f"{mine['token_agreement']:.0%} of tokens")
     print(f"  -> {result.out} ({seconds:.0f} s)")

@@ -219,3 +219,81 @@ def _evaluation_rows(ev: dict) -> list[tuple[str, str]]:
         ("degenerate", f"{ev['degenerate_rate']:.0%} (one token repeated {DEGENERATE_RUN}+ times in a row)"),
         ("looping", f"{ev['looping_rate']:.0%} (the last 24 tokens repeat a pattern of at most 8 tokens)"),
     ]
+
+
+# ------------------------------------------------------------------------ a Medusa-2 model's card
+
+
+def medusa2_card(info: dict, evaluation: dict | None, section: str = "") -> str:
+    """MODEL_CARD.md of a model `cllm medusa --joint` trained with its heads: `info` holds the
+    run's config, the command that makes it, the heads' record (`medusa/medusa_config.json`'s
+    fields) and sizes;
+    `evaluation` its evaluation.json (None without one); `section`, an optional extra markdown
+    section after the evaluation (e.g. a comparison measured apart)."""
+    cfg, heads = info["config"], info["heads"]
+    training = heads["training"]
+    before, after = training["holdout_before"], training["holdout_after"]
+    about = [
+        f"`{heads['base_model']}` fine-tuned together with {cfg['heads']} Medusa heads (Medusa-2, Cai et al. 2024,",
+        "arXiv 2401.10774, section 2.2.2) by `cllm medusa --joint`. An ordinary Hugging Face checkpoint with its",
+        "heads in `medusa/`; `cllm.decoding.rivals.medusa.medusa_decode` with them writes exactly this model's",
+        "greedy output. The model itself changed, so its greedy text is not the base model's: how far it moved",
+        "is measured below.",
+        "",
+        f"- base model: `{heads['base_model']}` (fingerprint `{heads['base_fingerprint']}`)",
+        f"- this checkpoint: fingerprint `{heads['model_fingerprint']}`; heads add {info['parameters_added']:,} "
+        "parameters",
+        f"- training text: the base model's greedy continuations of `{cfg['prompts']}` ({training['texts']} texts, "
+        f"{training['positions']:,} positions; {training['holdout_texts']} more held out)",
+        f"- training: {cfg['steps']} steps of {cfg['batch_size']} texts, "
+        + (f"the first {cfg['warmup_heads']} the heads alone" if cfg["warmup_heads"] else "all of them joint")
+        + f"; loss = KL(base || model) + {cfg['heads_weight']} x the heads' loss (head k learns the base's "
+        f"distribution k tokens on); lr heads {cfg['lr']}, model {cfg['backbone_lr']}; {training['seconds']} s",
+        "- heads: " + (f"started from `{cfg['init_heads']}` (the base model's Medusa-1 heads)" if cfg.get("init_heads")
+                       else "fresh"),
+    ]
+    held = table(("held-out texts (teacher-forced)", "start", "end"), [
+        ("KL(base \\|\\| model) per position", fmt(before["backbone_kl"], 4), fmt(after["backbone_kl"], 4)),
+        ("model's greedy token = base's", fmt(before["model_agreement"]), fmt(after["model_agreement"])),
+        ("heads' loss", fmt(before["heads_loss"]), fmt(after["heads_loss"])),
+        *((f"head {k + 1} top-1 = base's token {k + 2} ahead", fmt(b), fmt(a))
+          for k, (b, a) in enumerate(zip(before["agreement"], after["agreement"], strict=True))),
+    ])
+    sections = [card_section("Training, held-out texts", held)]
+    if evaluation:
+        sections.append(card_section("Evaluation", _medusa2_evaluation(evaluation)))
+    if section.strip("\n"):
+        sections.append(section.strip("\n").split("\n"))
+    sections.append(card_section("Reproduce", code_block(info["command"])))
+    sections.append(card_section("Config", code_block(json.dumps(cfg, indent=2, sort_keys=True), "json")))
+    return render_card(f"`{heads['base_model']}` + Medusa-2 heads", about, sections)
+
+
+def _medusa2_evaluation(ev: dict) -> list[str]:
+    lines = [f"Prompts: `{ev['prompt_set']}`, greedy, {ev['max_new_tokens']} new tokens, {ev['dtype']}."]
+    if "exact" in ev:
+        lines += ["", f"Medusa decoding with the saved {ev['tree_nodes']}-node tree, batch 1, on the first "
+                      f"{ev['prompts']}: {fmt(ev['tokens_per_forward'], 2)} tokens per forward (new tokens / "
+                      f"forward passes, prefill included); Medusa output = this model's greedy output on "
+                      f"{ev['exact']} of {ev['prompts']}."]
+    q = ev.get("quality")
+    if q:
+        base, mine = q["original"], q["model"]
+        rows = [(name, pct(base[key]), pct(mine[key])) for name, key in (
+            ("greedy completions that parse", "parse_rate"), ("degenerate (one token 10+ times in a row)",
+                                                              "degenerate_rate"),
+            ("ending in a loop", "looping_rate")) if base[key] is not None]
+        rows += [("base model's NLL of the greedy completions (nats/token)", fmt(base["target_nll"]),
+                  fmt(mine["target_nll"])),
+                 ("loss on the base's held-out greedy text (nats/token)", fmt(q["heldout_text_loss"]["original"]),
+                  fmt(q["heldout_text_loss"]["model"])),
+                 ("greedy completion = base's", "", pct(mine["same_as_target"])),
+                 ("greedy tokens = base's (position by position)", "", pct(mine["token_agreement"])),
+                 ("first token that differs from the base's (mean index)", "", fmt(mine["first_divergence"], 1))]
+        lines += ["", f"Greedy text against the base model's, first {q['prompts']} prompts:", "",
+                  *table(("", "base model", "this model"), rows)]
+    return lines
+
+
+def pct(value) -> str:
+    return "-" if value is None else f"{value:.0%}"

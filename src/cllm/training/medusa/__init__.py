@@ -6,11 +6,16 @@
 - `loss`: the Medusa-1 self-distillation loss, pure functions of tensors;
 - `trainer`: `HeadsTrainer` (AdamW on the heads alone), `train_heads`, `measure_accuracies`,
   `save_heads`;
-- `run`: `medusa`, the command as named steps (texts, training, saving, evaluation).
+- `run`: `medusa`, the command as named steps (texts, training, saving, evaluation);
+- `joint`: `JointTrainer` (Medusa-2: the model trained with its heads, two optimizers);
+- `medusa2`: `medusa2`, `cllm medusa --joint` as named steps (a new checkpoint with its heads,
+  measured against the original).
 """
 
 from cllm.training.medusa.config import MedusaConfig
-from cllm.training.medusa.loss import agreement, medusa_loss, medusa_terms
+from cllm.training.medusa.joint import JointTrainer
+from cllm.training.medusa.loss import JointLoss, agreement, backbone_terms, joint_loss, medusa_loss, medusa_terms
+from cllm.training.medusa.medusa2 import medusa2
 from cllm.training.medusa.run import MedusaResult, check_out_dir, evaluate_heads, medusa
 from cllm.training.medusa.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
 from cllm.training.medusa.trainer import (
@@ -24,17 +29,22 @@ from cllm.training.medusa.trainer import (
 
 __all__ = [
     "HeadsTrainer",
+    "JointLoss",
+    "JointTrainer",
     "MedusaConfig",
     "MedusaResult",
     "Text",
     "agreement",
+    "backbone_terms",
     "base_model_meta",
     "check_out_dir",
     "evaluate_heads",
     "greedy_texts",
     "hidden_states",
+    "joint_loss",
     "measure_accuracies",
     "medusa",
+    "medusa2",
     "medusa_loss",
     "medusa_terms",
     "pad_batch",

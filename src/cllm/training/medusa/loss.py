@@ -1,6 +1,8 @@
 """The Medusa-1 loss (Cai et al. 2024, arXiv 2401.10774, section 2.2.1) as pure functions of
 tensors: head k at position t learns the frozen model's distribution at t + k (the token k + 1
 ahead), on the model's own greedy text, so the heads learn what greedy decoding will write.
+Medusa-2's (section 2.2.2, `--joint`) adds the backbone's KL to the frozen original
+(`backbone_terms`, `joint_loss`).
 
 Shapes: K heads, B texts, T positions, V vocab. The caller computes the logits (the heads', and
 the model's own from its LM head on the same hidden states); nothing here calls a model.
@@ -9,6 +11,7 @@ the model's own from its LM head on the same hidden states); nothing here calls 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -72,3 +75,51 @@ def agreement(head_logits: torch.Tensor, model_logits: torch.Tensor,
         hits.append(((head_logits[k - 1, :, : T - k].argmax(-1) == greedy[:, k:]) & counted).sum())
         counts.append(counted.sum())
     return torch.stack(hits), torch.stack(counts)
+
+
+# ------------------------------------------------------------------------ Medusa-2 (--joint)
+
+
+@dataclass
+class JointLoss:
+    """Medusa-2's loss and its two terms, each per counted position (scalars)."""
+
+    total: torch.Tensor  # backbone + heads_weight * heads: what `backward()` is called on
+    backbone: torch.Tensor  # KL(original || model) of the next token
+    heads: torch.Tensor  # the Medusa-1 loss against the original's distributions
+
+
+def backbone_terms(model_logits: torch.Tensor, original_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed KL(original || model) of the next-token distribution over the counted positions:
+    Medusa-2's self-distillation of the backbone (Cai et al. 2024, section 2.2.2), which keeps
+    the model's output close to the frozen original's. model_logits, original_logits: (B, T, V)
+    (the original's detached inside); mask: (B, T)."""
+    if model_logits.shape != original_logits.shape or mask.shape != model_logits.shape[:2]:
+        raise ValueError(f"shapes differ: model {tuple(model_logits.shape)}, original "
+                         f"{tuple(original_logits.shape)}, mask {tuple(mask.shape)}")
+    return (token_distance(original_logits, model_logits, "fkl") * mask).sum()
+
+
+def joint_loss(
+    model_logits: torch.Tensor | None,
+    head_logits: torch.Tensor,
+    original_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    heads_weight: float,
+    distance: Distance = "fkl",
+    weights: Sequence[float] | torch.Tensor | None = None,
+) -> JointLoss:
+    """Medusa-2's loss, ``KL(p_orig || p_theta) + lambda * L_medusa`` per counted position.
+
+    The heads read the current model's hidden states (`head_logits`, (K, B, T, V), gradient into
+    the model too) and learn the ORIGINAL's distributions (`original_logits`, (B, T, V): the
+    frozen original LM head on the original's hidden states), so the target does not move with
+    the model. `model_logits` None (the heads' warm-up, the model frozen and equal to the
+    original): the backbone term is 0 and the total is the heads' loss alone."""
+    count = mask.sum().clamp(min=1)
+    heads = medusa_loss(head_logits, original_logits, mask, distance=distance, weights=weights, normalizer=count)
+    if model_logits is None:
+        return JointLoss(heads, torch.zeros_like(heads), heads)
+    backbone = backbone_terms(model_logits, original_logits, mask) / count
+    return JointLoss(backbone + heads_weight * heads, backbone, heads)

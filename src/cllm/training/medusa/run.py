@@ -2,7 +2,7 @@
 evaluate them.
 
 1. `_open_run`: the heads folder (an unfinished run there is resumed) and the frozen model;
-2. `_read_texts`: the model's own greedy continuations of a prompt set (or the fixed points of
+2. `read_texts`: the model's own greedy continuations of a prompt set (or the fixed points of
    `cllm collect` trajectories of this model) are the training text, the last `--holdout` texts
    held out; the frozen model's last hidden states on them are computed once;
 3. `_build_trainer` and `_train`: AdamW trains the heads alone on the self-distillation loss
@@ -82,7 +82,7 @@ class MedusaResult:
 
 
 @dataclass
-class _Run:
+class HeadsRun:
     """A run's state, filled in by the steps in order."""
 
     config: MedusaConfig
@@ -115,14 +115,19 @@ def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
 
 
 def medusa(config: MedusaConfig) -> MedusaResult:
-    """Train (or resume) Medusa heads for `config.model`, save and evaluate them.
+    """Train (or resume) Medusa heads for `config.model`, save and evaluate them; with
+    `config.joint`, Medusa-2 (`cllm.training.medusa.medusa2`).
 
     Args:
         config: a validated `MedusaConfig`. Rerunning with the same config resumes an unfinished
             run from its checkpoint; Ctrl-C saves one and returns with `stopped_at` set.
     """
+    if config.joint:
+        from cllm.training.medusa.medusa2 import medusa2  # it builds on this module's steps
+
+        return medusa2(config)
     run = _open_run(config)  # 1. the heads folder, a checkpoint to resume, the frozen model
-    _read_texts(run)  # 2. the model's own greedy text, held-out texts, hidden states
+    read_texts(run)  # 2. the model's own greedy text, held-out texts, hidden states
     _build_trainer(run)  # 3. heads and AdamW; restored when resuming
     if not _train(run):  # ... steps, log, held-out loss and checkpoints
         return MedusaResult(run.out, run.heads, run.before, stopped_at=run.trainer.step_index)
@@ -130,7 +135,7 @@ def medusa(config: MedusaConfig) -> MedusaResult:
     return MedusaResult(run.out, run.heads, run.before, after, _evaluate(run))  # 5. greedy vs Medusa
 
 
-def _open_run(config: MedusaConfig) -> _Run:
+def _open_run(config: MedusaConfig) -> HeadsRun:
     """Where the heads go (checked), whether an unfinished run is there to resume, and the
     frozen model with its tokenizer."""
     model_dir = Path(resolve_model_path(config.model))
@@ -150,13 +155,13 @@ def _open_run(config: MedusaConfig) -> _Run:
     write_config(config, out / TRAIN_CONFIG)
     if config.threads:
         torch.set_num_threads(config.threads)
-    run = _Run(config, out, model_dir, resuming)
+    run = HeadsRun(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
     return run
 
 
-def _read_texts(run: _Run) -> None:
+def read_texts(run: HeadsRun) -> None:
     """The training text (decoded once; a resumed run reads it back), split into the texts
     trained on and the last --holdout ones, and the frozen model's hidden states on both."""
     config = run.config
@@ -175,7 +180,7 @@ def _read_texts(run: _Run) -> None:
                                         progress=bar.update)
 
 
-def _build_trainer(run: _Run) -> None:
+def _build_trainer(run: HeadsRun) -> None:
     """Fresh heads and their trainer; a resumed run restores them from its checkpoint, a new
     one measures the untrained heads on the held-out texts (step 0 of the log)."""
     config = run.config
@@ -195,7 +200,7 @@ def _build_trainer(run: _Run) -> None:
         runs.append_jsonl(run.out / LOG, {"step": 0, "holdout": run.before})
 
 
-def _train(run: _Run) -> bool:
+def _train(run: HeadsRun) -> bool:
     """The optimizer steps: each logged, the held-out loss and a checkpoint every --eval-every
     steps and at the end. False when Ctrl-C stopped the run (after a checkpoint)."""
     config, trainer = run.config, run.trainer
@@ -222,7 +227,7 @@ def _train(run: _Run) -> bool:
     return True
 
 
-def _save(run: _Run) -> dict:
+def _save(run: HeadsRun) -> dict:
     """The held-out measures after training; the accuracies on the held-out texts shape the
     default tree; heads and their record saved, the run's checkpoint and texts removed."""
     config, heads = run.config, run.heads
@@ -251,12 +256,13 @@ def stdlib_domain(model: str) -> bool:
     return (target / "tokenizer.json").is_file() and tokenizer_fingerprint(model) == tokenizer_fingerprint(target)
 
 
-def _evaluation_prompts(run: _Run, new: int) -> tuple[str, list[list[int]]]:
-    """The evaluation's prompt set and its first --eval-count prompts (token ids, cut from the
+def evaluation_prompts(run: HeadsRun, new: int, count: int | None = None) -> tuple[str, list[list[int]]]:
+    """The evaluation's prompt set and its first --eval-count (or `count`) prompts (token ids, cut from the
     left to leave `new` positions): --eval-prompts, or with 'auto' HumanEval for a model of the
     stdlib domain, else the prompts of the held-out texts (never trained on)."""
     config, limit = run.config, position_limit(run.model)
     keep = limit - new if limit else None
+    count = config.eval_count if count is None else count
     name = config.eval_prompts
     if name == AUTO:
         name = "humaneval" if stdlib_domain(config.model) else HOLDOUT_SET
@@ -264,18 +270,18 @@ def _evaluation_prompts(run: _Run, new: int) -> tuple[str, list[list[int]]]:
                  "the model has the stdlib domain's tokenizer" if name == "humaneval" else
                  "the prompts of the held-out texts; the model has a tokenizer of its own, not the stdlib domain's")
     if name == HOLDOUT_SET:
-        return name, [t.prompt[-keep:] if keep else t.prompt for t in run.held_texts[: config.eval_count]]
-    return name, [p.ids for p in encode_prompts(name, run.tokenizer, limit=config.eval_count, keep=keep)]
+        return name, [t.prompt[-keep:] if keep else t.prompt for t in run.held_texts[:count]]
+    return name, [p.ids for p in encode_prompts(name, run.tokenizer, limit=count, keep=keep)]
 
 
-def _evaluate(run: _Run) -> dict | None:
+def _evaluate(run: HeadsRun) -> dict | None:
     """Greedy vs Medusa on held-out prompts, batch 1, written to evaluation.json."""
     config = run.config
     if not config.eval_count:
         return None
     limit = position_limit(run.model)
     new = min(config.eval_max_new_tokens, limit // 2) if limit else config.eval_max_new_tokens
-    prompt_set, prompts = _evaluation_prompts(run, new)
+    prompt_set, prompts = evaluation_prompts(run, new)
     with progress_bar(total=len(prompts), unit="prompt", desc="medusa: evaluation") as bar:
         evaluation = evaluate_heads(run.model, run.heads, prompts, max_new_tokens=new,
                                     eos_token_id=run.tokenizer.eos_token_id, progress=bar.update)
