@@ -23,6 +23,7 @@ from cllm.bench.models import load_models
 from cllm.bench.run import validation_set
 from cllm.cli import main
 from cllm.core.machine import load_warning, threads_for_load
+from cllm.core.errors import UserError
 from cllm.data.prompts import Prompt
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
@@ -37,7 +38,7 @@ CONTRACT = {"tokens_per_second": float, "tokens_per_forward": float, "speedup_vs
 EXACT = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
          "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
          "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
-         "medusa": "target_ar"}
+         "medusa": "target_ar", "medusa2": "medusa2_ar", "eagle": "target_ar"}
 
 
 def save_model(directory: Path, tokenizer, *, seed: int, layers: int = 2) -> Path:
@@ -86,6 +87,15 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     assert main(["medusa", "--model", str(paths["target"]), "--prompts", str(paths["val"]), "--heads", "2",
                  "--max-new-tokens", "16", "--holdout", "2", "--steps", "3", "--batch-size", "2",
                  "--eval-count", "0", "--tree-nodes", "4", "--threads", "1"]) == 0
+    # ... and its EAGLE head (in its eagle/ folder)
+    assert main(["eagle", "--model", str(paths["target"]), "--prompts", str(paths["val"]), "--max-new-tokens", "16",
+                 "--holdout", "2", "--steps", "3", "--batch-size", "2", "--eval-count", "0", "--threads", "1"]) == 0
+    # a Medusa-2 checkpoint of the target: its own backbone and heads, in a folder of its own
+    paths["medusa2"] = paths["target"].parent / "medusa2"
+    assert main(["medusa", "--joint", "--model", str(paths["target"]), "--prompts", str(paths["val"]), "--heads", "2",
+                 "--max-new-tokens", "16", "--holdout", "2", "--steps", "3", "--batch-size", "2", "--warmup-heads", "1",
+                 "--eval-count", "0", "--quality-count", "0", "--tree-nodes", "4", "--threads", "1",
+                 "--out", str(paths["medusa2"])]) == 0
     return paths
 
 
@@ -93,7 +103,8 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 def report(tiny, tmp_path_factory) -> Path:
     """One full run through the CLI: every method, a sweep, a copy of the JSON via --json."""
     out = tmp_path_factory.mktemp("report") / "bench"
-    args = bench_args(tiny, out, "--draft-model", str(tiny["draft"]), "--sweep-block-sizes", "2,4,8",
+    args = bench_args(tiny, out, "--draft-model", str(tiny["draft"]), "--medusa2", str(tiny["medusa2"]),
+                      "--sweep-block-sizes", "2,4,8",
                       "--json", str(out.parent / "copy.json"))
     assert main(args) == 0
     return out
@@ -109,7 +120,8 @@ def test_bench_json_matches_the_design_contract(report):
     assert list(data["methods"]) == ["target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi",
                                      "hf_generate", "prompt_lookup", "assisted", "target_lookahead",
                                      "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling",
-                                     "speculative", "cllm_speculative", "medusa"]
+                                     "speculative", "cllm_speculative", "medusa", "medusa2_ar",
+                                     "medusa2", "eagle"]
     for name, m in data["methods"].items():
         for key, kind in CONTRACT.items():
             assert isinstance(m[key], kind), (name, key, m[key])
@@ -118,13 +130,16 @@ def test_bench_json_matches_the_design_contract(report):
     for key in ("cpu", "cores", "threads", "torch", "transformers", "dtype", "seed"):
         assert key in data["machine"]
     assert data["machine"]["threads"] == 1 and data["config"]["block_size"] == BLOCK
-    assert set(data["models"]) == {"target", "cllm", "draft"}
+    assert set(data["models"]) == {"target", "cllm", "draft", "medusa2"}
     # memory beside the model: the draft's parameters for the draft methods, the table for cllm_jacobi
     draft_params = data["models"]["draft"]["parameters"]
     added = {name: m["added_parameters"] for name, m in data["methods"].items()}
     assert added["speculative"] == added["assisted"] == added["cllm_speculative"] == draft_params > 0
     assert data["methods"]["speculative"]["added_mb"] == pytest.approx(4 * draft_params / 2**20)  # float32
     assert 0 < added["medusa"] < draft_params  # the heads' residual blocks (the LM head is shared)
+    assert added["medusa2"] == added["medusa"] > 0 == added["medusa2_ar"]  # 2 heads each; its backbone replaces the target
+    assert 0 < added["eagle"] < draft_params  # one layer and its input projection (embeddings, LM head shared)
+    assert data["methods"]["eagle"]["draft_forward_passes"] > 0  # the head's forwards, counted apart
     assert (data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"]
             == data["methods"]["target_lookahead"]["added_mb"])
     # cllm_jacobi drafted from the CLLM's table (`tiny`); the target has none
@@ -136,10 +151,10 @@ def test_bench_json_matches_the_design_contract(report):
 def test_every_promised_method_reproduces_greedy_on_every_prompt(report, tiny):
     rows = [json.loads(line) for line in (report / "outputs.jsonl").read_text().splitlines()]
     assert len(rows) == len(PROMPTS)
-    models = {role: LlamaForCausalLM.from_pretrained(tiny[role]).eval() for role in ("target", "cllm")}
+    models = {role: LlamaForCausalLM.from_pretrained(tiny[role]).eval() for role in ("target", "cllm", "medusa2")}
     eos = 0  # <|endoftext|>
     for row in rows:
-        for role in ("target", "cllm"):  # the bench's AR outputs are greedy decoding's own
+        for role in ("target", "cllm", "medusa2"):  # the bench's AR outputs are greedy decoding's own
             oracle = greedy_decode(models[role], torch.tensor([row["prompt_ids"]]), max_new_tokens=NEW,
                                    eos_token_id=eos)
             assert row[f"{role}_ar"] == oracle.new_tokens[0]
@@ -263,11 +278,22 @@ def test_a_missing_shipped_cllm_is_skipped_with_a_note(tiny, tmp_path, monkeypat
 def test_the_shipped_companions_are_not_used_with_another_target(tiny, monkeypatch):
     monkeypatch.setitem(SHIPPED, "stdlib-coder-cllm", tiny["cllm"])  # present, but made for another target
     monkeypatch.setitem(SHIPPED, "stdlib-coder-draft", tiny["cllm"])
+    monkeypatch.setitem(SHIPPED, "stdlib-coder-medusa2", tiny["medusa2"])
     models = load_models(BenchConfig(target=str(tiny["target"])))
-    assert models.cllm is None and models.draft is None and len(models.notes) == 2
+    assert models.cllm is None and models.draft is None and models.medusa2 is None and len(models.notes) == 3
     assert all("goes with the shipped target 'stdlib-coder'" in n for n in models.notes)
-    given = load_models(BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), draft_model=str(tiny["cllm"])))
+    given = load_models(BenchConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), draft_model=str(tiny["cllm"]),
+                                    medusa2=str(tiny["medusa2"])))
     assert given.cllm is not None and given.draft is not None and not given.notes  # named by path: used
+    assert given.medusa2 is not None and given.medusa2_heads.num_heads == 2
+
+
+def test_a_medusa2_checkpoint_without_heads_and_an_eagle_folder_without_a_head_are_refused(tiny, tmp_path):
+    with pytest.raises(UserError, match="no Medusa heads in it"):
+        load_models(BenchConfig(target=str(tiny["target"]), cllm="none", draft_model="none", medusa2=str(tiny["cllm"])))
+    with pytest.raises(UserError, match="no EAGLE head there"):
+        load_models(BenchConfig(target=str(tiny["target"]), cllm="none", draft_model="none", medusa2="none",
+                                eagle=str(tmp_path)))
 
 
 def test_a_missing_shipped_draft_model_skips_the_draft_methods_with_a_note(tiny, tmp_path, monkeypatch):

@@ -21,17 +21,25 @@ Methods (the names are a contract: docs/method.md#bench-methods):
                                 model proposes --draft-tokens tokens, the target verifies; exact
   cllm_speculative              the same with the CLLM as the verifier (its own AR: cllm_ar)
   medusa                        the target's Medusa heads (`cllm medusa`), greedy; exact
+  medusa2                       Medusa-2 (`cllm medusa --joint`): its own fine-tuned backbone with its
+                                heads, greedy; exact against medusa2_ar (that backbone's greedy
+                                output), its quality measured like the CLLM's
+  medusa2_ar                    our greedy decoder on the Medusa-2 backbone (medusa2's reference)
+  eagle                         the target's EAGLE-style draft head (`cllm eagle`): a drafted token
+                                tree verified in one forward, greedy; exact
   llamacpp_ar, llamacpp_lookup  llama.cpp (llama-cpp-python) on the target's GGUF export: greedy,
                                 and with its prompt lookup (--llamacpp-lookup-tokens); exact
   cllm_llamacpp_ar,             the same on the CLLM (cllm.bench.llamacpp); all four run when
   cllm_llamacpp_lookup          llama-cpp-python is installed (cllm[llamacpp]), else a note says so
 
 The draft methods (assisted, speculative, cllm_speculative) need --draft-model, by default the
-shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are.
+shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are;
+so does medusa2 with --medusa2 (the shipped `stdlib-coder-medusa2`).
 
 Every method that promises greedy decoding's tokens is compared with the greedy method of the
 same model (`EXACT_AGAINST`); every speedup is relative to target_ar, and the CLLM's methods are
-measured against cllm_ar: `with_references` adds those two to any subset asked for, with a note.
+measured against cllm_ar, medusa2 against medusa2_ar: `with_references` adds those to any subset
+asked for, with a note.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from cllm.evaluation.humaneval import QUALITIES
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
-           "cllm_speculative", "medusa",
+           "cllm_speculative", "medusa", "medusa2_ar", "medusa2", "eagle",
            # vLLM (cllm.bench.vllm; run only when named, in an environment with vLLM: make vllm)
            "vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_cllm")
 # methods that run our Jacobi engine (their DecodeStats carry fast-forward / stationary counts)
@@ -54,10 +62,13 @@ ENGINE_JACOBI = ("target_jacobi", "cllm_jacobi", "target_lookahead", "cllm_jacob
 EXACT_AGAINST = {"target_jacobi": "target_ar", "cllm_jacobi": "cllm_ar", "hf_generate": "target_ar",
                  "prompt_lookup": "target_ar", "assisted": "target_ar", "target_lookahead": "target_ar",
                  "cllm_jacobi_plain": "cllm_ar", "speculative": "target_ar", "cllm_speculative": "cllm_ar",
-                 "medusa": "target_ar",
+                 "medusa": "target_ar", "medusa2": "medusa2_ar", "eagle": "target_ar",
                  **{m: "target_ar" for m in ("vllm_ar", "vllm_ngram", "vllm_suffix", "vllm_cllm")}}
 # the methods that decode with the draft model (skipped when there is none)
 DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
+# method -> the greedy method of its own model, that its speed is also compared with
+OWN_AR = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling", "cllm_jacobi_plain": "cllm_ar",
+          "cllm_speculative": "cllm_ar", "medusa2": "medusa2_ar"}
 # llama.cpp through llama-cpp-python (cllm.bench.llamacpp): run when it is installed, else skipped with a note
 LLAMACPP_METHODS = ("llamacpp_ar", "llamacpp_lookup", "cllm_llamacpp_ar", "cllm_llamacpp_lookup")
 METHODS += LLAMACPP_METHODS
@@ -77,6 +88,13 @@ class BenchConfig:
         "medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
     medusa_tree: int = field(default=0, metadata={"help": "method medusa: candidate tree nodes verified per forward "
         "besides the root, built from the heads' measured accuracies (0: the heads' saved tree)"})
+    medusa2: str | None = field(default="stdlib-coder-medusa2", metadata={"help": "a Medusa-2 checkpoint (`cllm "
+        "medusa --joint`: its own backbone with heads) for methods medusa2 and medusa2_ar ('none' to skip; the "
+        "shipped one goes with the shipped target and is skipped with a note otherwise)"})
+    eagle: str | None = field(default="auto", metadata={"help": "EAGLE-style draft head of the target for method "
+        "eagle (`cllm eagle`): auto (the one saved in the target's eagle/ folder, if any), none, or a head folder"})
+    eagle_nodes: int = field(default=0, metadata={"help": "method eagle: drafted tree nodes verified per forward "
+        "besides the root (0: the head's saved default)"})
     draft_tokens: int = field(default=1, metadata={"help": "tokens the draft model proposes per step in speculative "
         "and cllm_speculative (1: the fastest measured with the shipped draft on a 2-core CPU; a GPU affords more)"})
     vllm_tokens: int = field(default=8, metadata={"help": "vllm_ngram, vllm_suffix, vllm_cllm: tokens drafted per "
@@ -162,8 +180,9 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
             raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
-        if self.medusa_tree < 0:
-            raise ValueError(f"--medusa-tree must be >= 0, got {self.medusa_tree}")
+        for name in ("medusa_tree", "eagle_nodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)!r}")
         if not self.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (it is the *_sampling methods'), got {self.temperature}")
         if self.tie_tolerance < 0:
@@ -182,6 +201,10 @@ class BenchConfig:
             self.draft_model = None
         if is_off(self.medusa):
             self.medusa = None
+        if is_off(self.medusa2):
+            self.medusa2 = None
+        if is_off(self.eagle):
+            self.eagle = None
 
     def jacobi_kwargs(self) -> dict[str, Any]:
         """`jacobi_decode`'s keywords of the engine methods (cllm_jacobi, target_lookahead): the
@@ -193,7 +216,8 @@ def with_references(methods: list[str]) -> tuple[list[str], list[str]]:
     """The methods asked for plus the references they are measured against, and one note per
     reference added: target_ar always (every speedup and every agreement with the target is
     relative to it), cllm_ar beside any other cllm_* method (the CLLM's greedy output, which
-    their exactness and agreement are measured against). No methods asked: all of them, no note."""
+    their exactness and agreement are measured against), medusa2_ar beside medusa2 (the same for
+    its backbone). No methods asked: all of them, no note."""
     if not methods:
         return [], []
     wanted, notes = list(methods), []
@@ -205,4 +229,7 @@ def with_references(methods: list[str]) -> tuple[list[str], list[str]]:
         wanted.append("cllm_ar")
         whose = " and ".join(f"{m}'s" for m in cllm)
         notes.append(f"added cllm_ar: {whose} exactness and agreement are measured against it")
+    if "medusa2" in methods and "medusa2_ar" not in wanted:
+        wanted.append("medusa2_ar")
+        notes.append("added medusa2_ar: medusa2's exactness is measured against it (its backbone's greedy output)")
     return [m for m in METHODS if m in wanted], notes

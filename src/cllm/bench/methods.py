@@ -6,7 +6,8 @@ included) and the tokens each forward made final. Our decoders count their own f
 `ForwardCounter` (a forward pre-hook) checks them; for transformers' `generate` (plain, prompt
 lookup, assisted) the hook is the only count, and the cache length each call starts from says
 how many tokens it made final. The adapters: `engine_decoder` (our greedy, Jacobi and sampling
-decoders), `hf_generate`, `speculative`, `medusa`; `build_methods` makes those a run asks for.
+decoders), `hf_generate`, `speculative`, `medusa` (Medusa-1 and -2), `eagle`; `build_methods` makes
+those a run asks for.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from cllm.bench.models import BenchModels
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
 from cllm.data.prompts import Prompt
-from cllm.decoding import DecodeStats, greedy_decode, jacobi_decode, medusa_decode, speculative_decode
+from cllm.decoding import DecodeStats, eagle_decode, greedy_decode, jacobi_decode, medusa_decode, speculative_decode
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import pad_token_id
 
@@ -175,6 +176,21 @@ def medusa(model, heads, counter: ForwardCounter, *, tree: int | None, max_new_t
     return run
 
 
+def eagle(model, head, counter: ForwardCounter, *, nodes: int | None, max_new_tokens: int,
+          eos) -> Callable[[Prompt], Decoded]:
+    """Greedy EAGLE decoding: the head drafts a token tree (`nodes` nodes, or its saved default when
+    None), `model` verifies it in one forward per step; the head's own forwards are reported apart."""
+
+    def run(prompt: Prompt) -> Decoded:
+        out = eagle_decode(model, head, _ids(prompt, model), nodes=nodes, max_new_tokens=max_new_tokens,
+                           eos_token_id=eos)
+        _check_count(counter, out.forward_passes)
+        return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
+                       draft_forward_passes=out.stats.draft_forward_passes)
+
+    return run
+
+
 def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, ForwardCounter],
                   wanted: Sequence[str] = ()) -> list[Method]:
     """The methods `wanted` (none named: every one the given models allow), in `METHODS` order;
@@ -185,19 +201,30 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         candidates |= _cllm_methods(settings, models, counters["cllm"])
     if models.draft is not None:
         candidates |= _draft_methods(settings, models, counters)
+    ct = counters["target"]
     if models.heads is not None:
-        ct = counters["target"]
         candidates["medusa"] = Method("medusa", models.target, medusa(
             models.target, models.heads, ct, tree=config.medusa_tree or None, **settings.common), [ct],
             added_memory(models.heads))
+    if models.medusa2 is not None:
+        cm = counters["medusa2"]
+        candidates["medusa2_ar"] = Method("medusa2_ar", models.medusa2, engine_decoder(models.medusa2, cm,
+                                                                                      **settings.ar), [cm])
+        candidates["medusa2"] = Method("medusa2", models.medusa2, medusa(
+            models.medusa2, models.medusa2_heads, cm, tree=config.medusa_tree or None, **settings.common), [cm],
+            added_memory(models.medusa2_heads))
+    if models.eagle is not None:
+        candidates["eagle"] = Method("eagle", models.target, eagle(
+            models.target, models.eagle, ct, nodes=config.eagle_nodes or None, **settings.common), [ct],
+            added_memory(models.eagle))
     candidates |= _llamacpp_methods(config, models, wanted)
     wanted = list(wanted) or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
         raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
                         f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
-                        "medusa needs heads: --medusa, *llamacpp_* need llama-cpp-python: pip install "
-                        "'cllm[llamacpp]')")
+                        "medusa needs heads: --medusa, medusa2 and medusa2_ar --medusa2, eagle --eagle, "
+                        "*llamacpp_* need llama-cpp-python: pip install 'cllm[llamacpp]')")
     return [candidates[m] for m in METHODS if m in wanted]
 
 

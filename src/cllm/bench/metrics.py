@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cllm.bench.config import ENGINE_JACOBI, EXACT_AGAINST
+from cllm.bench.config import ENGINE_JACOBI, EXACT_AGAINST, OWN_AR
 from cllm.bench.methods import Decoded, Method
 from cllm.data.prompts import Prompt
 from cllm.decoding import DecodeStats
@@ -120,20 +120,25 @@ def check_exact(model, prompts: list[Prompt], got: list[list[int]], expected: li
     return mismatches
 
 
+def own_greedy(method: str) -> str:
+    """The greedy method of the model `method` decodes with: its exact match and agreement are
+    measured against it."""
+    return "cllm_ar" if method.startswith("cllm") else "medusa2_ar" if method.startswith("medusa2") else "target_ar"
+
+
 def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], seconds: dict[str, list[float]]) -> dict:
     """Per method metrics; speedups against target_ar (and the CLLM's also against its own AR)."""
     outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
     results = {}
     for m in methods:
-        own = outputs["cllm_ar" if m.name.startswith("cllm") else "target_ar"]
+        own = outputs[own_greedy(m.name)]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
                                          target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
         results[m.name].update(m.added)
     base = results["target_ar"]["tokens_per_second"]
     for name, r in results.items():
         r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
-        own_ar = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling",
-                  "cllm_jacobi_plain": "cllm_ar", "cllm_speculative": "cllm_ar"}.get(name)
+        own_ar = OWN_AR.get(name)
         if own_ar and results.get(own_ar, {}).get("tokens_per_second"):
             r["speedup_vs_own_ar"] = r["tokens_per_second"] / results[own_ar]["tokens_per_second"]
     return results

@@ -1,7 +1,8 @@
 """What a bench run decodes with: the target, and beside it the CLLM, the draft model, the
-target's Medusa heads and each model's draft table, whichever are given and present.
+target's Medusa heads and EAGLE head, a Medusa-2 checkpoint (its own backbone and heads) and each
+model's draft table, whichever are given and present.
 
-The shipped CLLM and draft model are made from the shipped target: a missing one, or one asked
+The shipped CLLM, draft model and Medusa-2 checkpoint are made from the shipped target: a missing one, or one asked
 for beside another target, is skipped with a note (the methods that need it then do not run).
 Loading is `cllm.models`'; this module only decides what to load and records what it did.
 """
@@ -23,13 +24,14 @@ from cllm.models import (
     SHIPPED,
     fingerprint,
     load_draft_table,
+    load_eagle,
     load_heads,
     load_model,
     load_tokenizer,
     resolve_model_path,
 )
 
-ROLES = ("target", "cllm", "draft")
+ROLES = ("target", "cllm", "draft", "medusa2")  # the models a run may load (each counted and fingerprinted)
 
 
 @dataclass
@@ -41,6 +43,9 @@ class BenchModels:
     cllm: torch.nn.Module | None = None
     draft: torch.nn.Module | None = None
     heads: torch.nn.Module | None = None  # the target's Medusa heads (`cllm.modeling.heads`)
+    eagle: torch.nn.Module | None = None  # the target's EAGLE head (`cllm.modeling.eagle`)
+    medusa2: torch.nn.Module | None = None  # a Medusa-2 backbone (`cllm medusa --joint`) ...
+    medusa2_heads: torch.nn.Module | None = None  # ... and its heads
     names: dict[str, str] = field(default_factory=dict)  # role -> what was loaded
     tables: dict[str, DraftTable] = field(default_factory=dict)  # role -> its draft table (`cllm drafts`)
     notes: list[str] = field(default_factory=list)  # what was skipped, and why
@@ -58,8 +63,9 @@ def is_shipped_family(name: str) -> bool:
 
 
 def load_models(config: BenchConfig) -> BenchModels:
-    """The target and tokenizer; the CLLM and the draft model unless off, absent or made for
-    another target (a note says which); the Medusa heads; each model's draft table."""
+    """The target and tokenizer; the CLLM, the draft model and the Medusa-2 checkpoint unless
+    off, absent or made for another target (a note says which); the target's Medusa heads and
+    EAGLE head; each model's draft table."""
     kw = dict(dtype=config.dtype, device=config.device)
     models = BenchModels(load_model(config.target, **kw), load_tokenizer(config.target),
                          names={"target": config.target})
@@ -69,8 +75,13 @@ def load_models(config: BenchConfig) -> BenchModels:
     if config.draft_model is not None and not _companion_skipped(models, config, config.draft_model, "draft model",
                                                                  ", ".join(DRAFT_METHODS)):
         models.draft, models.names["draft"] = load_model(config.draft_model, **kw), config.draft_model
+    if config.medusa2 is not None and not _companion_skipped(models, config, config.medusa2, "Medusa-2 checkpoint",
+                                                             "medusa2 or medusa2_ar"):
+        _load_medusa2(models, config, kw)
     if config.medusa is not None:
         _load_heads(models, config)
+    if config.eagle is not None:
+        _load_eagle(models, config)
     for role in ("target", "cllm"):
         table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
         if table is not None:
@@ -103,9 +114,34 @@ def _load_heads(models: BenchModels, config: BenchConfig) -> None:
         raise UserError(f"--medusa {config.medusa}: no Medusa heads there (`cllm medusa` trains them)")
 
 
+def _load_medusa2(models: BenchModels, config: BenchConfig, kw: dict[str, Any]) -> None:
+    """A Medusa-2 checkpoint: its backbone, and the heads saved inside it (checked against it)."""
+    path = resolve_model_path(config.medusa2)
+    model = load_model(config.medusa2, **kw)
+    heads = load_heads(path, model, model_path=path)
+    if heads is None:
+        raise UserError(f"--medusa2 {config.medusa2}: no Medusa heads in it (`cllm medusa --joint --out DIR` "
+                        "makes a Medusa-2 checkpoint)")
+    models.medusa2, models.medusa2_heads, models.names["medusa2"] = model, heads, config.medusa2
+
+
+def _load_eagle(models: BenchModels, config: BenchConfig) -> None:
+    """The target's EAGLE head: its own (--eagle auto, when it has one) or the folder named."""
+    target_dir = resolve_model_path(config.target)
+    source = target_dir if config.eagle == "auto" else config.eagle
+    models.eagle = load_eagle(source, models.target, model_path=target_dir)
+    if models.eagle is not None:
+        models.names["eagle"] = str(source)
+    elif config.eagle != "auto":
+        raise UserError(f"--eagle {config.eagle}: no EAGLE head there (`cllm eagle` trains one)")
+
+
 def fingerprints(models: BenchModels) -> dict[str, str]:
-    """role -> a hash of its weights; and of its draft table, which changes what it measures."""
+    """role -> a hash of its weights; and of its draft table and heads, which change what it measures."""
     out = {role: fingerprint(getattr(models, role)) for role in ROLES if getattr(models, role) is not None}
+    for name in ("heads", "medusa2_heads", "eagle"):  # the drafters beside the models
+        if getattr(models, name) is not None:
+            out[name] = fingerprint(getattr(models, name))
     for role, table in models.tables.items():
         out[f"{role}_table"] = f"{len(table)}:{json.dumps(table.meta, sort_keys=True, default=str)}"
     return out
@@ -114,11 +150,11 @@ def fingerprints(models: BenchModels) -> dict[str, str]:
 def check_vocabularies(models: BenchModels) -> None:
     """The CLLM and the draft model must share the target's tokenizer (their vocabularies match)."""
     vocab = models.target.get_output_embeddings().weight.shape[0]
-    for role in ("cllm", "draft"):
+    names = {"cllm": "CLLM", "draft": "draft model", "medusa2": "Medusa-2 checkpoint"}
+    for role, name in names.items():
         model = getattr(models, role)
         if model is not None and model.get_output_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"the {dict(cllm='CLLM', draft='draft model')[role]}'s vocabulary differs from the "
-                            "target's: it must share the tokenizer")
+            raise UserError(f"the {name}'s vocabulary differs from the target's: it must share the tokenizer")
 
 
 def model_info(models: BenchModels, prints: dict[str, str], val: dict[str, float | None]) -> dict[str, dict]:

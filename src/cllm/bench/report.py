@@ -224,6 +224,23 @@ def _draft_text(data: dict[str, Any]) -> str:
             + ".")
 
 
+def _rivals_text(data: dict[str, Any]) -> str:
+    """What the head methods decoded with: Medusa-1 and -2 heads, the EAGLE head."""
+    methods, cfg = data["methods"], data["config"]
+    said = []
+    if "medusa" in methods:
+        said.append("`medusa`: the target's Medusa heads, "
+                    + (f"a {cfg['medusa_tree']}-node tree" if cfg.get("medusa_tree") else "their saved tree"))
+    if "medusa2" in methods and "medusa2" in data["models"]:
+        said.append(f"`medusa2`: the Medusa-2 checkpoint `{data['models']['medusa2']['name']}` (its backbone trained "
+                    "with its heads) with its heads, exact against its own greedy output (`medusa2_ar`)")
+    if "eagle" in methods:
+        said.append("`eagle`: the target's EAGLE head drafting a token tree of "
+                    + (f"{cfg['eagle_nodes']} nodes" if cfg.get("eagle_nodes") else "its saved size")
+                    + " (the head's forwards counted apart)")
+    return (" " + "; ".join(said) + ".") if said else ""
+
+
 def markdown_report(data: dict[str, Any]) -> str:
     """report.md: the tables of the bench JSON, the settings, and links to the pictures."""
     cfg, mach = data["config"], data["machine"]
@@ -241,7 +258,7 @@ def markdown_report(data: dict[str, Any]) -> str:
         + _tables_text(data["models"])
         + ", "
         f"{cfg.get('blocks_in_flight', 1)} block(s) in flight; `target_jacobi` and `cllm_jacobi_plain`: "
-        "the paper's plain Jacobi decoding." + _draft_text(data),
+        "the paper's plain Jacobi decoding." + _draft_text(data) + _rivals_text(data),
         "",
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['threads']} torch threads, {mach['device']}, "
         f"{mach['dtype']}, torch {mach['torch']}, transformers {mach['transformers']}, seed {mach['seed']}, "

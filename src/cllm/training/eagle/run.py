@@ -50,7 +50,7 @@ from cllm.training.eagle.config import (
     EagleConfig,
 )
 from cllm.training.eagle.trainer import EagleTrainer, FeatureRun, feature_runs, new_head, save_eagle
-from cllm.training.medusa.run import _evaluation_prompts
+from cllm.training.medusa.run import evaluation_prompts
 from cllm.training.medusa.texts import Text, training_texts
 from cllm.training.medusa.trainer import base_model_meta
 
@@ -235,7 +235,7 @@ def _evaluate(run: _Run) -> dict | None:
         return None
     limit = position_limit(run.model)
     new = min(config.eval_max_new_tokens, limit // 2) if limit else config.eval_max_new_tokens
-    prompt_set, prompts = _evaluation_prompts(run, new)
+    prompt_set, prompts = evaluation_prompts(run, new)
     with progress_bar(total=len(prompts), unit="prompt", desc="eagle: evaluation") as bar:
         evaluation = evaluate_eagle(run.model, run.head, prompts, max_new_tokens=new,
                                     eos_token_id=run.tokenizer.eos_token_id, progress=bar.update)
