@@ -22,8 +22,8 @@ from cllm.bench.metrics import ExactnessError, check_exact
 from cllm.bench.models import load_models
 from cllm.bench.run import validation_set
 from cllm.cli import main
-from cllm.core.machine import load_warning, threads_for_load
 from cllm.core.errors import UserError
+from cllm.core.machine import load_warning, threads_for_load
 from cllm.data.prompts import Prompt
 from cllm.data.tokenizer import train_tokenizer
 from cllm.decoding import greedy_decode
@@ -137,7 +137,8 @@ def test_bench_json_matches_the_design_contract(report):
     assert added["speculative"] == added["assisted"] == added["cllm_speculative"] == draft_params > 0
     assert data["methods"]["speculative"]["added_mb"] == pytest.approx(4 * draft_params / 2**20)  # float32
     assert 0 < added["medusa"] < draft_params  # the heads' residual blocks (the LM head is shared)
-    assert added["medusa2"] == added["medusa"] > 0 == added["medusa2_ar"]  # 2 heads each; its backbone replaces the target
+    # two heads each; the Medusa-2 backbone replaces the target, adding nothing
+    assert added["medusa2"] == added["medusa"] > 0 == added["medusa2_ar"]
     assert 0 < added["eagle"] < draft_params  # one layer and its input projection (embeddings, LM head shared)
     assert data["methods"]["eagle"]["draft_forward_passes"] > 0  # the head's forwards, counted apart
     assert (data["methods"]["cllm_jacobi"]["added_mb"] > 0 == added["cllm_jacobi"]
