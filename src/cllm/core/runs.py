@@ -1,5 +1,6 @@
 """Small pieces every long-running job shares: atomic checkpoints, a JSONL log that can be
-rewound on resume, and a Ctrl-C that stops between steps instead of in the middle of one."""
+rewound on resume, a Ctrl-C that stops between steps instead of in the middle of one, and the
+step loop of the drafter trainers (`cllm medusa`, `cllm medusa --joint`, `cllm eagle`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import json
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError
+from cllm.core.progress import progress_bar
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -75,3 +80,60 @@ def sigint_flag():
     finally:
         signal.signal(signal.SIGINT, previous)
 
+
+class StepRun(Protocol):
+    """What `begin_or_resume` and `train_steps` need of a run: its settings (`steps`,
+    `eval_every`), a trainer (`step() -> record`, `step_index`, `state_dict`, `load_state_dict`),
+    its checkpoint file, whether it resumes one, and what it measured before training."""
+
+    config: Any
+    trainer: Any
+    out: Path
+    checkpoint: Path
+    resuming: bool
+    before: dict | None
+    elapsed: float
+
+
+def begin_or_resume(run: StepRun, log_path: Path, evaluate: Callable[[], dict], logger) -> None:
+    """A resumed run takes its trainer, its untrained measures and its time so far from its
+    checkpoint and rewinds its log to that step; a new one measures the untrained drafter
+    (`evaluate`, step 0 of the log)."""
+    if run.resuming:
+        state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)
+        run.trainer.load_state_dict(state["trainer"])
+        run.before, run.elapsed = state["before"], state["elapsed_s"]
+        truncate_log(log_path, run.trainer.step_index)
+        logger.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, run.config.steps)
+    else:
+        run.before = evaluate()
+        append_jsonl(log_path, {"step": 0, "holdout": run.before})
+
+
+def train_steps(run: StepRun, log_path: Path, evaluate: Callable[[], dict], *, desc: str,
+                postfix: Callable[[dict], dict[str, str]]) -> bool:
+    """The optimizer steps: each logged, the held-out measures (`evaluate`) and a checkpoint every
+    `eval_every` steps and at the end; `postfix(record)` is what the progress bar shows. False
+    when Ctrl-C stopped the run (after a checkpoint)."""
+    config, trainer = run.config, run.trainer
+    began = time.perf_counter()
+
+    def checkpoint() -> None:
+        save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
+                                         "elapsed_s": run.elapsed + time.perf_counter() - began})
+
+    with sigint_flag() as interrupted, progress_bar(total=config.steps, initial=trainer.step_index, unit="step",
+                                                    desc=desc) as bar:
+        while trainer.step_index < config.steps:
+            record = trainer.step()
+            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
+                record["holdout"] = evaluate()
+                checkpoint()
+            append_jsonl(log_path, record)
+            bar.set_postfix(**postfix(record))
+            bar.update(1)
+            if interrupted["set"]:
+                checkpoint()
+                return False
+    run.elapsed += time.perf_counter() - began
+    return True

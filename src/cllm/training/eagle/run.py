@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,42 +168,17 @@ def _build_trainer(run: _Run) -> None:
     run.trainer = EagleTrainer(run.head, run.train_runs, steps=config.steps, batch_size=config.batch_size,
                                lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup,
                                w_cls=config.w_cls, noise=config.noise, seed=config.seed)
-    if run.resuming:
-        state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)
-        run.trainer.load_state_dict(state["trainer"])
-        run.before, run.elapsed = state["before"], state["elapsed_s"]
-        runs.truncate_log(run.out / LOG, run.trainer.step_index)
-        log.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, config.steps)
-    else:
-        run.before = run.trainer.evaluate(run.held_runs)
-        runs.append_jsonl(run.out / LOG, {"step": 0, "holdout": run.before})
+    runs.begin_or_resume(run, run.out / LOG, lambda: run.trainer.evaluate(run.held_runs), log)
 
 
 def _train(run: _Run) -> bool:
     """The optimizer steps: each logged, the held-out loss and a checkpoint every --eval-every
     steps and at the end. False when Ctrl-C stopped the run (after a checkpoint)."""
-    config, trainer = run.config, run.trainer
-    began = time.perf_counter()
+    def shown(record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}", "agree": f"{record['agreement']:.2f}"}
 
-    def checkpoint() -> None:
-        runs.save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
-                                              "elapsed_s": run.elapsed + time.perf_counter() - began})
-
-    with runs.sigint_flag() as interrupted, progress_bar(total=config.steps, initial=trainer.step_index, unit="step",
-                                                 desc="eagle: training") as bar:
-        while trainer.step_index < config.steps:
-            record = trainer.step()
-            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
-                record["holdout"] = trainer.evaluate(run.held_runs)
-                checkpoint()
-            runs.append_jsonl(run.out / LOG, record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", agree=f"{record['agreement']:.2f}")
-            bar.update(1)
-            if interrupted["set"]:
-                checkpoint()
-                return False
-    run.elapsed += time.perf_counter() - began
-    return True
+    return runs.train_steps(run, run.out / LOG, lambda: run.trainer.evaluate(run.held_runs),
+                            desc="eagle: training", postfix=shown)
 
 
 def _save(run: _Run) -> dict:

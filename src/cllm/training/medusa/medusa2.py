@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -146,15 +145,7 @@ def _build_trainer(run: JointRun) -> None:
                                weight_decay=config.weight_decay, warmup=config.warmup,
                                distance="fkl" if config.loss == "soft" else "argmax", head_decay=config.head_decay,
                                pad_id=pad_token_id(run.tokenizer), seed=config.seed)
-    if run.resuming:
-        state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)
-        run.trainer.load_state_dict(state["trainer"])
-        run.before, run.elapsed = state["before"], state["elapsed_s"]
-        runs.truncate_log(run.out / LOG, run.trainer.step_index)
-        log.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, config.steps)
-    else:
-        run.before = run.trainer.evaluate(run.held_texts, run.held_states)
-        runs.append_jsonl(run.out / LOG, {"step": 0, "holdout": run.before})
+    runs.begin_or_resume(run, run.out / LOG, lambda: run.trainer.evaluate(run.held_texts, run.held_states), log)
 
 
 def _initial_heads(run: JointRun) -> MedusaHeads:
@@ -178,29 +169,12 @@ def _initial_heads(run: JointRun) -> MedusaHeads:
 
 def _train(run: JointRun) -> bool:
     """The optimizer steps, as Medusa-1's `_train`; False when Ctrl-C stopped the run."""
-    config, trainer = run.config, run.trainer
-    began = time.perf_counter()
+    def shown(record: dict) -> dict[str, str]:
+        return {"kl": f"{record['backbone_kl']:.4f}", "heads": f"{record['heads_loss']:.2f}",
+                "head1": f"{record['agreement'][0]:.2f}"}
 
-    def checkpoint() -> None:
-        runs.save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
-                                              "elapsed_s": run.elapsed + time.perf_counter() - began})
-
-    with runs.sigint_flag() as interrupted, progress_bar(total=config.steps, initial=trainer.step_index, unit="step",
-                                                 desc="medusa --joint: training") as bar:
-        while trainer.step_index < config.steps:
-            record = trainer.step()
-            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
-                record["holdout"] = trainer.evaluate(run.held_texts, run.held_states)
-                checkpoint()
-            runs.append_jsonl(run.out / LOG, record)
-            bar.set_postfix(kl=f"{record['backbone_kl']:.4f}", heads=f"{record['heads_loss']:.2f}",
-                            head1=f"{record['agreement'][0]:.2f}")
-            bar.update(1)
-            if interrupted["set"]:
-                checkpoint()
-                return False
-    run.elapsed += time.perf_counter() - began
-    return True
+    return runs.train_steps(run, run.out / LOG, lambda: run.trainer.evaluate(run.held_texts, run.held_states),
+                            desc="medusa --joint: training", postfix=shown)
 
 
 def _save(run: JointRun) -> dict:
