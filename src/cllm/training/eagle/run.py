@@ -29,15 +29,14 @@ from typing import Any
 import torch
 
 from cllm.core import __version__, runs
-from cllm.core.config import write_config
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_folder, claim_folder
+from cllm.core.outputs import check_folder
 from cllm.core.progress import progress_bar
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.rivals.eagle import eagle_decode
 from cllm.modeling.eagle import WEIGHTS_FILE, EagleHead
-from cllm.models import load_model, load_tokenizer, pad_token_id, resolve_model_path, tokenizer_fingerprint
+from cllm.models import load_model, load_tokenizer, pad_token_id, tokenizer_fingerprint
 from cllm.training.eagle.config import (
     CHECKPOINT,
     EVALUATION,
@@ -49,7 +48,7 @@ from cllm.training.eagle.config import (
     EagleConfig,
 )
 from cllm.training.eagle.trainer import EagleTrainer, FeatureRun, feature_runs, new_head, save_eagle
-from cllm.training.medusa.run import evaluation_prompts
+from cllm.training.medusa.run import evaluation_prompts, open_folder, split_holdout
 from cllm.training.medusa.texts import Text, training_texts
 from cllm.training.medusa.trainer import base_model_meta
 
@@ -120,23 +119,8 @@ def eagle(config: EagleConfig) -> EagleResult:
 def _open_run(config: EagleConfig) -> _Run:
     """The head folder (checked before anything is loaded), whether an unfinished run is there
     to resume, and the frozen model with its tokenizer."""
-    model_dir = Path(resolve_model_path(config.model))
-    if not model_dir.is_dir() and config.out is None:
-        raise UserError(f"{config.model!r} is not a local checkpoint: give --out for the head")
-    out = Path(config.out) if config.out else model_dir / "eagle"
-    config.out = str(out)
-    check_out_dir(out, model_dir, config)
-    resuming = (config.resume and not config.force and (out / CHECKPOINT).exists()
-                and (out / TRAIN_CONFIG).exists())
-    if resuming:
-        runs.check_same_run(json.loads((out / TRAIN_CONFIG).read_text()), config, free=RESUME_FREE)
-    else:
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    claim_folder(out, "eagle")
-    write_config(config, out / TRAIN_CONFIG)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    model_dir, out, resuming = open_folder(config, "eagle", "the head", check_out_dir, files=(
+        CHECKPOINT, TRAIN_CONFIG, RUN_FILES, RESUME_FREE))
     run = _Run(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
@@ -148,12 +132,7 @@ def _read_texts(run: _Run) -> None:
     trained on and the last --holdout ones, and the frozen model's features on both."""
     config = run.config
     texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS, command="eagle")
-    if len(texts) <= config.holdout:
-        raise UserError(f"{len(texts)} texts leave none to train on after --holdout {config.holdout}")
-    run.train_texts, run.held_texts = texts[: -config.holdout], texts[-config.holdout :]
-    if len(run.train_texts) < config.holdout:
-        log.warning("warning: --holdout %d leaves %d of %d texts to train on, fewer than it holds out; "
-                    "give more prompts or a smaller --holdout", config.holdout, len(run.train_texts), len(texts))
+    run.train_texts, run.held_texts = split_holdout(texts, config.holdout)
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
     with progress_bar(total=len(texts), unit="text", desc="eagle: features") as bar:
         run.train_runs = feature_runs(run.model, run.train_texts, pad_id=pad, eos_token_id=eos, progress=bar.update)

@@ -138,27 +138,52 @@ def medusa(config: MedusaConfig) -> MedusaResult:
 def _open_run(config: MedusaConfig) -> HeadsRun:
     """Where the heads go (checked), whether an unfinished run is there to resume, and the
     frozen model with its tokenizer."""
-    model_dir = Path(resolve_model_path(config.model))
-    if not model_dir.is_dir() and config.out is None:
-        raise UserError(f"{config.model!r} is not a local checkpoint: give --out for the heads")
-    out = Path(config.out) if config.out else model_dir / "medusa"
-    config.out = str(out)
-    check_out_dir(out, model_dir, config)
-    resuming = (config.resume and not config.force and (out / CHECKPOINT).exists()
-                and (out / TRAIN_CONFIG).exists())
-    if resuming:
-        runs.check_same_run(json.loads((out / TRAIN_CONFIG).read_text()), config, free=RESUME_FREE)
-    else:
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    claim_folder(out, "medusa")
-    write_config(config, out / TRAIN_CONFIG)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    model_dir, out, resuming = open_folder(config, "medusa", "the heads", check_out_dir, files=(
+        CHECKPOINT, TRAIN_CONFIG, RUN_FILES, RESUME_FREE))
     run = HeadsRun(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
     return run
+
+
+def open_folder(config, command: str, what: str, check: Callable[[Path, Path, Any], None], *,
+                files: tuple[str, str, set[str], set[str]]) -> tuple[Path, Path, bool]:
+    """A drafter trainer's folder (`cllm medusa`, `cllm eagle`): --out, by default the model's
+    `command` subfolder, checked by `check` before anything is loaded; whether an unfinished run
+    is there to resume (its options then must match but for the resume-free ones), else the
+    files of an earlier run removed; claimed, the config written, the threads set.
+    `files`: the command's checkpoint and config file names, the files a run writes, the options
+    free to change on resume. Returns the model's folder, --out and whether it resumes."""
+    checkpoint, train_config, run_files, resume_free = files
+    model_dir = Path(resolve_model_path(config.model))
+    if not model_dir.is_dir() and config.out is None:
+        raise UserError(f"{config.model!r} is not a local checkpoint: give --out for {what}")
+    out = Path(config.out) if config.out else model_dir / command
+    config.out = str(out)
+    check(out, model_dir, config)
+    resuming = config.resume and not config.force and (out / checkpoint).exists() and (out / train_config).exists()
+    if resuming:
+        runs.check_same_run(json.loads((out / train_config).read_text()), config, free=resume_free)
+    else:
+        for name in run_files:
+            (out / name).unlink(missing_ok=True)
+    claim_folder(out, command)
+    write_config(config, out / train_config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return model_dir, out, resuming
+
+
+def split_holdout(texts: Sequence[Text], holdout: int) -> tuple[list[Text], list[Text]]:
+    """The texts trained on and the last `holdout` ones, held out; a warning when fewer are left
+    to train on than are held out (a drafter fit to a handful of texts)."""
+    if len(texts) <= holdout:
+        raise UserError(f"{len(texts)} texts leave none to train on after --holdout {holdout}")
+    train, held = list(texts[:-holdout]), list(texts[-holdout:])
+    if len(train) < holdout:
+        log.warning("warning: --holdout %d leaves %d of %d texts to train on, fewer than it holds out; "
+                    "give more prompts or a smaller --holdout", holdout, len(train), len(texts))
+    return train, held
 
 
 def read_texts(run: HeadsRun) -> None:
@@ -166,12 +191,7 @@ def read_texts(run: HeadsRun) -> None:
     trained on and the last --holdout ones, and the frozen model's hidden states on both."""
     config = run.config
     texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS)
-    if len(texts) <= config.holdout:
-        raise UserError(f"{len(texts)} texts leave none to train on after --holdout {config.holdout}")
-    run.train_texts, run.held_texts = texts[: -config.holdout], texts[-config.holdout :]
-    if len(run.train_texts) < config.holdout:  # more held out than trained on: heads fit to a handful of texts
-        log.warning("warning: --holdout %d leaves %d of %d texts to train on, fewer than it holds out; "
-                    "give more prompts or a smaller --holdout", config.holdout, len(run.train_texts), len(texts))
+    run.train_texts, run.held_texts = split_holdout(texts, config.holdout)
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
     with progress_bar(total=len(texts), unit="text", desc="medusa: hidden states") as bar:
         run.train_states = hidden_states(run.model, run.train_texts, pad_id=pad, eos_token_id=eos,
