@@ -2,7 +2,7 @@
 it and evaluate them; decoding with them stays exact. `--joint` (Medusa-2) trains the model with
 them and saves both as a new checkpoint, measured against the original.
 
-The training is `cllm.training.medusa`'s (`medusa`, run as named steps that log what they do);
+The training is `cllm.training.medusa`'s (`medusa`, `medusa2`, run as named steps that log what they do);
 this module shows those lines and prints the summary. Exit status: 0, 1 when Medusa's output
 differed from greedy's on an evaluation prompt, 130 when Ctrl-C stopped the run (a rerun resumes).
 """
@@ -13,13 +13,13 @@ import time
 
 from cllm.core.progress import echo_log
 from cllm.training.medusa import MedusaConfig as Config
-from cllm.training.medusa import MedusaResult, medusa
+from cllm.training.medusa import MedusaResult, medusa, medusa2
 
 
 def run(config: Config) -> int:
     started = time.perf_counter()
     with echo_log("cllm.training.medusa", "cllm medusa: "):
-        result = medusa(config)
+        result = medusa2(config) if config.joint else medusa(config)
     if result.stopped_at is not None:
         print(f"\ncllm medusa: stopped at step {result.stopped_at}; rerun the same command to resume")
         return 130

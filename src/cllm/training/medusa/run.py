@@ -115,17 +115,15 @@ def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
 
 
 def medusa(config: MedusaConfig) -> MedusaResult:
-    """Train (or resume) Medusa heads for `config.model`, save and evaluate them; with
-    `config.joint`, Medusa-2 (`cllm.training.medusa.medusa2`).
+    """Train (or resume) Medusa heads for `config.model` (frozen), save and evaluate them
+    (Medusa-1; `config.joint` is `cllm.training.medusa.medusa2`'s).
 
     Args:
         config: a validated `MedusaConfig`. Rerunning with the same config resumes an unfinished
             run from its checkpoint; Ctrl-C saves one and returns with `stopped_at` set.
     """
     if config.joint:
-        from cllm.training.medusa.medusa2 import medusa2  # it builds on this module's steps
-
-        return medusa2(config)
+        raise ValueError("--joint trains a Medusa-2 checkpoint: cllm.training.medusa.medusa2 runs it")
     run = _open_run(config)  # 1. the heads folder, a checkpoint to resume, the frozen model
     read_texts(run)  # 2. the model's own greedy text, held-out texts, hidden states
     _build_trainer(run)  # 3. heads and AdamW; restored when resuming
