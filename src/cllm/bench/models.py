@@ -79,9 +79,9 @@ def load_models(config: BenchConfig) -> BenchModels:
                                                              "medusa2 or medusa2_ar"):
         _load_medusa2(models, config, kw)
     if config.medusa is not None:
-        _load_heads(models, config)
+        _load_drafter(models, config, "medusa", load_heads, "Medusa heads", "cllm medusa")
     if config.eagle is not None:
-        _load_eagle(models, config)
+        _load_drafter(models, config, "eagle", load_eagle, "EAGLE head", "cllm eagle")
     for role in ("target", "cllm"):
         table = load_draft_table(models.names[role], config.draft_tables) if role in models.names else None
         if table is not None:
@@ -103,15 +103,18 @@ def _companion_skipped(models: BenchModels, config: BenchConfig, name: str, what
     return False
 
 
-def _load_heads(models: BenchModels, config: BenchConfig) -> None:
-    """The target's Medusa heads: its own (--medusa auto, when it has some) or the folder named."""
+def _load_drafter(models: BenchModels, config: BenchConfig, option: str, loader, what: str, trainer: str) -> None:
+    """The target's Medusa heads or EAGLE head (`option`: medusa, eagle): its own (auto, when it
+    has them) or the folder named, where they must be."""
     target_dir = resolve_model_path(config.target)
-    source = target_dir if config.medusa == "auto" else config.medusa
-    models.heads = load_heads(source, models.target, model_path=target_dir)
-    if models.heads is not None:
-        models.names["medusa"] = str(source)
-    elif config.medusa != "auto":
-        raise UserError(f"--medusa {config.medusa}: no Medusa heads there (`cllm medusa` trains them)")
+    named = getattr(config, option)
+    source = target_dir if named == "auto" else named
+    drafter = loader(source, models.target, model_path=target_dir)
+    setattr(models, "heads" if option == "medusa" else option, drafter)
+    if drafter is not None:
+        models.names[option] = str(source)
+    elif named != "auto":
+        raise UserError(f"--{option} {named}: no {what} there (`{trainer}` trains them)")
 
 
 def _load_medusa2(models: BenchModels, config: BenchConfig, kw: dict[str, Any]) -> None:
@@ -123,17 +126,6 @@ def _load_medusa2(models: BenchModels, config: BenchConfig, kw: dict[str, Any]) 
         raise UserError(f"--medusa2 {config.medusa2}: no Medusa heads in it (`cllm medusa --joint --out DIR` "
                         "makes a Medusa-2 checkpoint)")
     models.medusa2, models.medusa2_heads, models.names["medusa2"] = model, heads, config.medusa2
-
-
-def _load_eagle(models: BenchModels, config: BenchConfig) -> None:
-    """The target's EAGLE head: its own (--eagle auto, when it has one) or the folder named."""
-    target_dir = resolve_model_path(config.target)
-    source = target_dir if config.eagle == "auto" else config.eagle
-    models.eagle = load_eagle(source, models.target, model_path=target_dir)
-    if models.eagle is not None:
-        models.names["eagle"] = str(source)
-    elif config.eagle != "auto":
-        raise UserError(f"--eagle {config.eagle}: no EAGLE head there (`cllm eagle` trains one)")
 
 
 def fingerprints(models: BenchModels) -> dict[str, str]:
