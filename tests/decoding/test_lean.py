@@ -117,6 +117,45 @@ def test_in_bfloat16_the_runner_gives_same_dtype_transformers_greedy_tokens(arch
             assert greedy_decode(model, prompt, max_new_tokens=32).new_tokens == expected, (arch, seed)
 
 
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+@torch.inference_mode()
+def test_rope_scaling_and_biases_match_transformers_past_the_first_rope_table(variant):
+    """Llama with a scaled RoPE, attention and MLP biases: the runner's logits are transformers'
+    through a prompt and feeds that reach past the first RoPE table (256 positions) and, for
+    "dynamic", past the original context, where the frequencies change."""
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            attention_bias=True, mlp_bias=True, initializer_range=0.2,
+                            rope_parameters={"rope_theta": 10000.0, **ROPE_VARIANTS[variant]})
+    torch.manual_seed(7)
+    with torch.inference_mode(False):
+        model = tf.LlamaForCausalLM(config).eval()
+    assert lean.why_not(model) is None
+    ids = torch.randint(2, VOCAB, (2, 250), generator=torch.Generator().manual_seed(3))
+    fed = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        rc, first = kv.prefill(model, ids, torch.ones_like(ids))
+        logits = [first]
+        for _ in range(3):  # 250 -> 268 positions
+            logits.append(kv.feed(model, rc, fed, [6, 6]))
+            kv.commit(rc, [6, 6], fed=6)
+        return [x.clone() for x in logits]
+
+    got, want = both(model, run)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_other_models_and_training_keep_transformers_forward():
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).eval()
     assert "gpt2" in lean.why_not(gpt2) and lean.runner_for(gpt2) is None

@@ -2,18 +2,23 @@
 Jacobi step costs is mostly the framework around ~10 MFLOP of arithmetic, so the engine owns
 its forward where it can, as gpt-fast and llama.cpp do.
 
-`LeanRunner` runs the model's own modules (embeddings, norms, projections, MLP, LM head, rotary
-embedding: the weights are the loaded model's, nothing is converted or copied) in a straight
-line per layer: one attention call per layer over a preallocated cache, masks built by index
-arithmetic, logits only where the caller reads them, no host sync. `LeanKV` is that cache: one
-buffer per layer grown geometrically, with the surface of transformers' `DynamicCache` that
-`cllm.decoding.cache` uses (`get_seq_length`, `crop`, `layers[i].keys` / `.values`,
-`batch_select_indices`), so every commit, rollback, hole and compaction there works unchanged.
+`LeanRunner` computes the model's forward from its own weights (embeddings, norms, projections,
+MLP, LM head, rotary frequencies: nothing is converted or copied) in a straight line per layer:
+one attention call per layer over a preallocated cache, masks built by index arithmetic once per
+forward, RoPE from a table of positions, logits only where the caller reads them, no host sync.
+In float32 on a CPU the activations run feature-major so that every projection is one
+`W @ X` GEMM, zero-padded to 16 columns when fewer tokens are fed (MKL's slow shapes);
+elsewhere it runs the model's modules in transformers' layout (`LeanRunner.feature_major`).
+`LeanKV` is its cache: one buffer per layer grown geometrically, with the surface of
+transformers' `DynamicCache` that `cllm.decoding.cache` uses (`get_seq_length`, `crop`,
+`layers[i].keys` / `.values`, `batch_select_indices`), so every commit, rollback, hole and
+compaction there works unchanged.
 
 `runner_for(model)` says whether a model can take it (and `why_not` why it cannot); the cache
 adapter uses it for every decoding forward (never with gradients: training keeps transformers'
-forward). It is exact: token for token the transformers model's greedy output
-(`tests/decoding/test_lean.py`, and the engine's exactness suites run on both paths).
+forward). It is exact: token for token the transformers model's greedy output, its logits equal
+transformers' to float32 rounding (`tests/decoding/test_lean.py`, and the engine's exactness
+suites run on both paths).
 """
 
 from __future__ import annotations
@@ -69,6 +74,12 @@ def why_not(model: torch.nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
             return "a decoder layer without separate q/k/v/o projections"
+        if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "an MLP other than the gated (SwiGLU) one"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(
+            [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [])]
+        if not all(hasattr(n, "variance_epsilon") and getattr(n, "weight", None) is not None for n in norms):
+            return "a norm other than the Llama-family RMSNorm"
     return None
 
 
@@ -181,13 +192,55 @@ class LeanOutput:
     hidden: torch.Tensor | None = None  # (B, L, H): the final norm's output (what the LM head reads)
 
 
+def _project(linear: torch.nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x) (+ residual) for feature-major x (in, M): W @ x (+ b), (out, M), the residual
+    added by the GEMM itself. The weight is the tall operand: on a CPU, MKL runs this faster
+    than x @ W^T when M (the fed tokens) is small, and it needs no copy of the weight."""
+    if residual is None:
+        y = torch.mm(linear.weight, x)
+    else:
+        y = torch.addmm(residual, linear.weight, x)
+    return y if linear.bias is None else y.add_(linear.bias[:, None])
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The Llama-family RMSNorm of x over `dim` (transformers' arithmetic: float32 statistics,
+    the weight applied in the input's dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(dim, keepdim=True) + norm.variance_epsilon)
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    return norm.weight.view(shape) * h.to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of feature-major heads x (heads, D, B, L): x cos + rotate_half(x) sin,
+    with rotate_half's sign folded into `signed_sin` (D, B, L); cos (D, B, L)."""
+    half = x.shape[1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
+
+
+GEMM_WIDTH = 16  # the fewest columns a feature-major GEMM runs on (more than one token fed)
+
+
+def padded_width(tokens: int) -> int:
+    """Columns the feature-major GEMMs run on for `tokens` fed tokens: at 2-15 columns MKL's GEMM
+    is slower than at 16 (up to 2-3x on the CPUs measured), so those run zero-padded to 16."""
+    return tokens if tokens == 1 else max(tokens, GEMM_WIDTH)
+
+
 class LeanRunner:
-    """The decoding forward of one model (see the module docstring); state is the model's modules."""
+    """The decoding forward of one model (see the module docstring); state is the model's modules.
+
+    In float32 on a CPU the activations run feature-major, (features, B * L): every projection is
+    then `W @ X`, the weight the tall operand, which MKL computes faster than transformers'
+    `X @ W^T` at the few tokens a decoding step feeds (`cllm bench`'s `forward_cost`); attention
+    runs on (B, heads, L, D) either way. Elsewhere the layers run in transformers' layout."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, inner = model.config, model.model
@@ -199,6 +252,10 @@ class LeanRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self.scale = self.head_dim**-0.5
+        # RoPE variants whose frequencies follow the sequence length are computed per forward;
+        # the others come from a table of every position so far (the module's own values)
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.dynamic_rope = getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope")
 
     def new_cache(self, batch: int, capacity: int) -> LeanKV:
         weight = self.embed.weight
@@ -215,11 +272,86 @@ class LeanRunner:
         key validity (causal among the new tokens), or a full (B, 1, L, S + L) mask."""
         inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=kv)
         self._run_hooks("_forward_pre_hooks", inputs)
-        B, L = input_ids.shape
-        x = self.embed(input_ids)  # (B, L, H)
-        cos, sin = self.rotary(x, position_ids)  # (B, L, D) each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), x.device)
+        embedded = self.embed(input_ids)  # (B, L, H)
+        allowed = self._mask(attention_mask, *input_ids.shape, kv.get_seq_length(), embedded.device)
+        if self.feature_major(embedded):
+            logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
+        else:
+            logits, x = self._token_major(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
+        out = LeanOutput(logits, x if hidden else None)
+        self._run_hooks("_forward_hooks", inputs, out)
+        return out
+
+    @staticmethod
+    def feature_major(x: torch.Tensor) -> bool:
+        """Whether a forward on x runs feature-major: float32 on a CPU, where it was measured faster.
+        Elsewhere the projections keep transformers' orientation, so that in reduced precision the
+        output stays bit for bit the same-dtype transformers forward's (a GEMM's rounding depends
+        on its orientation, and bfloat16 rounding flips near-tied tokens)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def _rope(self, embedded: torch.Tensor, position_ids: torch.Tensor,
+              slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and rotate_half-signed sin at `position_ids`, feature-major (D, B, L). A position
+        never exceeds its cache slot, so the table covers `slots` (cached + fed) positions."""
+        B, L = position_ids.shape
+        if self.dynamic_rope:
+            cos, sin = (t.permute(2, 0, 1) for t in self.rotary(embedded, position_ids))
+        else:
+            if self.rope_table is None or self.rope_table[0].shape[1] < slots:
+                size = max(slots, 2 * (0 if self.rope_table is None else self.rope_table[0].shape[1]), GROWTH)
+                positions = torch.arange(size, device=embedded.device)[None]
+                self.rope_table = tuple(t[0].t().contiguous() for t in self.rotary(embedded, positions))
+            flat = position_ids.reshape(-1)
+            cos, sin = (t.index_select(1, flat).view(-1, B, L) for t in self.rope_table)
+        half = cos.shape[0] // 2
+        return cos.contiguous(), torch.cat((-sin[:half], sin[half:]))
+
+    def _feature_major(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
+                       allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, L', V) and the final norm's output (B, L', H), activations (features, B * L)
+        zero-padded to `padded_width(B * L)` columns (a GEMM of a few columns is MKL's slow case;
+        the padding columns never reach attention or the output)."""
+        B, L, _ = embedded.shape
+        D, M = self.head_dim, B * L
+        P = padded_width(M)
+        cos, sin = self._rope(embedded, position_ids, kv.get_seq_length() + L)  # (D, B, L)
+        if allowed is not None:  # additive once per forward: SDPA would convert a boolean mask in every layer
+            allowed = embedded.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        gqa = self.kv_heads != self.heads
+        x = F.pad(embedded.view(M, -1).t(), (0, P - M))  # (H, P): feature-major
+        attended = x.new_zeros(self.heads * D, P)  # attention's output, padded: its columns past M stay 0
+        attended_view = attended[:, :M].view(self.heads, D, B, L)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = _rms_norm(layer.input_layernorm, x, 0)
+            q = _project(attn.q_proj, h)[:, :M].view(-1, D, B, L)  # (heads, D, B, L)
+            k = _project(attn.k_proj, h)[:, :M].view(-1, D, B, L)
+            v = _project(attn.v_proj, h)[:, :M].view(-1, D, B, L)
+            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
+                q, k = _rms_norm(attn.q_norm, q, 1), _rms_norm(attn.k_norm, k, 1)
+            q = _rotate(q, cos, sin).permute(2, 0, 3, 1).contiguous()  # (B, heads, L, D)
+            k = _rotate(k, cos, sin).permute(2, 0, 3, 1)
+            keys, values = kv.append(i, k, v.permute(2, 0, 3, 1))  # (B, H_kv, S + L, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=gqa)  # (B, heads, L, D)
+            attended_view.copy_(out.permute(1, 3, 0, 2))
+            x = _project(attn.o_proj, attended, residual=x)
+            h = _rms_norm(layer.post_attention_layernorm, x, 0)
+            x = _project(mlp.down_proj, mlp.act_fn(_project(mlp.gate_proj, h)) * _project(mlp.up_proj, h), residual=x)
+        x = _rms_norm(self.norm, x, 0)
+        if last_only:
+            x = x[:, :M].view(-1, B, L)[:, :, -1]  # (H, B)
+            M, L = B, 1
+            x = F.pad(x, (0, padded_width(M) - M))
+        logits = _project(self.lm_head, x)[:, :M]  # (V, B * L')
+        return logits.t().view(B, L, -1), x[:, :M].t().view(B, L, -1)
+
+    def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same in transformers' layout (B, L, features), through the model's own modules."""
+        B, L, _ = x.shape
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D)
         gqa = self.kv_heads != self.heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -239,9 +371,7 @@ class LeanRunner:
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]
-        out = LeanOutput(self.lm_head(x), x if hidden else None)
-        self._run_hooks("_forward_hooks", inputs, out)
-        return out
+        return self.lm_head(x), x
 
     def _run_hooks(self, kind: str, kwargs: dict, *output: LeanOutput) -> None:
         """The model's forward pre-hooks and hooks see every decoding forward, whichever code
