@@ -163,9 +163,13 @@ class LeanKV:
                 lengths[i] = n + max_length if max_length < 0 else min(n, max_length)
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
-        for buffers in self.buffers:
+        """Keep batch rows `index`: their used slots are copied into buffers of the same capacity."""
+        for which, buffers in enumerate(self.buffers):
             for i, buffer in enumerate(buffers):
-                buffers[i] = buffer.index_select(0, index.to(buffer.device))
+                used = self.length[which][i]
+                kept = buffer.new_empty((len(index), *buffer.shape[1:]))
+                kept[:, :, :used] = buffer[:, :, :used].index_select(0, index.to(buffer.device))
+                buffers[i] = kept
 
     def append(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new (B, H, L, D) entries after layer i's used slots; returns every slot in use."""
