@@ -35,7 +35,7 @@ import torch
 
 import cllm.decoding.cache as kv
 from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
-from cllm.decoding.rivals.medusa import TreeLayout, accepted_nodes
+from cllm.decoding.rivals.medusa import TreeLayout, verify_tree
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 # defaults for a head that carries no tree of its own (`cllm eagle` saves these with it): on the
@@ -173,28 +173,17 @@ def eagle_steps(
             kv.rollback(hc, [hc.lengths[0] - rc.lengths[0]])  # 3. (early) only true entries stay
         else:
             tree = DraftTree(torch.tensor([root], device=device), TreeLayout.from_paths([]).to(device))
-        tokens, layout = tree.tokens, tree.layout
-        L = tokens.shape[0]
-        # 2. verify root + tree in one forward, each node seeing its ancestors; argmax everywhere
-        out = kv.feed_tree_hidden(model, rc, tokens[None], layout.depth[None], layout.ancestors[None])
-        stats.forward_passes += 1
-        stats.fed.append(L)
-        outputs = out.logits[0].argmax(dim=-1)  # (L,)
-        path = accepted_nodes(tokens, outputs, layout)
-        # 3. the target keeps the path; the output after its last node is final too
-        kv.commit_kept(rc, [path], fed=L)
-        new = tokens[path[1:]].tolist() + [int(outputs[path[-1]])]
-        kept, done = cut_final(new, eos, max_new_tokens - written)
-        new = new[:kept]
-        written += kept
-        stats.count(0, kept)
+        # 2. verify root + tree in one target forward; the path and the output after it are final
+        left = max_new_tokens - written
+        hiddens, path, new, done = verify_tree(model, rc, tree.tokens, tree.layout, stats, eos, left)
+        written += len(new)
         yield new
         if done:
             return
         # ... and the head is fed the path's true features f_n .. f_{n+m} with x_{n+1} .. x_{n+m+1}
         start = hc.lengths[0]
         positions = torch.arange(start, start + len(path), device=device)[None]
-        g = head.step(hc, out.hidden[:, path], torch.tensor([new], device=device), positions)[:, -1]
+        g = head.step(hc, hiddens[:, path], torch.tensor([new], device=device), positions)[:, -1]
         stats.draft_forward_passes += 1
         root = new[-1]
 

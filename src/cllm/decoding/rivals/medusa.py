@@ -144,6 +144,25 @@ def accepted_nodes(tokens: torch.Tensor, outputs: torch.Tensor, layout: TreeLayo
     return ancestors[deepest].nonzero().flatten().tolist()  # ancestors come before descendants
 
 
+def verify_tree(model: torch.nn.Module, rc: kv.RowCache, tokens: torch.Tensor, layout: TreeLayout,
+                stats: DecodeStats, eos: frozenset[int], left: int) -> tuple[torch.Tensor, list[int], list[int], bool]:
+    """One target forward over root + tree `tokens` (L,), the first L nodes of `layout`, each node
+    seeing its ancestors. The accepted path's entries stay in the cache, and the output after its
+    last node is final too. Returns the hidden states at the fed nodes (1, L, H), the path (node
+    indices, root first), the new final tokens cut at EOS or `left`, and whether decoding is done."""
+    L = tokens.shape[0]
+    out = kv.feed_tree_hidden(model, rc, tokens[None], layout.depth[None, :L], layout.ancestors[None, :L, :L])
+    stats.forward_passes += 1
+    stats.fed.append(L)
+    outputs = out.logits[0].argmax(dim=-1)  # (L,)
+    path = accepted_nodes(tokens, outputs, layout)
+    kv.commit_kept(rc, [path], fed=L)
+    new = tokens[path[1:]].tolist() + [int(outputs[path[-1]])]
+    kept, done = cut_final(new, eos, left)
+    stats.count(0, kept)
+    return out.hidden, path, new[:kept], done
+
+
 def medusa_steps(
     model: torch.nn.Module,
     heads: Heads,
@@ -181,23 +200,13 @@ def medusa_steps(
         if L > 1:
             top = heads(hidden)[:, 0].topk(layout.max_rank, dim=-1).indices  # (K, R)
             tokens = torch.cat([tokens, top[layout.depth[1:L] - 1, layout.rank[1:L]]])
-        # 3. one forward over root + tree, each node seeing its ancestors; argmax everywhere
-        out = kv.feed_tree_hidden(model, rc, tokens[None], layout.depth[None, :L], layout.ancestors[None, :L, :L])
-        stats.forward_passes += 1
-        stats.fed.append(L)
-        outputs = out.logits[0].argmax(dim=-1)  # (L,)
-        path = accepted_nodes(tokens, outputs, layout)
-        # 4. keep the accepted path's entries; the output after its last node is final too
-        kv.commit_kept(rc, [path], fed=L)
-        new = tokens[path[1:]].tolist() + [int(outputs[path[-1]])]
-        kept, done = cut_final(new, eos, max_new_tokens - written)
-        new = new[:kept]
-        written += kept
-        stats.count(0, kept)
+        # 3. one forward over root + tree verifies it; the accepted path and the output after it are final
+        hiddens, path, new, done = verify_tree(model, rc, tokens, layout, stats, eos, max_new_tokens - written)
+        written += len(new)
         yield new
         if done:
             return
-        root, hidden = new[-1], out.hidden[:, path[-1]]
+        root, hidden = new[-1], hiddens[:, path[-1]]
 
 
 @torch.inference_mode()
