@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -389,14 +389,52 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
 # and file names are `cllm.modeling.heads`'.
 
 
+def _drafter_dir(source: str | os.PathLike, subfolder: str, config_file: str) -> Path | None:
+    """`source` itself when it holds `config_file`, else its `subfolder` when that does (a
+    checkpoint with a drafter inside); None otherwise."""
+    path = Path(source).expanduser()
+    for candidate in (path, path / subfolder):
+        if (candidate / config_file).is_file():
+            return candidate
+    return None
+
+
+def _drafter_record(source: str | os.PathLike, model_path: str | os.PathLike | None, kind: str, subfolder: str,
+                    config_file: str) -> tuple[Path, str | os.PathLike | None, dict] | None:
+    """A saved drafter's folder, the checkpoint whose fingerprint it is checked against (the one
+    it sits in, unless `model_path` names one) and its config record; None when `source` is a
+    folder without one. A missing `source` or an unreadable record is a one-line UserError."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"{kind} not found: {path}")
+    found = _drafter_dir(path, subfolder, config_file)
+    if found is None:
+        return None
+    if model_path is None and found != path and (path / "config.json").is_file():
+        model_path = path  # a checkpoint with its drafter inside
+    try:
+        record = json.loads((found / config_file).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UserError(f"cannot read {found / config_file}: {first_line(exc)}") from None
+    if not isinstance(record, dict):
+        raise UserError(f"cannot read {found / config_file}: not a JSON object")
+    return found, model_path, record
+
+
+def _load_weights(found: Path, weights_file: str, load: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+    """`load` the tensors of `found / weights_file`; a missing, damaged or foreign file is a
+    one-line UserError naming it."""
+    try:
+        with safe_open(str(found / weights_file), framework="pt") as file:
+            load({name: file.get_tensor(name) for name in file.keys()})
+    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
+        raise UserError(f"cannot load {found / weights_file}: {first_line(exc)}") from None
+
+
 def heads_dir(source: str | os.PathLike) -> Path | None:
     """The heads folder `source` names: itself when it holds a `medusa_config.json`, else its
     `medusa/` subfolder when that does (a checkpoint with heads); None otherwise."""
-    path = Path(source).expanduser()
-    for candidate in (path, path / HEADS_DIR):
-        if (candidate / CONFIG_FILE).is_file():
-            return candidate
-    return None
+    return _drafter_dir(source, HEADS_DIR, CONFIG_FILE)
 
 
 def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
@@ -409,16 +447,11 @@ def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
     when it is a checkpoint) when one is known, else that of `model`'s float32 parameters. A
     mismatch, other sizes or an unreadable file is a one-line UserError.
     """
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"Medusa heads not found: {path}")
-    found = heads_dir(path)
-    if found is None:
+    saved = _drafter_record(source, model_path, "Medusa heads", HEADS_DIR, CONFIG_FILE)
+    if saved is None:
         return None
-    if model_path is None and found != path and (path / "config.json").is_file():
-        model_path = path  # a checkpoint with its heads inside
+    found, model_path, record = saved
     try:
-        record = json.loads((found / CONFIG_FILE).read_text(encoding="utf-8"))
         num_heads, own = int(record["num_heads"]), bool(record["own_projection"])
         sizes = (int(record["vocab_size"]), int(record["hidden_size"]))
     except (ValueError, KeyError, TypeError) as exc:
@@ -429,11 +462,7 @@ def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
         raise UserError(f"Medusa heads in {found} are for a vocabulary x hidden size of {sizes}, the model has {have}")
     _check_heads_fingerprint(record, found, model, model_path)
     heads = MedusaHeads(lm_head, num_heads=num_heads, own_projection=own)
-    try:
-        with safe_open(str(found / WEIGHTS_FILE), framework="pt") as file:
-            heads.load_state_dict({name: file.get_tensor(name) for name in file.keys()})
-    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
-        raise UserError(f"cannot load {found / WEIGHTS_FILE}: {first_line(exc)}") from None
+    _load_weights(found, WEIGHTS_FILE, heads.load_state_dict)
     heads.accuracies, heads.tree = record.get("accuracies"), record.get("tree")
     heads.meta = {k: v for k, v in record.items() if k not in ("accuracies", "tree")}
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
@@ -459,11 +488,7 @@ def _check_heads_fingerprint(record: dict, found: Path, model: torch.nn.Module, 
 def eagle_dir(source: str | os.PathLike) -> Path | None:
     """The EAGLE head folder `source` names: itself when it holds an `eagle_config.json`, else
     its `eagle/` subfolder when that does (a checkpoint with a head); None otherwise."""
-    path = Path(source).expanduser()
-    for candidate in (path, path / EAGLE_DIR):
-        if (candidate / EAGLE_CONFIG_FILE).is_file():
-            return candidate
-    return None
+    return _drafter_dir(source, EAGLE_DIR, EAGLE_CONFIG_FILE)
 
 
 def load_eagle(source: str | os.PathLike, model: torch.nn.Module, model_path: str | os.PathLike | None = None
@@ -472,16 +497,11 @@ def load_eagle(source: str | os.PathLike, model: torch.nn.Module, model_path: st
     for `model`, on its device and in its dtype, with its default tree; None when `source` is a
     folder without one. The base model's fingerprint is checked as `load_heads` checks it; a
     mismatch, other sizes or an unreadable file is a one-line UserError."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"EAGLE head not found: {path}")
-    found = eagle_dir(path)
-    if found is None:
+    saved = _drafter_record(source, model_path, "EAGLE head", EAGLE_DIR, EAGLE_CONFIG_FILE)
+    if saved is None:
         return None
-    if model_path is None and found != path and (path / "config.json").is_file():
-        model_path = path  # a checkpoint with its head inside
+    found, model_path, record = saved
     try:
-        record = json.loads((found / EAGLE_CONFIG_FILE).read_text(encoding="utf-8"))
         sizes = dict(record["sizes"])
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"cannot read {found / EAGLE_CONFIG_FILE}: {first_line(exc)}") from None
@@ -492,11 +512,7 @@ def load_eagle(source: str | os.PathLike, model: torch.nn.Module, model_path: st
                         f"{(sizes.get('vocab_size'), sizes.get('hidden_size'))}, the model has {have}")
     _check_heads_fingerprint(record, found, model, model_path, kind="EAGLE head weights", command="cllm eagle")
     head = EagleHead(model.get_input_embeddings(), lm_head, sizes)
-    try:
-        with safe_open(str(found / EAGLE_WEIGHTS_FILE), framework="pt") as file:
-            head.load_saved_state({name: file.get_tensor(name) for name in file.keys()})
-    except Exception as exc:  # noqa: BLE001 - a missing, damaged or foreign file: one line naming it
-        raise UserError(f"cannot load {found / EAGLE_WEIGHTS_FILE}: {first_line(exc)}") from None
+    _load_weights(found, EAGLE_WEIGHTS_FILE, head.load_saved_state)
     head.tree = record.get("tree")
     head.meta = {k: v for k, v in record.items() if k != "tree"}
     return head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
