@@ -12,13 +12,33 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError
 from cllm.core.progress import progress_bar
+
+
+class Resumable:
+    """A trainer whose checkpoint is the `state_dict` of each attribute named in `STATEFUL`
+    (modules, optimizers, schedulers; restored in that order), its batch generator's state and
+    its step."""
+
+    STATEFUL: ClassVar[tuple[str, ...]] = ()
+    generator: torch.Generator
+    step_index: int
+
+    def state_dict(self) -> dict:
+        return {**{name: getattr(self, name).state_dict() for name in self.STATEFUL},
+                "generator": self.generator.get_state(), "step": self.step_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self.STATEFUL:
+            getattr(self, name).load_state_dict(state[name])
+        self.generator.set_state(state["generator"])
+        self.step_index = state["step"]
 
 
 def save_checkpoint(path: Path, state: dict) -> None:

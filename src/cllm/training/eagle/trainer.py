@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
 from cllm.core.outputs import share_like_siblings
+from cllm.core.runs import Resumable
 from cllm.modeling.eagle import CONFIG_FILE, DRAFT_CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, EagleHead
 from cllm.training.eagle.loss import eagle_loss
 from cllm.training.medusa.texts import Text, hidden_states
@@ -66,9 +67,11 @@ def pad_runs(runs: Sequence[FeatureRun]) -> tuple[torch.Tensor, torch.Tensor, to
     return features, tokens, mask
 
 
-class EagleTrainer:
+class EagleTrainer(Resumable):
     """AdamW on the head alone (target frozen, its features precomputed), linear warm-up then
     cosine decay; batches and noise drawn from seeded generators."""
+
+    STATEFUL = ("head", "optimizer", "scheduler")
 
     def __init__(self, head: EagleHead, runs: Sequence[FeatureRun], *, steps: int, batch_size: int = 8,
                  lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 0, w_cls: float = 0.1,
@@ -121,18 +124,6 @@ class EagleTrainer:
             loss, h, c = self._forward(runs[start : start + self.batch_size], noisy=False)
             total, hits, count = total + float(loss) * int(c), hits + int(h), count + int(c)
         return {"loss": total / max(count, 1), "agreement": hits / max(count, 1)}
-
-    def state_dict(self) -> dict:
-        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state(),
-                "step": self.step_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.generator.set_state(state["generator"])
-        self.step_index = state["step"]
 
 
 def new_head(model: torch.nn.Module, seed: int = 0) -> EagleHead:

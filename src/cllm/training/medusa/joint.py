@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from cllm.core.errors import UserError
+from cllm.core.runs import Resumable
 from cllm.decoding import cache as kv
 from cllm.decoding.inputs import left_pad, model_device
 from cllm.modeling.heads import MedusaHeads
@@ -71,9 +72,11 @@ def make_batch(texts: Sequence[Text], states: Sequence[torch.Tensor], pad_id: in
     return Batch(ids, attention, index, mask, original)
 
 
-class JointTrainer:
+class JointTrainer(Resumable):
     """AdamW on the heads (`lr`) and on the model (`backbone_lr`), each with linear warm-up then
     cosine decay (the model's over the joint steps only); batches drawn by a seeded generator."""
+
+    STATEFUL = ("model", "heads", "heads_optimizer", "model_optimizer", "heads_scheduler", "model_scheduler")
 
     def __init__(self, model: nn.Module, heads: MedusaHeads, texts: Sequence[Text], states: Sequence[torch.Tensor],
                  teacher: nn.Module, *, steps: int, warmup_heads: int = 0, batch_size: int = 8, lr: float = 3e-3,
@@ -169,21 +172,3 @@ class JointTrainer:
             positions, hits, counts, same = positions + int(n), hits + h, counts + c, same + int(s)
         return {**{k: v / max(positions, 1) for k, v in sums.items()},
                 "agreement": (hits / counts.clamp(min=1)).tolist(), "model_agreement": same / max(positions, 1)}
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "heads": self.heads.state_dict(),
-                "heads_optimizer": self.heads_optimizer.state_dict(),
-                "model_optimizer": self.model_optimizer.state_dict(),
-                "heads_scheduler": self.heads_scheduler.state_dict(),
-                "model_scheduler": self.model_scheduler.state_dict(),
-                "generator": self.generator.get_state(), "step": self.step_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.heads.load_state_dict(state["heads"])
-        self.heads_optimizer.load_state_dict(state["heads_optimizer"])
-        self.model_optimizer.load_state_dict(state["model_optimizer"])
-        self.heads_scheduler.load_state_dict(state["heads_scheduler"])
-        self.model_scheduler.load_state_dict(state["model_scheduler"])
-        self.generator.set_state(state["generator"])
-        self.step_index = state["step"]

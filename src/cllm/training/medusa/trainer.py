@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
 from cllm.core.outputs import share_like_siblings
+from cllm.core.runs import Resumable
 from cllm.modeling.heads import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, MedusaHeads
 from cllm.modeling.losses import Distance
 from cllm.models import fingerprint
@@ -67,9 +68,11 @@ def measure_accuracies(heads: MedusaHeads, states: Sequence[torch.Tensor], *, to
     return (ranks / counts.clamp(min=1)[:, None]).tolist()
 
 
-class HeadsTrainer:
+class HeadsTrainer(Resumable):
     """AdamW on the heads alone (the backbone is frozen, its states precomputed), linear
     warm-up then cosine decay; batches drawn from `states` by a seeded generator."""
+
+    STATEFUL = ("heads", "optimizer", "scheduler")
 
     def __init__(self, heads: MedusaHeads, states: Sequence[torch.Tensor], *, steps: int, batch_size: int = 8,
                  lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 0, distance: Distance = "fkl",
@@ -122,18 +125,6 @@ class HeadsTrainer:
             total, positions = total + float(loss) * n, positions + n
             hits, counts = hits + h, counts + c
         return {"loss": total / max(positions, 1), "agreement": (hits / counts.clamp(min=1)).tolist()}
-
-    def state_dict(self) -> dict:
-        return {"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state(),
-                "step": self.step_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.heads.load_state_dict(state["heads"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.generator.set_state(state["generator"])
-        self.step_index = state["step"]
 
 
 def train_heads(model: torch.nn.Module, texts: Sequence[Text], *, num_heads: int = 4, own_projection: bool = False,
