@@ -104,6 +104,28 @@ def test_select_rows_drops_finished_rows():
     assert _keys(rc)[1][-1] == 202
 
 
+def test_keep_rows_fills_the_gaps_with_rows_from_the_end_and_says_the_new_order():
+    rc = _filled([[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1], [1, 0, 1]])
+    order = cache.keep_rows(rc, [0, 2, 3, 4])  # row 1 left: the last row takes its place
+    assert order == [0, 4, 2, 3]
+    assert rc.lengths == [3, 2, 3, 1]
+    assert [k[-1] for k in _keys(rc)] == [2, 402, 202, 302]
+    assert rc.valid.int().tolist() == [[1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 0, 1]]
+    assert cache.keep_rows(rc, [0, 1]) == [0, 1]  # only the last rows left: nothing moves
+
+
+def test_joining_rows_keep_their_slots_and_the_shorter_part_is_padded_hidden():
+    rc = _filled([[1, 1], [1, 0]])
+    longer = _filled([[1, 1, 1, 1]])
+    cache.append_rows(rc, longer)  # the running rows are padded after their entries
+    assert _keys(rc) == [[0, 1, 0, 0], [100, 101, 0, 0], [0, 1, 2, 3]]
+    assert rc.valid.int().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    shorter = _filled([[1]])
+    cache.append_rows(rc, shorter)  # a newcomer with fewer entries is padded before them
+    assert _keys(rc)[3] == [0, 0, 0, 0] and rc.valid.int().tolist()[3] == [0, 0, 0, 1]
+    assert rc.lengths == [2, 1, 4, 1]
+
+
 def test_attention_mask_hides_holes_and_tail_padding():
     rc = _filled([[1, 0, 1], [1, 1, 1]])
     mask = cache.attention_mask_for(rc, fed=[1, 2], width=2)

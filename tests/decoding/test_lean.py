@@ -156,6 +156,20 @@ def test_rope_scaling_and_biases_match_transformers_past_the_first_rope_table(va
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@torch.inference_mode()
+def test_rows_leaving_and_joining_the_lean_cache_move_only_themselves():
+    model = lean_model("llama")
+    rc, _ = kv.prefill(model, random_prompt(21, 5).repeat(4, 1), torch.ones(4, 5, dtype=torch.long))
+    buffer = rc.kv.buffers[0][0]
+    first_row = buffer[0, :, :5].clone()
+    kv.keep_rows(rc, [0, 2, 3])
+    other, _ = kv.prefill(model, random_prompt(22, 3), torch.ones(1, 3, dtype=torch.long))
+    kv.append_rows(rc, other)  # joins in the row the leaver freed: no reallocation
+    assert rc.kv.buffers[0][0] is buffer and rc.kv.rows == 4
+    assert torch.equal(buffer[0, :, :5], first_row)
+    assert torch.equal(buffer[3, :, 2:5], other.kv.buffers[0][0][0, :, :3])
+
+
 def test_other_models_and_training_keep_transformers_forward():
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).eval()
     assert "gpt2" in lean.why_not(gpt2) and lean.runner_for(gpt2) is None
@@ -179,24 +193,41 @@ def test_other_models_and_training_keep_transformers_forward():
 @torch.inference_mode()
 def test_the_lean_cache_is_edited_by_the_adapter_as_a_dynamic_cache_is():
     model = lean_model("qwen2")
-    a, b = random_prompt(11, 6), random_prompt(12, 9)
+    a, b, c = random_prompt(11, 6), random_prompt(12, 9), random_prompt(13, 2)
 
     def run():
         rc, _ = kv.prefill(model, a, torch.ones_like(a))
-        other, _ = kv.prefill(model, b, torch.ones_like(b))
-        kv.append_rows(rc, other)  # rows of different lengths: left-padded, hidden
-        fed = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
-        kv.feed(model, rc, fed, [6, 6])
-        kv.commit(rc, [6, 6], fed=6)
-        kv.rollback(rc, [2, 0])  # a draft model's rejected tokens: forgotten
-        kv.feed(model, rc, fed[:, :4], [4, 4])
-        kv.commit(rc, [1, 3], fed=4)  # holes
+        for prompt in (b, c):  # rows of different lengths: the shorter part padded, hidden
+            other, _ = kv.prefill(model, prompt, torch.ones_like(prompt))
+            kv.append_rows(rc, other)
+        fed = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(3))
+        kv.feed(model, rc, fed, [6, 6, 6])
+        kv.commit(rc, [6, 6, 6], fed=6)
+        kv.rollback(rc, [2, 0, 1])  # a draft model's rejected tokens: forgotten
+        kv.feed(model, rc, fed[:, :4], [4, 4, 4])
+        kv.commit(rc, [1, 3, 2], fed=4)  # holes
+        assert kv.keep_rows(rc, [1, 2]) == [2, 1]  # the last row takes the place of the first
+        logits = kv.feed(model, rc, fed[:2, :3], [3, 2])[:, :2]  # the padding's outputs are nobody's
         kv.compact(rc)
         kv.select_rows(rc, [1])
-        return [(layer.keys.clone(), layer.values.clone()) for layer in rc.kv.layers], rc.lengths
+        return [(layer.keys.clone(), layer.values.clone()) for layer in rc.kv.layers], rc.lengths, logits.clone()
 
-    (got, got_lengths), (want, want_lengths) = both(model, run)
+    (got, got_lengths, got_logits), (want, want_lengths, want_logits) = both(model, run)
     assert got_lengths == want_lengths
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     for (gk, gv), (wk, wv) in zip(got, want, strict=True):
         torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+
+
+def test_the_blocked_argmax_gives_torchs_indices_on_feature_major_logits_ties_included():
+    generator = torch.Generator().manual_seed(5)
+    by_vocab = torch.randn(1024, 3 * 40, generator=generator)  # (V, B * L), as the runner makes them
+    by_vocab[700, 0] = by_vocab[900, 0] = by_vocab[10, 0] = 9.0  # a tie across blocks: the first wins
+    by_vocab[300, 1] = by_vocab[301, 1] = 9.0  # a tie within a block
+    by_vocab[:, 2] = 0.0  # a tie everywhere
+    logits = by_vocab.t().view(3, 40, 1024)
+    got = lean.argmax(logits)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[0, :3].tolist() == [10, 300, 0]
+    assert torch.equal(lean.argmax(logits.contiguous()), logits.argmax(-1))  # other layouts: torch's own

@@ -346,7 +346,7 @@ def rollback(rc: RowCache, drop: list[int]) -> None:
 
 
 def select_rows(rc: RowCache, rows: list[int]) -> None:
-    """Keep only batch rows `rows` (e.g. drop the finished ones); copies the cache once."""
+    """Keep only batch rows `rows`, in that order (e.g. drop the finished ones)."""
     index = torch.tensor(rows, device=_cache_device(rc))
     rc.kv.batch_select_indices(index)
     rc.lengths = [rc.lengths[r] for r in rows]
@@ -355,35 +355,53 @@ def select_rows(rc: RowCache, rows: list[int]) -> None:
     maybe_compact(rc)
 
 
+def keep_rows(rc: RowCache, rows: list[int]) -> list[int]:
+    """Keep only batch rows `rows` (increasing), in the order that moves the fewest: the kept
+    rows past the new batch size fill the gaps the others left, so the lean cache copies one row
+    per row that left. Returns the rows in their new order (indices into the old batch)."""
+    n, kept = len(rows), set(rows)
+    movers = iter(r for r in rows if r >= n)
+    order = [j if j in kept else next(movers) for j in range(n)]
+    select_rows(rc, order)
+    return order
+
+
 def append_rows(rc: RowCache, other: RowCache) -> None:
-    """Append `other`'s rows after `rc`'s (new rows joining a running batch), in place. The
-    shorter of the two is left-padded with hidden entries: positions are logical, so every row
-    reads exactly as before."""
-    S = max(rc.physical_length, other.physical_length)
+    """Append `other`'s rows after `rc`'s (new rows joining a running batch), in place. Every
+    entry keeps its slot; the part with fewer slots is padded with hidden entries, `rc`'s rows
+    after their entries and `other`'s before theirs: positions are logical, so every row reads
+    exactly as before."""
+    S, S2 = rc.physical_length, other.physical_length
+    end = max(S, S2)
     device = _cache_device(rc)
     masks = []
-    for part in (rc, other):  # (B, S) validity of each, left-padded with hidden entries
+    for part, pad_after in ((rc, True), (other, False)):  # (B, end) validity of each, padded
         valid = part.valid
         if valid is None:
             valid = torch.ones(len(part.lengths), part.physical_length, dtype=torch.bool, device=device)
-        pad = torch.zeros(valid.shape[0], S - valid.shape[1], dtype=torch.bool, device=device)
-        masks.append(torch.cat([pad, valid.to(device)], dim=1))
-    for mine, theirs in zip(rc.kv.layers, other.kv.layers, strict=True):
-        if getattr(mine, "keys", None) is None or mine.keys.numel() == 0:
-            continue  # a layer that holds nothing (e.g. one that shares another's KV)
-        mine.keys = torch.cat([_left_pad_time(mine.keys, S), _left_pad_time(theirs.keys, S)])
-        mine.values = torch.cat([_left_pad_time(mine.values, S), _left_pad_time(theirs.values, S)])
-    valid = torch.cat(masks)  # (B + B', S)
+        pad = torch.zeros(valid.shape[0], end - valid.shape[1], dtype=torch.bool, device=device)
+        masks.append(torch.cat([valid.to(device), pad] if pad_after else [pad, valid.to(device)], dim=1))
+    if isinstance(rc.kv, lean.LeanKV) and isinstance(other.kv, lean.LeanKV):
+        rc.kv.join(other.kv)  # the running rows stay where they are
+    else:
+        for mine, theirs in zip(rc.kv.layers, other.kv.layers, strict=True):
+            if getattr(mine, "keys", None) is None or mine.keys.numel() == 0:
+                continue  # a layer that holds nothing (e.g. one that shares another's KV)
+            mine.keys = torch.cat([_pad_time(mine.keys, end, after=True), _pad_time(theirs.keys, end, after=False)])
+            mine.values = torch.cat([_pad_time(mine.values, end, after=True),
+                                     _pad_time(theirs.values, end, after=False)])
+    valid = torch.cat(masks)  # (B + B', end)
     rc.valid = None if bool(valid.all()) else valid
     rc.lengths = rc.lengths + other.lengths
 
 
-def _left_pad_time(x: torch.Tensor, length: int) -> torch.Tensor:
-    """x (B, H, S, D) -> (B, H, length, D), zeros before the entries."""
+def _pad_time(x: torch.Tensor, length: int, *, after: bool) -> torch.Tensor:
+    """x (B, H, S, D) -> (B, H, length, D), zeros after the entries or before them."""
     B, H, S, D = x.shape
     if S == length:
         return x
-    return torch.cat([x.new_zeros(B, H, length - S, D), x], dim=2)
+    pad = x.new_zeros(B, H, length - S, D)
+    return torch.cat([x, pad] if after else [pad, x], dim=2)
 
 
 def fork_rows(rc: RowCache, index: torch.Tensor, *, detach: bool = False) -> RowCache:

@@ -131,14 +131,17 @@ class _LayerView:
 
 
 class LeanKV:
-    """Per layer a keys and a values buffer (B, H_kv, capacity, D); `length[w][i]` slots of
-    buffer w (0: keys, 1: values) of layer i are in use (equal between operations)."""
+    """Per layer a keys and a values buffer (rows, H_kv, capacity, D), both dimensions grown
+    geometrically: the first `rows` rows are the batch, and `length[w][i]` slots of buffer w
+    (0: keys, 1: values) of layer i are in use (equal between operations). Rows leaving and
+    joining move only the rows concerned (`batch_select_indices`, `join`)."""
 
     def __init__(self, layers: int, batch: int, heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch, heads, capacity, head_dim)
         self.buffers = [[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2)]
         self.length = [[0] * layers, [0] * layers]
+        self.rows = batch
         self.layers = [_LayerView(self, i) for i in range(layers)]
         self.runner: LeanRunner | None = None  # the runner whose forwards fill it
 
@@ -146,15 +149,27 @@ class LeanKV:
         return self.length[0][layer]
 
     def view(self, which: int, i: int) -> torch.Tensor:
-        return self.buffers[which][i][:, :, : self.length[which][i]]
+        return self.buffers[which][i][: self.rows, :, : self.length[which][i]]
+
+    def _room(self, which: int, i: int, rows: int, slots: int) -> torch.Tensor:
+        """Buffer w of layer i, reallocated (its used part copied) when it has fewer than `rows`
+        rows or `slots` slots."""
+        buffer = self.buffers[which][i]
+        R, H, S, D = buffer.shape
+        if rows <= R and slots <= S:
+            return buffer
+        rows, slots = (R if rows <= R else max(rows, 2 * R)), (S if slots <= S else max(2 * S, slots + GROWTH))
+        grown = buffer.new_empty((rows, H, slots, D))
+        used = min(self.rows, R)
+        grown[:used, :, : self.length[which][i]] = buffer[:used, :, : self.length[which][i]]
+        self.buffers[which][i] = grown
+        return grown
 
     def store(self, which: int, i: int, value: torch.Tensor) -> None:
-        buffer = self.buffers[which][i]
-        B, H, S, D = value.shape
-        if B != buffer.shape[0] or S > buffer.shape[2]:
-            buffer = self.buffers[which][i] = value.new_empty((B, H, max(S + GROWTH, buffer.shape[2]), D))
-        buffer[:, :, :S] = value
+        B, _, S, _ = value.shape
+        self._room(which, i, B, S)[:B, :, :S] = value
         self.length[which][i] = S
+        self.rows = B
 
     def crop(self, max_length: int) -> None:
         """DynamicCache's `crop`: a negative argument drops that many slots from the end."""
@@ -163,25 +178,52 @@ class LeanKV:
                 lengths[i] = n + max_length if max_length < 0 else min(n, max_length)
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index`: their used slots are copied into buffers of the same capacity."""
+        """Keep batch rows `index`, in that order. In place when no row is read after it was
+        overwritten (kept rows in order, or rows from the end filling the gaps: only the rows
+        that move are copied); otherwise through a copy of the kept rows."""
+        rows = index.tolist()
+        written: set[int] = set()
+        moves = []
+        for j, r in enumerate(rows):
+            if r in written:
+                moves = None
+                break
+            if r != j:
+                moves.append((j, r))
+                written.add(j)
         for which, buffers in enumerate(self.buffers):
             for i, buffer in enumerate(buffers):
                 used = self.length[which][i]
-                kept = buffer.new_empty((len(index), *buffer.shape[1:]))
-                kept[:, :, :used] = buffer[:, :, :used].index_select(0, index.to(buffer.device))
-                buffers[i] = kept
+                if moves is None:
+                    kept = buffer[:, :, :used].index_select(0, index.to(buffer.device))
+                    buffer[: len(rows), :, :used] = kept
+                    continue
+                for j, r in moves:
+                    buffer[j, :, :used] = buffer[r, :, :used]
+        self.rows = len(rows)
+
+    def join(self, other: LeanKV) -> None:
+        """Append `other`'s rows after these (new rows joining a running batch). Every entry keeps
+        its slot; the part with fewer slots is padded with zeros, which the adapter's mask hides:
+        these rows after their entries (nothing of theirs moves), `other`'s before theirs."""
+        B, B2 = self.rows, other.rows
+        for which in (0, 1):
+            for i in range(len(self.layers)):
+                S, S2 = self.length[which][i], other.length[which][i]
+                end = max(S, S2)
+                buffer = self._room(which, i, B + B2, end)
+                buffer[:B, :, S:end] = 0
+                buffer[B : B + B2, :, : end - S2] = 0
+                buffer[B : B + B2, :, end - S2 : end] = other.view(which, i)
+                self.length[which][i] = end
+        self.rows = B + B2
 
     def append(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new (B, H, L, D) entries after layer i's used slots; returns every slot in use."""
         for which, new in ((0, keys), (1, values)):
             start = self.length[which][i]
             end = start + new.shape[2]
-            buffer = self.buffers[which][i]
-            if end > buffer.shape[2]:  # grow: double, at least what this forward needs
-                grown = buffer.new_empty((*buffer.shape[:2], max(2 * buffer.shape[2], end + GROWTH), buffer.shape[3]))
-                grown[:, :, :start] = buffer[:, :, :start]
-                buffer = self.buffers[which][i] = grown
-            buffer[:, :, start:end] = new
+            self._room(which, i, self.rows, end)[: self.rows, :, start:end] = new
             self.length[which][i] = end
         return self.view(0, i), self.view(1, i)
 
@@ -236,6 +278,29 @@ def padded_width(tokens: int) -> int:
     """Columns the feature-major GEMMs run on for `tokens` fed tokens: at 2-15 columns MKL's GEMM
     is slower than at 16 (up to 2-3x on the CPUs measured), so those run zero-padded to 16."""
     return tokens if tokens == 1 else max(tokens, GEMM_WIDTH)
+
+
+ARGMAX_BLOCK = 256  # vocabulary entries per block of the blocked argmax
+ARGMAX_MIN_TOKENS = 64  # fewer tokens' logits: torch's argmax is as fast
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`: the same indices (a row's first maximum), faster on the runner's
+    feature-major logits of many tokens, a (B, L, V) view of a (V, B * L) tensor, which torch's
+    argmax reads across the vocabulary's stride. Here each block of `ARGMAX_BLOCK` vocabulary
+    entries is reduced along the contiguous tokens (`amax`), and only the first block holding a
+    token's maximum is searched."""
+    V = logits.shape[-1]
+    M = logits.numel() // max(V, 1)
+    if M < ARGMAX_MIN_TOKENS or V % ARGMAX_BLOCK or logits.device.type != "cpu":
+        return logits.argmax(-1)
+    by_vocab = logits.reshape(M, V).t()  # (V, M): a view when the logits are feature-major
+    if not by_vocab.is_contiguous():
+        return logits.argmax(-1)
+    blocks = by_vocab.view(V // ARGMAX_BLOCK, ARGMAX_BLOCK, M)
+    first = blocks.amax(1).argmax(0)  # (M,): per token, the first block holding its maximum
+    within = blocks[first, :, torch.arange(M)].argmax(1)  # (M,)
+    return (first * ARGMAX_BLOCK + within).view(logits.shape[:-1])
 
 
 class LeanRunner:

@@ -281,9 +281,8 @@ class BatchDecoder:
         if not still:
             self._rc, self._active = None, []  # nothing running: the cache goes
             return False
-        if len(still) < len(self._active):
-            kv.select_rows(self._rc, still)
-            self._active = [self._active[i] for i in still]
+        if len(still) < len(self._active):  # rows from the end take the leavers' places
+            self._active = [self._active[i] for i in kv.keep_rows(self._rc, still)]
         else:
             kv.maybe_compact(self._rc)
         self._verifier.step(self.model, self._rc, self._active, self.cfg, self.stats)

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 import cllm.decoding.cache as kv
+from cllm.decoding import lean
 from cllm.decoding.jacobi.drafters import branches
 from cllm.decoding.jacobi.state import Row, Settings, advance, isolated, last_token, set_drafts, swap_in_draft, tail
 from cllm.decoding.sampling import verify_drafts
@@ -56,7 +57,7 @@ class LinearVerifier:
         stats.forward_passes += 1
         stats.fed.append(width)
         if cfg.sampling is None:
-            outputs = logits.argmax(dim=-1).tolist()
+            outputs = lean.argmax(logits).tolist()
             # 3. each row accepts what it can; the cache keeps exactly the accepted entries
             keep = isolated(rows, lambda r, row: advance(row, outputs[r][: fed[r]], cfg, stats), lambda row: 0)
         else:
@@ -104,7 +105,7 @@ class TreeVerifier:
         offsets = torch.tensor([trie.depth + trie.depth[-1:] * (L - len(trie.depth)) for trie in tries])  # (B, L)
         mask = torch.tensor([trie.ancestor_rows(L) for trie in tries])  # (B, L, L)
         logits = kv.feed_tree(model, rc, ids.to(cfg.device), offsets, mask)
-        out = logits.argmax(dim=-1).tolist()
+        out = lean.argmax(logits).tolist()
         stats.forward_passes += 1
         stats.fed.append(L)
 
