@@ -64,6 +64,38 @@ def test_pool_candidates_search_the_history_then_recent_states():
     assert pool_candidates([5], [], 2, 3) == []
 
 
+def _pool_by_slices(history, recent, width, count, max_ngram, min_ngram, halve_shorter):
+    """pool_candidates' rule written out plainly: every start, latest first, compared as lists."""
+    found = []
+    for g in range(min(max_ngram, len(history)), min_ngram - 1, -1):
+        key = history[-g:]
+        w = max(1, width >> (max_ngram - g)) if halve_shorter else width
+        for seq in [history, *reversed(recent)]:
+            for start in range(len(seq) - g - 1, -1, -1):
+                cand = seq[start + g : start + g + w]
+                if seq[start : start + g] == key and cand and cand not in found:
+                    found.append(cand)
+                    if len(found) >= count:
+                        return found
+    return found
+
+
+def test_pool_candidates_find_what_a_plain_scan_finds_in_its_order():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        vocab = [3, 6, 300][trial % 3]  # few token ids: many matches, overlapping ones too
+        history = torch.randint(vocab, (int(torch.randint(1, 60, (1,), generator=generator)),),
+                                generator=generator).tolist()
+        recent = [torch.randint(vocab, (n,), generator=generator).tolist() for n in (0, 1, 5, 9)]
+        for width, count, min_ngram, halve in ((4, 3, 2, True), (16, 9, 1, False), (1, 1, 1, False)):
+            got = pool_candidates(history, recent, width, count, min_ngram=min_ngram, halve_shorter=halve)
+            assert got == _pool_by_slices(history, recent, width, count, 3, min_ngram, halve), (history, recent)
+    assert pool_candidates([2**40, 7, 2**40], [], 2, 1) == [[7, 2**40]]  # any id a tokenizer may have
+    # the n-gram (0, 0) also matches the bytes of 0, 256 one byte later: not a match, and the
+    # one a byte before it still is
+    assert pool_candidates([0, 0, 256, 7, 0, 0], [], 2, 1) == [[256, 7]]
+
+
 def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
     # tail 5 | 1 2 3; drafts 1 2 9 (shares "1 2") and 4 4 (a new branch from the root)
     trie = TokenTrie.build([5, 1, 2, 3], [[1, 2, 9], [4, 4]])

@@ -21,7 +21,8 @@ feeds and verifies is not touched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -196,19 +197,37 @@ def pool_candidates(history: Sequence[int], recent: Sequence[Sequence[int]], wid
     draft `width` tokens, a 2-token match width // 2): shorter matches are right less often."""
     h = list(history)
     found: list[list[int]] = []
-    sources = [h, *reversed(recent)]
+    sources = [(seq, _token_bytes(seq)) for seq in (h, *reversed(recent))]
     for g in range(min(max_ngram, len(h)), min_ngram - 1, -1):
-        key = h[-g:]
+        key = _token_bytes(h[-g:])
         w = max(1, width >> (max_ngram - g)) if halve_shorter else width
-        for seq in sources:  # an occurrence must be followed by a token (so not h's own end)
-            for start in range(len(seq) - g - 1, -1, -1):
-                if seq[start : start + g] == key:
-                    cand = list(seq[start + g : start + g + w])
-                    if cand and cand not in found:
-                        found.append(cand)
-                        if len(found) >= count:
-                            return found
+        for seq, data in sources:  # an occurrence must be followed by a token (so not h's own end)
+            for start in _occurrences(data, key, len(seq) - 1):
+                cand = list(seq[start + g : start + g + w])
+                if cand and cand not in found:
+                    found.append(cand)
+                    if len(found) >= count:
+                        return found
     return found
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as fixed-width machine integers, so that an n-gram is a byte string to search."""
+    return array("q", tokens).tobytes()
+
+
+def _occurrences(data: bytes, key: bytes, before: int) -> Iterator[int]:
+    """Token indices where the tokens `key` occur in the tokens `data`, ending before token
+    `before`, latest first (bytes.rfind, keeping the matches aligned on whole tokens)."""
+    size = _TOKEN_SIZE
+    end = before * size
+    while end >= 0 and (at := data.rfind(key, 0, end)) >= 0:
+        if at % size == 0:
+            yield at // size
+        end = at + len(key) - 1
+
+
+_TOKEN_SIZE = array("q").itemsize
 
 
 # ----------------------------------------------------------------------------------------------
