@@ -288,10 +288,11 @@ def commit_kept(rc: RowCache, kept: list[list[int]], fed: int) -> None:
     device = _cache_device(rc)
     if rc.valid is None:
         rc.valid = torch.ones(B, rc.physical_length - last, dtype=torch.bool, device=device)
-    new = torch.zeros(B, last, dtype=torch.bool, device=rc.valid.device)
-    for r, k in enumerate(kept):
-        new[r, k] = True
-    rc.valid = torch.cat([rc.valid, new], dim=1)
+    new = [[False] * last for _ in range(B)]  # built on the host: one tensor, not one write per row
+    for row, k in zip(new, kept, strict=True):
+        for i in k:
+            row[i] = True
+    rc.valid = torch.cat([rc.valid, torch.tensor(new, dtype=torch.bool, device=rc.valid.device)], dim=1)
     rc.lengths = [n + len(k) for n, k in zip(rc.lengths, kept, strict=True)]
 
 
