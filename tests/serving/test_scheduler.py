@@ -250,3 +250,37 @@ def test_a_forward_that_fails_fails_its_group_alone(model, oracle, monkeypatch):
     for (_, events), p in zip(greedy, PROMPTS[:2]):
         assert events.wait().result.text == oracle.text(p)
     scheduler.stop()
+
+
+def test_the_decode_threads_events_wake_the_loop_once_per_batch_in_each_requests_order():
+    import asyncio
+
+    from cllm.serving.service import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda callback, *args: (wakeups.append(callback), real(callback, *args))[1]
+    mailbox = _Mailbox(loop)
+    a, b = asyncio.Queue(), asyncio.Queue()
+    poster = threading.Thread(target=lambda: [mailbox.post(a, 1), mailbox.post(b, "x"), mailbox.post(a, 2)])
+    poster.start()
+    poster.join()
+
+    async def read(queue, n):
+        return [await queue.get() for _ in range(n)]
+
+    async def both():
+        return [await read(a, 2), await read(b, 1)]
+
+    try:
+        assert loop.run_until_complete(both()) == [[1, 2], ["x"]]
+        assert len(wakeups) == 1
+        mailbox.post(a, 3)  # the loop drained: the next event wakes it again
+        assert loop.run_until_complete(read(a, 1)) == [3] and len(wakeups) == 2
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError):  # a closed loop: the poster hears of it, nothing is kept
+        mailbox.post(a, 4)
+    with pytest.raises(RuntimeError):
+        mailbox.post(a, 5)

@@ -125,6 +125,36 @@ def _worker_error(reason: str, cfg: ServeConfig) -> ApiError:
     return ApiError(500, f"decoding this request failed ({why})", type="server_error", code="decode_failed")
 
 
+class _Mailbox:
+    """Events from the decode thread to the requests' queues on the event loop. A step delivers
+    an event to every running request; they reach the loop in one wake-up (one
+    `call_soon_threadsafe`), not one each. One request's events keep their order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, tuple]] = []
+
+    def post(self, queue: asyncio.Queue, event: tuple) -> None:
+        """Put `event` on `queue` from another thread; RuntimeError when the loop is closed."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a drain is scheduled and has not run yet: it takes this one too
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class Service:
     """What the routes do: check a request, queue it, answer (plain JSON or SSE)."""
 
@@ -143,6 +173,7 @@ class Service:
         self.names = {cfg.model_id, cfg.model}
         # one prompt tokenized at a time: a flood of long prompts takes one core, not every core
         self.tokenizing = asyncio.Semaphore(1)
+        self._mailbox: _Mailbox | None = None  # the decode thread's events to the event loop
 
     async def read_body(self, request: Request) -> dict:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -172,10 +203,13 @@ class Service:
         params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, engine=cfg.jacobi,
                               max_tokens_key="max_completion_tokens" if chat else "max_tokens")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = _Mailbox(loop)
+        mailbox = self._mailbox
 
         def on_event(kind: str, value) -> None:  # from the decode thread
             try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+                mailbox.post(events, (kind, value))
             except RuntimeError:  # the event loop is gone (shutdown)
                 job.cancelled = True
 
