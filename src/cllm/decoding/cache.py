@@ -15,7 +15,7 @@ attention mask do the bookkeeping:
 - positions are logical (the count of a row's valid entries), never physical, so a hole
   changes nothing a row computes; causality stays physical, which is right because every row's
   entries are in order;
-- when the holes (plus left padding) waste a sizeable part of the cache, `compact` gathers each
+- when the holes (plus padding) waste a sizeable part of the cache, `compact` gathers each
   row's valid entries into a fresh left-padded layout.
 
 Batch 1 never has holes: rejected entries are simply cropped, and entries kept off the main
