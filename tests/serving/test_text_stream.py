@@ -83,12 +83,16 @@ def _stream(tokenizer, ids, chunks, stop=(), *, whole=False):
     return stream, released
 
 
+def _cases(name: str, seed: int, count: int, shortest: int):
+    """`count` random token sequences for the tokenizer `name`, with the generator that drew them."""
+    tokenizer, rng = TOKENIZERS[name](), random.Random(seed)
+    for _ in range(count):
+        yield tokenizer, rng, random_ids(tokenizer, rng, rng.randint(shortest, 60))
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_the_windowed_text_is_the_whole_decode_chunk_for_chunk(name):
-    tokenizer = TOKENIZERS[name]()
-    rng = random.Random(0)
-    for _ in range(150):
-        ids = random_ids(tokenizer, rng, rng.randint(1, 60))
+    for tokenizer, rng, ids in _cases(name, seed=0, count=150, shortest=1):
         chunks = [rng.randint(0, 5) for _ in range(len(ids))]
         stream, released = _stream(tokenizer, ids, chunks)
         assert released == _stream(tokenizer, ids, chunks, whole=True)[1], (name, ids, chunks)
@@ -97,10 +101,7 @@ def test_the_windowed_text_is_the_whole_decode_chunk_for_chunk(name):
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_the_windowed_text_stops_where_the_whole_decode_has_the_stop_string(name):
-    tokenizer = TOKENIZERS[name]()
-    rng = random.Random(1)
-    for _ in range(100):
-        ids = random_ids(tokenizer, rng, rng.randint(5, 60))
+    for tokenizer, rng, ids in _cases(name, seed=1, count=100, shortest=5):
         whole = tokenizer.decode(ids, skip_special_tokens=True)
         if len(whole) < 6:
             continue
