@@ -72,7 +72,8 @@ class TextStream:
     Each feed decodes only a window of the last tokens, not the whole text: the window starts
     at the previous cut, a token where the text was whole (no half UTF-8 character), so the
     text before it never changes, and the window's text past the tokens it has already
-    released is the new text. A feed then costs the same at the 10th token as at the 10,000th.
+    released is the new text. A feed then costs about the same at the 10th token as at the
+    10,000th.
     A tokenizer that rewrites text across tokens (`clean_up_tokenization_spaces`) is decoded
     whole every time instead; `finish` decodes the whole text once."""
 
