@@ -21,13 +21,13 @@ def byte_level():
     return train_tokenizer(CODE_TEXTS * 4 + UNICODE * 4, vocab_size=400, min_frequency=1)
 
 
-def _pieces_tokenizer(decoder, *, pieces_prefix: str) -> PreTrainedTokenizerFast:
+def _pieces_tokenizer(decoder) -> PreTrainedTokenizerFast:
     """A SentencePiece-style vocabulary (byte fallback tokens, pieces with '▁' for a space)
     with the given decoder; decoding only, so no merges are needed."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
     for piece in ["▁", "▁def", "▁x", "x", "▁=", "é", "(", "):", "ab", "▁€", "数", "▁▁", "return", "▁ret"]:
-        vocab.setdefault(pieces_prefix + piece if not piece.startswith("▁") else piece, len(vocab))
+        vocab.setdefault(piece, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoder
     tok.add_special_tokens(["<s>", "</s>"])
@@ -36,11 +36,11 @@ def _pieces_tokenizer(decoder, *, pieces_prefix: str) -> PreTrainedTokenizerFast
 
 def llama2_style():
     return _pieces_tokenizer(decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                                decoders.Strip(" ", 1, 0)]), pieces_prefix="")
+                                                decoders.Strip(" ", 1, 0)]))
 
 
 def metaspace():
-    return _pieces_tokenizer(decoders.Metaspace(replacement="▁", prepend_scheme="first"), pieces_prefix="")
+    return _pieces_tokenizer(decoders.Metaspace(replacement="▁", prepend_scheme="first"))
 
 
 TOKENIZERS = {"byte_level": byte_level, "llama2_style": llama2_style, "metaspace": metaspace}

@@ -12,10 +12,10 @@ scheduler all decode through it, so that they produce the same text:
   verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
   autoregressive sampling ("ar" = n = 1); reproducible with a seed.
 
-Text is detokenized incrementally (`TextStream`, a window of the last tokens per step): a chunk is
-released only when it cannot change any more (no half UTF-8 character at its end, no possible
-start of a stop string). Output is cut
-at the first stop string and decoding stops there: the loop over the decoder's steps breaks.
+Text is detokenized incrementally (`TextStream`, a window of the last tokens per step): a chunk
+is released only when it cannot change any more (no half UTF-8 character at its end, no possible
+start of a stop string). Output is cut at the first stop string and decoding stops there: the
+loop over the decoder's steps breaks.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ class TextStream:
     at the previous cut, a token where the text was whole (no half UTF-8 character), so the
     text before it never changes, and the window's text past the tokens it has already
     released is the new text. A feed then costs about the same at the 10th token as at the
-    10,000th.
-    A tokenizer that rewrites text across tokens (`clean_up_tokenization_spaces`) is decoded
-    whole every time instead; `finish` decodes the whole text once."""
+    10,000th. A tokenizer that rewrites text across tokens (`clean_up_tokenization_spaces`) is
+    decoded whole every time instead; `finish` decodes the whole text once."""
 
     def __init__(self, codec: TextCodec, stop: Sequence[str] = (), on_text=None) -> None:
         self.codec, self.stop, self.on_text = codec, tuple(stop), on_text
@@ -85,7 +84,7 @@ class TextStream:
         self._windowed = not getattr(codec.tokenizer, "clean_up_tokenization_spaces", False)
         self._settled = ""  # the text of tokens[: self._cut]
         self._start = self._cut = 0  # the window is tokens[self._start :], settled up to self._cut
-        self._head = ""  # the window's text of tokens[self._start : self._cut]
+        self._head = ""  # tokens[self._start : self._cut] decoded alone: how the window's text starts
 
     def feed(self, tokens: Sequence[int]) -> None:
         if self.stopped:
@@ -116,7 +115,7 @@ class TextStream:
             return self._settled  # U+FFFD while the run's last character is unfinished
         new = window[len(self._head) :]
         cut = len(self.tokens)
-        if new and not new.endswith("\ufffd") and cut > self._cut:  # a new cut: the text is whole here
+        if new and not new.endswith("\ufffd"):  # a new cut: the text is whole here
             self._settled += new
             self._start, self._cut = self._cut, cut
             self._head = self.codec.decode(self.tokens[self._start : self._cut])
