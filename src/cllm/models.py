@@ -33,7 +33,7 @@ from transformers.utils import logging as transformers_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
-from cllm.decoding import RECOMMENDED
+from cllm.decoding import RECOMMENDED, segments
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
@@ -338,6 +338,7 @@ class DecodingModel:
     draft_table: Any  # its DraftTable (`cllm drafts`), or None when its folder has none
     settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
     name: str
+    not_compiled: str | None = None  # why the runner's segments were not compiled, when asked
 
 
 def load_for_decoding(
@@ -347,12 +348,15 @@ def load_for_decoding(
     device: str | torch.device = "cpu",
     draft_table: str | None = "auto",
     trust_remote_code: bool = False,
+    compile: bool = False,
 ) -> DecodingModel:
     """One call for the fast path: the model (a shipped name, a local folder or a hub id
     `owner/name`), its tokenizer, its draft table and the decode setting of the CLI.
 
     Args:
         draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
+        compile: compile the lean runner's segments now (`cllm.decoding.segments.compile_runner`:
+            float32 on a CPU with a C++ compiler; tens of seconds); `not_compiled` says why not.
 
     Example:
         fast = load_for_decoding("stdlib-coder-cllm")
@@ -364,7 +368,8 @@ def load_for_decoding(
     table = load_draft_table(name_or_path, draft_table)
     model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
-    return DecodingModel(model, tokenizer, table, settings, str(name_or_path))
+    not_compiled = segments.compile_runner(model) if compile else None
+    return DecodingModel(model, tokenizer, table, settings, str(name_or_path), not_compiled)
 
 
 def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Any]:

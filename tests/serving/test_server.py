@@ -64,6 +64,9 @@ def oracle(model_dir):
     return Oracle(model_dir)
 
 
+SERVER_LOGS: dict = {}  # the server fixture's URL -> its log file
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """`python -m cllm.cli serve` on a free loopback port; yields its base URL."""
@@ -76,11 +79,19 @@ def server(model_dir, tmp_path_factory):
            "--max-body-bytes", str(LIMITS["max_body_bytes"]), "--read-timeout", str(LIMITS["read_timeout"])]
     proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    SERVER_LOGS[url] = log
     try:
         wait_until_up(url, proc, log)
         yield url
     finally:
         stop_server(proc, log)
+
+
+def test_the_server_compiles_its_runner_segments_by_default_and_says_so(server):
+    """Every test here then decodes on them: the outputs against the oracle are theirs."""
+    log = SERVER_LOGS[server]
+    log.seek(0)
+    assert "cllm serve: forward: lean runner (llama, float32; compiled segments up to 24 fed tokens" in log.read()
 
 
 @pytest.fixture(scope="module")

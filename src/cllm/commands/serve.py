@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from cllm.decoding import lean
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
 from cllm.serving.vllm_serve import replace_process, vllm_server
@@ -30,6 +31,11 @@ def run(config: Config) -> int:
           f"(greedy: {config.method}, n = {config.jacobi.block_size}{drafts}; batches up to {config.max_batch_size} "
           f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
           file=sys.stderr, flush=True)
+    if config.compile:
+        note = bound.served.not_compiled
+        said = (f"note: --compile: {note}; the eager runner decodes" if note
+                else f"forward: {lean.describe(bound.served.model)}")
+        print(f"cllm serve: {said}", file=sys.stderr, flush=True)
     serve_app(bound, config)
     return 0
 

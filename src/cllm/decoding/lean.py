@@ -14,6 +14,10 @@ transformers' `DynamicCache` that `cllm.decoding.cache` uses (`get_seq_length`, 
 `layers[i].keys` / `.values`, `batch_select_indices`), so every commit, rollback, hole and
 compaction there works unchanged.
 
+`segments.compile_runner(model)` compiles, on request, the dense parts between two attentions with
+Inductor (`segments.CompiledSegments`): on a CPU its GEMM kernels stream the weights several times faster
+than MKL at the few tokens a decoding step feeds. `docs/architecture.md` says when they run.
+
 `runner_for(model)` says whether a model can take it (and `why_not` why it cannot); the cache
 adapter uses it for every decoding forward (never with gradients: training keeps transformers'
 forward). It is exact: token for token the transformers model's greedy output, its logits equal
@@ -27,6 +31,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,7 @@ ATTENTIONS = ("sdpa", "eager")
 GROWTH = 256  # cache slots reserved beyond what a forward needs when the buffers grow
 
 _enabled = True
+_compiled_enabled = True
 _runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -49,6 +55,18 @@ def runner_enabled(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _enabled = before
+
+
+@contextmanager
+def compiled_enabled(enabled: bool) -> Iterator[None]:
+    """Within: the runner's compiled segments run where compiled (True), or its eager forward
+    runs everywhere (False). `cllm bench`'s forward cost times both."""
+    global _compiled_enabled
+    before, _compiled_enabled = _compiled_enabled, enabled
+    try:
+        yield
+    finally:
+        _compiled_enabled = before
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -93,11 +111,23 @@ def runner_for(model: torch.nn.Module) -> LeanRunner | None:
     return _runners[model]
 
 
+def compiled(model: torch.nn.Module) -> Any:
+    """The model's compiled segments (`segments.compile_runner`) while its weights are the ones
+    compiled, else None."""
+    runner = _runners.get(model)
+    segments = runner.compiled if runner is not None else None
+    return segments if segments is not None and segments.current() else None
+
+
 def describe(model: torch.nn.Module) -> str:
     """Which forward decodes `model`, and why, in a line (`cllm generate -v`)."""
     reason = why_not(model)
     if reason is None:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        segments = compiled(model)
+        if segments is not None:
+            return (f"lean runner ({model.config.model_type}, {dtype}; compiled segments up to "
+                    f"{COMPILED_MAX_TOKENS} fed tokens, compiled in {segments.seconds:.1f} s)")
         return f"lean runner ({model.config.model_type}, {dtype})"
     return f"transformers' forward: {reason}"
 
@@ -259,7 +289,8 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
     return norm.weight.view(shape) * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: (-x2, x1) of the halves of the last dimension."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -271,6 +302,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
 
 
+COMPILED_MAX_TOKENS = 24  # fed tokens (B * L) up to which compiled segments run; wider: eager (as fast)
 GEMM_WIDTH = 16  # the fewest columns a feature-major GEMM runs on (more than one token fed)
 
 
@@ -325,6 +357,7 @@ class LeanRunner:
         # the others come from a table of every position so far (the module's own values)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.dynamic_rope = getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope")
+        self.compiled: Any = None  # a `segments.CompiledSegments`, set by `segments.compile_runner`
 
     def new_cache(self, batch: int, capacity: int) -> LeanKV:
         weight = self.embed.weight
@@ -343,7 +376,10 @@ class LeanRunner:
         self._run_hooks("_forward_pre_hooks", inputs)
         embedded = self.embed(input_ids)  # (B, L, H)
         allowed = self._mask(attention_mask, *input_ids.shape, kv.get_seq_length(), embedded.device)
-        if self.feature_major(embedded):
+        if (self.compiled is not None and _compiled_enabled and input_ids.numel() <= COMPILED_MAX_TOKENS
+                and torch.is_inference_mode_enabled() and self.compiled.current()):
+            logits, x = self._compiled(kv, embedded, position_ids, allowed, last_only)
+        elif self.feature_major(embedded):
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
         else:
             logits, x = self._token_major(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
@@ -367,14 +403,26 @@ class LeanRunner:
         if self.dynamic_rope:
             cos, sin = (t.permute(2, 0, 1) for t in self.rotary(embedded, position_ids))
         else:
-            if self.rope_table is None or self.rope_table[0].shape[1] < slots:
-                size = max(slots, 2 * (0 if self.rope_table is None else self.rope_table[0].shape[1]), GROWTH)
-                positions = torch.arange(size, device=embedded.device)[None]
-                self.rope_table = tuple(t[0].t().contiguous() for t in self.rotary(embedded, positions))
             flat = position_ids.reshape(-1)
-            cos, sin = (t.index_select(1, flat).view(-1, B, L) for t in self.rope_table)
+            cos, sin = (t.index_select(1, flat).view(-1, B, L) for t in self._rope_table(embedded, slots))
         half = cos.shape[0] // 2
         return cos.contiguous(), torch.cat((-sin[:half], sin[half:]))
+
+    def _rope_table(self, embedded: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (D, positions) of at least `slots` positions (the rotary module's values)."""
+        if self.rope_table is None or self.rope_table[0].shape[1] < slots:
+            size = max(slots, 2 * (0 if self.rope_table is None else self.rope_table[0].shape[1]), GROWTH)
+            positions = torch.arange(size, device=embedded.device)[None]
+            self.rope_table = tuple(t[0].t().contiguous() for t in self.rotary(embedded, positions))
+        return self.rope_table
+
+    def _rope_tokens(self, embedded: torch.Tensor, position_ids: torch.Tensor,
+                     slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `position_ids`, token-major (B * L, D)."""
+        if self.dynamic_rope:
+            return tuple(t.reshape(-1, t.shape[-1]) for t in self.rotary(embedded, position_ids))
+        flat = position_ids.reshape(-1)
+        return tuple(t.index_select(1, flat).t().contiguous() for t in self._rope_table(embedded, slots))
 
     def _feature_major(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
                        allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,6 +464,37 @@ class LeanRunner:
         logits = _project(self.lm_head, x)[:, :M]  # (V, B * L')
         return logits.t().view(B, L, -1), x[:, :M].t().view(B, L, -1)
 
+    def _compiled(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
+                  allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward through the compiled segments (`segments.compile_runner`), token-major (M, features):
+        between two segments only the cache append and the attention run eagerly. One fed token
+        runs padded to two rows (the segments are compiled for two rows and more)."""
+        B, L, H = embedded.shape
+        M, D = B * L, self.head_dim
+        pad = max(0, 2 - M)
+        cos, sin = (F.pad(t, (0, 0, 0, pad)).contiguous() for t in self._rope_tokens(embedded, position_ids,
+                                                                                      kv.get_seq_length() + L))
+        if allowed is not None:
+            allowed = embedded.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        gqa = self.kv_heads != self.heads
+        segments = self.compiled.segments
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            x, q, k, v = segments[0](F.pad(embedded.reshape(M, H), (0, 0, 0, pad)).contiguous(), None, cos, sin)
+            for i in range(len(self.layers)):
+                q, k, v = (t[:M].view(B, L, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, L, D)
+                keys, values = kv.append(i, k, v)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                                     enable_gqa=gqa)  # (B, heads, L, D)
+                attended = F.pad(out.transpose(1, 2).reshape(M, -1), (0, 0, 0, pad)).contiguous()
+                x, q, k, v = segments[i + 1](x, attended, cos, sin)
+            if last_only:
+                x = x[:M].view(B, L, H)[:, -1]
+                M, L = B, 1
+                pad = max(0, 2 - M)
+                x = F.pad(x, (0, 0, 0, pad)).contiguous()  # the graphs' guards are skipped: inputs as compiled
+            logits, x = self.compiled.head(x)
+        return logits[:M].view(B, L, -1), x[:M].view(B, L, -1)
+
     def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The same in transformers' layout (B, L, features), through the model's own modules."""
@@ -431,7 +510,7 @@ class LeanRunner:
             if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, heads, L, D)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
                                                  enable_gqa=gqa)  # (B, heads, L, D)

@@ -182,17 +182,19 @@ def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds
 def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
                   rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
-    cached tokens, on each forward the model can take: {"lean" (`cllm.decoding.lean`, when it
-    runs the model), "transformers": {B: {k: [seconds per round]}}}. Rounds are interleaved over
+    cached tokens, on each forward the model can take: {"compiled" (the lean runner with its
+    compiled segments, when `segments.compile_runner` compiled them), "lean" (`cllm.decoding.lean`'s eager
+    forward, when it runs the model), "transformers": {B: {k: [seconds per round]}}}. Rounds are interleaved over
     (forward, B, k) and rotated; each step is rolled back, so every one sees the same cache."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    paths = (["lean"] if lean.why_not(model) is None else []) + ["transformers"]
+    paths = (["compiled"] if lean.compiled(model) is not None else []) + (
+        ["lean"] if lean.why_not(model) is None else []) + ["transformers"]
     caches, ids = {}, {}
     for path in paths:
         for B in batches:
             prompt = torch.randint(vocab, (B, prefix), generator=torch.Generator().manual_seed(seed)).to(device)
-            with lean.runner_enabled(path == "lean"), torch.inference_mode():
+            with lean.runner_enabled(path != "transformers"), torch.inference_mode():
                 caches[path, B], _ = kv.prefill(model, prompt, torch.ones_like(prompt))
     for B in batches:
         for k in ks:
@@ -201,7 +203,8 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
     @torch.inference_mode()
     def step(path: str, B: int, k: int) -> None:
         rc = caches[path, B]
-        logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
+        with lean.compiled_enabled(path == "compiled"):
+            logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
         logits.argmax(-1).tolist()  # the step's one device sync
         kv.commit(rc, keep=[0] * B, fed=k)
 

@@ -233,7 +233,8 @@ def open_app(config: ServeConfig) -> BoundApp:
     sock = bind(config.host, config.port)
     try:
         served = load_served(config.model, dtype=config.dtype, device=config.device,
-                             threads=config.threads or free_cores(), draft_table=config.draft_table)
+                             threads=config.threads or free_cores(), draft_table=config.draft_table,
+                             compile=config.compile)
         app = create_app(served.model, served.codec.tokenizer, config, served.draft_table)
     except BaseException:
         sock.close()
