@@ -72,7 +72,7 @@ def server(model_dir, tmp_path_factory):
     """`python -m cllm.cli serve` on a free loopback port; yields its base URL."""
     log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
     port = free_port()
-    cmd = [sys.executable, "-m", "cllm.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "cllm.cli", "serve", "--model", str(model_dir), "--port", str(port), "--compile",
            "--served-model-name", NAME, "--block-size", str(BLOCK), "--threads", "1",
            "--log-level", "warning", "--max-tokens-limit", str(LIMITS["max_tokens_limit"]),
            "--max-prompt-tokens", str(LIMITS["max_prompt_tokens"]),
@@ -87,7 +87,7 @@ def server(model_dir, tmp_path_factory):
         stop_server(proc, log)
 
 
-def test_the_server_compiles_its_runner_segments_by_default_and_says_so(server):
+def test_the_server_compiles_its_runner_segments_when_asked_and_says_so(server):
     """Every test here then decodes on them: the outputs against the oracle are theirs."""
     log = SERVER_LOGS[server]
     log.seek(0)
