@@ -39,12 +39,14 @@ def both(model, fn):
     return a, b
 
 
-@pytest.mark.parametrize("arch", LEAN_ARCHS)
-@torch.inference_mode()
-def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and_trees(arch):
-    model = lean_model(arch)
-    assert lean.why_not(model) is None and lean.describe(model).startswith("lean runner")
-    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((1, 7), (2, 3), (3, 11))]
+VALID = [None, [5, 2, 4], [3, 3, 1], None, None]  # per forward of `feeds`: the positions each row reads
+
+
+def feeds(model, lengths=(7, 3, 11)):
+    """A run on `model`: a prefill of three left-padded prompts, causal feeds after which the rows
+    keep different counts (holes in the cache), a tree feed, one token more. run() returns the
+    logits of each forward and the cache's type."""
+    prompts = [random_prompt(s, n)[0].tolist() for s, n in zip((1, 2, 3), lengths, strict=True)]
     T = max(map(len, prompts))
     ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
@@ -64,14 +66,26 @@ def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and
         logits.append(kv.feed(model, rc, fed[:, :1], [1, 1, 1]))
         return [x.clone() for x in logits], type(rc.kv).__name__
 
-    (got, kind), (want, other) = both(model, run)
-    assert kind == "LeanKV" and other == "DynamicCache"
-    for g, w, valid in zip(got, want, [None, [5, 2, 4], [3, 3, 1], None, None], strict=True):
+    return run
+
+
+def assert_same_logits(got, want):
+    for g, w, valid in zip(got, want, VALID, strict=True):
         if valid is None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
         else:  # padded positions compute garbage nobody reads
             for r, n in enumerate(valid):
                 torch.testing.assert_close(g[r, :n], w[r, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+@torch.inference_mode()
+def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and_trees(arch):
+    model = lean_model(arch)
+    assert lean.why_not(model) is None and lean.describe(model).startswith("lean runner")
+    (got, kind), (want, other) = both(model, feeds(model))
+    assert kind == "LeanKV" and other == "DynamicCache"
+    assert_same_logits(got, want)
 
 
 SETTINGS = {
@@ -83,17 +97,24 @@ SETTINGS = {
 }
 
 
+def padded_batch(model):
+    """Three left-padded prompts (ids, mask) and an EOS that the first one's greedy text reaches
+    mid-block (the first token there not seen before)."""
+    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((5, 9), (6, 4), (7, 14))]
+    with lean.runner_enabled(False):
+        full = greedy_decode(model, torch.tensor([prompts[0]]), max_new_tokens=40).new_tokens[0]
+    eos = next((t for i, t in enumerate(full[3:30], 3) if t not in full[:i]), None)
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, eos
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
 def test_the_engine_on_the_runner_gives_transformers_greedy_tokens(arch, name):
     model = lean_model(arch)
-    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((5, 9), (6, 4), (7, 14))]
-    with lean.runner_enabled(False):
-        full = greedy_decode(model, torch.tensor([prompts[0]]), max_new_tokens=40).new_tokens[0]
-    eos = next((t for i, t in enumerate(full[3:30], 3) if t not in full[:i]), None)  # stops mid-block
-    T = max(map(len, prompts))
-    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask, eos = padded_batch(model)
     with lean.runner_enabled(False):
         expected = greedy_decode(model, ids, mask, max_new_tokens=40, eos_token_id=eos).new_tokens
     with lean.runner_enabled(True):

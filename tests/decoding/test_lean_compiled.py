@@ -15,8 +15,8 @@ import torch
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import cache as kv
 from cllm.decoding import lean, segments
-from tests.decoding.conftest import VOCAB, random_prompt
-from tests.decoding.test_lean import LEAN_ARCHS, SETTINGS, lean_model
+from tests.decoding.conftest import random_prompt
+from tests.decoding.test_lean import LEAN_ARCHS, SETTINGS, assert_same_logits, feeds, lean_model, padded_batch
 
 NOT_HERE = segments.why_not_compiled(lean_model("llama"))  # no C++ compiler, an older torch
 pytestmark = pytest.mark.skipif(NOT_HERE is not None, reason=f"no compiled segments here: {NOT_HERE}")
@@ -57,50 +57,20 @@ class Counting:
 def test_compiled_segments_compute_transformers_logits_through_feeds_holes_and_trees(arch):
     model = compiled_model(arch)
     assert "compiled segments" in lean.describe(model)
-    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((1, 7), (2, 3), (3, 4))]
-    T = max(map(len, prompts))
-    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])  # 3 x 7 = 21 fed tokens: compiled
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    fed = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(4))
-    tree = torch.tensor([[True] * 5] * 5).tril()
-    tree[3, 1:3] = False  # node 3 hangs off node 0: a second branch
-    offsets = torch.tensor([[0, 1, 2, 1, 2]] * 3)
-
-    def run():
-        rc, first = kv.prefill(model, ids, mask)
-        logits = [first, kv.feed(model, rc, fed, [5, 2, 4])]
-        kv.commit(rc, [3, 1, 4], fed=5)  # different rows keep different counts: holes
-        logits.append(kv.feed(model, rc, fed[:, :3], [3, 3, 1]))
-        kv.commit(rc, [1, 2, 1], fed=3)
-        logits.append(kv.feed_tree(model, rc, fed, offsets, tree[None].expand(3, 5, 5)))
-        kv.commit_kept(rc, [[0, 3], [0, 1, 2], [0]], fed=5)
-        logits.append(kv.feed(model, rc, fed[:, :1], [1, 1, 1]))
-        return [x.clone() for x in logits]
-
+    run = feeds(model, (7, 3, 4))  # a prefill of 3 x 7 = 21 tokens: compiled too
     with Counting(model) as counted:
-        got = run()
-    assert counted.calls == 5  # every forward of this test ran the compiled segments
+        got, kind = run()
+    assert kind == "LeanKV" and counted.calls == 5  # every forward ran the compiled segments
     with lean.runner_enabled(False):
-        want = run()
-    for g, w, valid in zip(got, want, [None, [5, 2, 4], [3, 3, 1], None, None], strict=True):
-        if valid is None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-        else:  # padded positions compute garbage nobody reads
-            for r, n in enumerate(valid):
-                torch.testing.assert_close(g[r, :n], w[r, :n], rtol=1e-4, atol=1e-4)
+        want, _ = run()
+    assert_same_logits(got, want)
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
 def test_the_engine_on_compiled_segments_gives_transformers_greedy_tokens(arch, name):
     model = compiled_model(arch)
-    prompts = [random_prompt(s, n)[0].tolist() for s, n in ((5, 9), (6, 4), (7, 14))]
-    with lean.runner_enabled(False):
-        full = greedy_decode(model, torch.tensor([prompts[0]]), max_new_tokens=40).new_tokens[0]
-    eos = next((t for i, t in enumerate(full[3:30], 3) if t not in full[:i]), None)  # stops mid-block
-    T = max(map(len, prompts))
-    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask, eos = padded_batch(model)
     with lean.runner_enabled(False):
         expected = greedy_decode(model, ids, mask, max_new_tokens=40, eos_token_id=eos).new_tokens
         alone = greedy_decode(model, ids[2:], mask[2:], max_new_tokens=40, eos_token_id=eos).new_tokens
