@@ -138,7 +138,7 @@ def why_not_compiled(model: torch.nn.Module) -> str | None:
 
 
 def compile_runner(model: torch.nn.Module) -> str | None:
-    """Compile the runner's segments for `model` now (20-45 s on a 2-core CPU): its forwards of up
+    """Compile the runner's segments for `model` now (15-45 s on a 2-core CPU): its forwards of up
     to `lean.COMPILED_MAX_TOKENS` fed tokens then run them. Returns None when done (or already
     done for these weights), else why not; the eager runner then stays."""
     reason = why_not_compiled(model)
