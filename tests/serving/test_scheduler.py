@@ -82,6 +82,22 @@ def submit_together(scheduler: Scheduler, jobs) -> None:
             scheduler.submit(j)
 
 
+def test_a_job_without_a_seed_decodes_as_seed_0_beside_a_running_one(model, oracle):
+    """`DecodeParams.seed` None means 0 (as in `complete`): such a job joining the batch neither
+    fails the jobs running nor waits forever itself."""
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+    try:
+        first, first_events = job(oracle.ids(PROMPTS[0]), 24)
+        scheduler.submit(first)
+        events = Collector()
+        scheduler.submit(Job(list(oracle.ids(PROMPTS[1])), DecodeParams(max_new_tokens=24, engine=ENGINE["engine"]),
+                             events))
+        assert events.wait().result.text == oracle.text(PROMPTS[1], max_new_tokens=24)
+        assert first_events.wait().result.text == oracle.text(PROMPTS[0], max_new_tokens=24)
+    finally:
+        scheduler.stop()
+
+
 @pytest.mark.parametrize("forward_width", [None, 12])  # 12: one token of drafts per row or none
 def test_concurrent_jobs_share_the_batch_and_each_gets_its_greedy_text(model, oracle, forward_width):
     scheduler = Scheduler(model, TextCodec(oracle.tokenizer), forward_width=forward_width)

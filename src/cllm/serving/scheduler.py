@@ -52,7 +52,7 @@ class Job:
     decode; its batch mates go on); a cancelled job gets no more events."""
 
     prompt_ids: list[int]
-    params: DecodeParams  # params.seed must be set: it seeds the row's generator
+    params: DecodeParams  # params.seed seeds the row's generator (None: 0, as in `complete`)
     on_event: Callable[[str, Any], None]
     stream_text: bool = False
     deadline: float | None = None  # time.monotonic() past which the job is dropped ("timeout")
@@ -211,8 +211,8 @@ class Scheduler:
                 group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **kwargs),
                                kwargs["config"].recycle_budget)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
-            generators = [torch.Generator(device=self.device).manual_seed(j.params.seed) for j in group_jobs]
             try:
+                generators = [torch.Generator(device=self.device).manual_seed(j.params.seed or 0) for j in group_jobs]
                 rows = group.decoder.add(ids.to(self.device), mask.to(self.device), generator=generators,
                                          max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
             except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
