@@ -289,6 +289,12 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
     return norm.weight.view(shape) * h.to(x.dtype)
 
 
+def _additive(allowed: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A boolean mask as an additive one (0 / -inf) in `like`'s dtype, made once per forward:
+    SDPA would convert a boolean mask in every layer."""
+    return None if allowed is None else like.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """transformers' rotate_half: (-x2, x1) of the halves of the last dimension."""
     half = x.shape[-1] // 2
@@ -433,8 +439,7 @@ class LeanRunner:
         D, M = self.head_dim, B * L
         P = padded_width(M)
         cos, sin = self._rope(embedded, position_ids, kv.get_seq_length() + L)  # (D, B, L)
-        if allowed is not None:  # additive once per forward: SDPA would convert a boolean mask in every layer
-            allowed = embedded.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        allowed = _additive(allowed, embedded)
         gqa = self.kv_heads != self.heads
         x = F.pad(embedded.view(M, -1).t(), (0, P - M))  # (H, P): feature-major
         attended = x.new_zeros(self.heads * D, P)  # attention's output, padded: its columns past M stay 0
@@ -474,8 +479,7 @@ class LeanRunner:
         pad = max(0, 2 - M)
         cos, sin = (F.pad(t, (0, 0, 0, pad)).contiguous() for t in self._rope_tokens(embedded, position_ids,
                                                                                       kv.get_seq_length() + L))
-        if allowed is not None:
-            allowed = embedded.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        allowed = _additive(allowed, embedded)
         gqa = self.kv_heads != self.heads
         segments = self.compiled.segments
         # Dynamo's guards are skipped (each segment has one graph): what they would check holds here,

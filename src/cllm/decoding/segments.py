@@ -100,22 +100,20 @@ class CompiledSegments:
         return self._weights() == self._stamp
 
     def warm_up(self, runner: lean.LeanRunner) -> None:
-        """Compile every graph now (two and three rows: the row count becomes dynamic), so that
-        no forward compiles, and none fails half way through its layers."""
-        weight = runner.embed.weight
+        """Compile every graph now, the row count marked dynamic (one graph per segment serves
+        every count from two), so that no forward compiles, and none fails half way through its
+        layers."""
+        weight, M = runner.embed.weight, 2
         start = time.perf_counter()
-        limits = {"recompile_limit": 4 * len(self.segments) + 8,
-                  "accumulated_recompile_limit": 64 * len(self.segments)}
-        with torch.inference_mode(), torch._inductor.config.patch(_INDUCTOR), torch._dynamo.config.patch(limits):
-            for M in (2, 3):
-                x = weight.new_zeros(M, weight.shape[1])
-                attended = weight.new_zeros(M, runner.heads * runner.head_dim)
-                cos, sin = weight.new_ones(M, runner.head_dim), weight.new_zeros(M, runner.head_dim)
-                for t in (x, attended, cos, sin):
-                    torch._dynamo.mark_dynamic(t, 0)
-                for i, segment in enumerate(self.segments):
-                    segment(x, None if i == 0 else attended, cos, sin)
-                self.head(x)
+        with torch.inference_mode(), torch._inductor.config.patch(_INDUCTOR):
+            x = weight.new_zeros(M, weight.shape[1])
+            attended = weight.new_zeros(M, runner.heads * runner.head_dim)
+            cos, sin = weight.new_ones(M, runner.head_dim), weight.new_zeros(M, runner.head_dim)
+            for t in (x, attended, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
+            for i, segment in enumerate(self.segments):
+                segment(x, None if i == 0 else attended, cos, sin)
+            self.head(x)
         self.seconds = time.perf_counter() - start
 
 

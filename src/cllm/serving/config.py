@@ -72,7 +72,7 @@ class ServeConfig:
         "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
         "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
     compile: bool = field(default=False, metadata={"help": "compile the lean runner's segments before serving "
-        "(float32 on a CPU with a C++ compiler: forwards of up to 24 fed tokens about 1.5-2x faster; 15-45 s at "
+        "(float32 on a CPU with a C++ compiler: a forward of 1-4 fed tokens about 2x faster, of 16 1.2x; 15-45 s at "
         "start; elsewhere a note and the eager runner). Measured no faster under load_test.py on a 2-core CPU it "
         "shared with the clients"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
