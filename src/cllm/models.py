@@ -33,7 +33,7 @@ from transformers.utils import logging as transformers_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
-from cllm.decoding import RECOMMENDED, segments
+from cllm.decoding import RECOMMENDED, compiled
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
@@ -338,7 +338,7 @@ class DecodingModel:
     draft_table: Any  # its DraftTable (`cllm drafts`), or None when its folder has none
     settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
     name: str
-    not_compiled: str | None = None  # why the runner's segments were not compiled, when asked
+    not_compiled: str | None = None  # why the runner's forward was not compiled, when asked
 
 
 def load_for_decoding(
@@ -355,8 +355,9 @@ def load_for_decoding(
 
     Args:
         draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
-        compile: compile the lean runner's segments now (`cllm.decoding.segments.compile_runner`:
-            float32 on a CPU with a C++ compiler; tens of seconds); `not_compiled` says why not.
+        compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`:
+            float32 on a CPU with a C++ compiler; tens of seconds), for one prompt at a time
+            (a batch of prompts decodes on the eager runner); `not_compiled` says why not.
 
     Example:
         fast = load_for_decoding("stdlib-coder-cllm")
@@ -368,7 +369,7 @@ def load_for_decoding(
     table = load_draft_table(name_or_path, draft_table)
     model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
-    not_compiled = segments.compile_runner(model) if compile else None
+    not_compiled = compiled.compile_runner(model, batches=False) if compile else None
     return DecodingModel(model, tokenizer, table, settings, str(name_or_path), not_compiled)
 
 

@@ -102,10 +102,10 @@ def test_generate_compiled_says_so_and_is_still_greedy_and_a_model_it_cannot_com
     code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", NEW,
                          "--compile", "-v")
     assert code == 0 and out == oracle.text(PROMPTS[0]) + "\n"
-    assert "forward: lean runner (llama, float32; compiled segments" in err
+    assert "forward: lean runner (llama, float32; compiled forward" in err
     code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", 8,
                          "--compile", "--dtype", "bfloat16")
-    assert code == 0 and "note: --compile: compiled segments run float32 on a CPU only" in err
+    assert code == 0 and "note: --compile: the compiled forward runs float32 on a CPU only" in err
 
 
 def test_generate_with_recycling_and_blocks_in_flight_is_still_greedy(plain, oracle, capsys):

@@ -87,11 +87,11 @@ def server(model_dir, tmp_path_factory):
         stop_server(proc, log)
 
 
-def test_the_server_compiles_its_runner_segments_when_asked_and_says_so(server):
+def test_the_server_compiles_its_runner_forward_when_asked_and_says_so(server):
     """Every test here then decodes on them: the outputs against the oracle are theirs."""
     log = SERVER_LOGS[server]
     log.seek(0)
-    assert "cllm serve: forward: lean runner (llama, float32; compiled segments up to 24 fed tokens" in log.read()
+    assert "cllm serve: forward: lean runner (llama, float32; compiled forward up to 24 fed tokens" in log.read()
 
 
 @pytest.fixture(scope="module")

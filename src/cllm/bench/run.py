@@ -39,7 +39,7 @@ from cllm.core.machine import load_warning, machine_info
 from cllm.core.outputs import check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import Prompt, encode_prompts, load_prompts
-from cllm.decoding import lean, segments
+from cllm.decoding import compiled, lean
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.evaluation.heldout import heldout_prompts, reference_loss
@@ -260,17 +260,16 @@ FORWARD_PREFIX = 128  # cached tokens before a timed forward (a typical position
 
 
 def compile_models(models: BenchModels, progress: Progress) -> list[str]:
-    """--compile: the target's and the CLLM's runner segments compiled before anything is timed
+    """--compile: the target's and the CLLM's runner forward compiled before anything is timed
     (at the run's thread count); a note per model says how long it took, or why it was not."""
     notes = []
     for role, model in (("target", models.target), ("CLLM", models.cllm)):
         if model is None:
             continue
-        progress.line(f"compiling the {role}'s runner segments")
-        reason = segments.compile_runner(model)
-        compiled = lean.compiled(model)
-        notes.append(f"{role}: runner segments not compiled: {reason}" if reason else
-                     f"{role}: runner segments compiled in {compiled.seconds:.1f} s (before timing)")
+        progress.line(f"compiling the {role}'s runner forward")
+        reason = compiled.compile_runner(model)
+        notes.append(f"{role}: runner forward not compiled: {reason}" if reason else
+                     f"{role}: runner forward compiled in {lean.compiled(model).seconds:.1f} s (before timing)")
         progress.line(notes[-1])
     return notes
 

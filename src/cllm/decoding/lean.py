@@ -14,8 +14,8 @@ transformers' `DynamicCache` that `cllm.decoding.cache` uses (`get_seq_length`, 
 `layers[i].keys` / `.values`, `batch_select_indices`), so every commit, rollback, hole and
 compaction there works unchanged.
 
-`segments.compile_runner(model)` compiles, on request, the dense parts between two attentions with
-Inductor (`segments.CompiledSegments`): on a CPU its GEMM kernels stream the weights several times faster
+`compiled.compile_runner(model)` compiles, on request, the whole forward of a few fed tokens into one
+Inductor graph (`compiled.CompiledForward`): on a CPU its GEMM kernels stream the weights several times faster
 than MKL at the few tokens a decoding step feeds. `docs/architecture.md` says when they run.
 
 `runner_for(model)` says whether a model can take it (and `why_not` why it cannot); the cache
@@ -59,7 +59,7 @@ def runner_enabled(enabled: bool) -> Iterator[None]:
 
 @contextmanager
 def compiled_enabled(enabled: bool) -> Iterator[None]:
-    """Within: the runner's compiled segments run where compiled (True), or its eager forward
+    """Within: the runner's compiled forward runs where compiled (True), or its eager forward
     runs everywhere (False). `cllm bench`'s forward cost times both."""
     global _compiled_enabled
     before, _compiled_enabled = _compiled_enabled, enabled
@@ -112,11 +112,11 @@ def runner_for(model: torch.nn.Module) -> LeanRunner | None:
 
 
 def compiled(model: torch.nn.Module) -> Any:
-    """The model's compiled segments (`segments.compile_runner`) while its weights are the ones
+    """The model's compiled forward (`compiled.compile_runner`) while its weights are the ones
     compiled, else None."""
     runner = _runners.get(model)
-    segments = runner.compiled if runner is not None else None
-    return segments if segments is not None and segments.current() else None
+    forward = runner.compiled if runner is not None else None
+    return forward if forward is not None and forward.current() else None
 
 
 def describe(model: torch.nn.Module) -> str:
@@ -124,10 +124,10 @@ def describe(model: torch.nn.Module) -> str:
     reason = why_not(model)
     if reason is None:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        segments = compiled(model)
-        if segments is not None:
-            return (f"lean runner ({model.config.model_type}, {dtype}; compiled segments up to "
-                    f"{COMPILED_MAX_TOKENS} fed tokens, compiled in {segments.seconds:.1f} s)")
+        forward = compiled(model)
+        if forward is not None:
+            return (f"lean runner ({model.config.model_type}, {dtype}; compiled forward up to "
+                    f"{COMPILED_MAX_TOKENS} fed tokens, compiled in {forward.seconds:.1f} s)")
         return f"lean runner ({model.config.model_type}, {dtype})"
     return f"transformers' forward: {reason}"
 
@@ -248,6 +248,18 @@ class LeanKV:
                 self.length[which][i] = end
         self.rows = B + B2
 
+    def reserve(self, rows: int, slots: int) -> None:
+        """Room in every buffer for `rows` batch rows and `slots` slots (the compiled forward
+        writes into the buffers itself)."""
+        for which, buffers in enumerate(self.buffers):
+            for i in range(len(buffers)):
+                self._room(which, i, rows, slots)
+
+    def extend(self, slots: int) -> None:
+        """Count `slots` more slots as in use in every buffer: a compiled forward wrote them."""
+        for lengths in self.length:
+            lengths[:] = [n + slots for n in lengths]
+
     def append(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new (B, H, L, D) entries after layer i's used slots; returns every slot in use."""
         for which, new in ((0, keys), (1, values)):
@@ -308,7 +320,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
 
 
-COMPILED_MAX_TOKENS = 24  # fed tokens (B * L) up to which compiled segments run; wider: eager (as fast)
+COMPILED_MAX_TOKENS = 24  # fed tokens (B * L, one a row counting two) up to which the compiled forward runs;
+# wider: eager (as fast)
 GEMM_WIDTH = 16  # the fewest columns a feature-major GEMM runs on (more than one token fed)
 
 
@@ -363,7 +376,7 @@ class LeanRunner:
         # the others come from a table of every position so far (the module's own values)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.dynamic_rope = getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope")
-        self.compiled: Any = None  # a `segments.CompiledSegments`, set by `segments.compile_runner`
+        self.compiled: Any = None  # a `compiled.CompiledForward`, set by `compiled.compile_runner`
 
     def new_cache(self, batch: int, capacity: int) -> LeanKV:
         weight = self.embed.weight
@@ -381,10 +394,11 @@ class LeanRunner:
         inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=kv)
         self._run_hooks("_forward_pre_hooks", inputs)
         embedded = self.embed(input_ids)  # (B, L, H)
-        allowed = self._mask(attention_mask, *input_ids.shape, kv.get_seq_length(), embedded.device)
-        if (self.compiled is not None and _compiled_enabled and input_ids.numel() <= COMPILED_MAX_TOKENS
-                and torch.is_inference_mode_enabled() and self.compiled.current()):
-            logits, x = self._compiled(kv, embedded, position_ids, allowed, last_only)
+        B, L = input_ids.shape
+        allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), embedded.device)
+        if (self.compiled is not None and _compiled_enabled and B * max(L, 2) <= COMPILED_MAX_TOKENS
+                and torch.is_inference_mode_enabled() and self.compiled.takes(B) and self.compiled.current()):
+            logits, x = self.compiled(self, kv, embedded, position_ids, allowed, last_only)
         elif self.feature_major(embedded):
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
         else:
@@ -422,7 +436,7 @@ class LeanRunner:
             self.rope_table = tuple(t[0].t().contiguous() for t in self.rotary(embedded, positions))
         return self.rope_table
 
-    def _rope_tokens(self, embedded: torch.Tensor, position_ids: torch.Tensor,
+    def rope_tokens(self, embedded: torch.Tensor, position_ids: torch.Tensor,
                      slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `position_ids`, token-major (B * L, D)."""
         if self.dynamic_rope:
@@ -468,38 +482,6 @@ class LeanRunner:
             x = F.pad(x, (0, padded_width(M) - M))
         logits = _project(self.lm_head, x)[:, :M]  # (V, B * L')
         return logits.t().view(B, L, -1), x[:, :M].t().view(B, L, -1)
-
-    def _compiled(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
-                  allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward through the compiled segments (`segments.compile_runner`), token-major (M, features):
-        between two segments only the cache append and the attention run eagerly. One fed token
-        runs padded to two rows (the segments are compiled for two rows and more)."""
-        B, L, H = embedded.shape
-        M, D = B * L, self.head_dim
-        pad = max(0, 2 - M)
-        cos, sin = (F.pad(t, (0, 0, 0, pad)).contiguous() for t in self._rope_tokens(embedded, position_ids,
-                                                                                      kv.get_seq_length() + L))
-        allowed = _additive(allowed, embedded)
-        gqa = self.kv_heads != self.heads
-        segments = self.compiled.segments
-        # Dynamo's guards are skipped (each segment has one graph): what they would check holds here,
-        # contiguous float32 CPU inputs of two rows or more, inference mode, the weights compiled
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            x, q, k, v = segments[0](F.pad(embedded.reshape(M, H), (0, 0, 0, pad)).contiguous(), None, cos, sin)
-            for i in range(len(self.layers)):
-                q, k, v = (t[:M].view(B, L, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, heads, L, D)
-                keys, values = kv.append(i, k, v)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
-                                                     enable_gqa=gqa)  # (B, heads, L, D)
-                attended = F.pad(out.transpose(1, 2).reshape(M, -1), (0, 0, 0, pad)).contiguous()
-                x, q, k, v = segments[i + 1](x, attended, cos, sin)
-            if last_only:
-                x = x[:M].view(B, L, H)[:, -1]
-                M, L = B, 1
-                pad = max(0, 2 - M)
-                x = F.pad(x, (0, 0, 0, pad)).contiguous()  # the graphs' guards are skipped: inputs as compiled
-            logits, x = self.compiled.head(x)
-        return logits[:M].view(B, L, -1), x[:M].view(B, L, -1)
 
     def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,8 +182,8 @@ def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds
 def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
                   rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
-    cached tokens, on each forward the model can take: {"compiled" (the lean runner with its
-    compiled segments, when `segments.compile_runner` compiled them), "lean" (`cllm.decoding.lean`'s eager
+    cached tokens, on each forward the model can take: {"compiled" (the lean runner's compiled
+    forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.decoding.lean`'s eager
     forward, when it runs the model), "transformers": {B: {k: [seconds per round]}}}. Rounds are interleaved over
     (forward, B, k) and rotated; each step is rolled back, so every one sees the same cache."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size

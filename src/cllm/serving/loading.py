@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_average_1min, threads_for_load
-from cllm.decoding import segments
+from cllm.decoding import compiled
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import MedusaHeads
 from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
@@ -33,19 +33,22 @@ class ServedModel:
     codec: TextCodec  # its tokenizer, behind a lock
     draft_table: DraftTable | None  # `cllm drafts`: faster Jacobi, same output
     heads: MedusaHeads | None  # `cllm medusa`: greedy Medusa decoding instead of the method asked
-    not_compiled: str | None = None  # why the runner's segments were not compiled, when asked (`--compile`)
+    not_compiled: str | None = None  # why the runner's forward was not compiled, when asked (`--compile`)
 
 
 def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", threads: int = 0,
-                draft_table: str = "auto", medusa: str = "none", compile: bool = False) -> ServedModel:
+                draft_table: str = "auto", medusa: str = "none", compile: bool = False,
+                batches: bool = True) -> ServedModel:
     """Load `model` (a shipped name, a folder or a hub id) for decoding.
 
     Args:
         threads: torch CPU threads to set (0: leave torch's setting).
         draft_table: "auto" (the one saved beside the checkpoint, if any), "none", or a file.
         medusa: "auto" (the heads in MODEL/medusa, if any), "none", or a heads folder.
-        compile: compile the lean runner's segments now (`cllm.decoding.segments.compile_runner`);
-            where they cannot be, `not_compiled` says why and the eager runner decodes.
+        compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`);
+            where it cannot be, `not_compiled` says why and the eager runner decodes.
+        batches: with `compile`, compile the graph for batches of two rows or more too (a
+            server's); one prompt at a time needs only the one-row graph (half the time).
     """
     hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
     if threads:
@@ -54,7 +57,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     table = load_draft_table(model, draft_table)
     loaded = load_model(model, dtype=dtype, device=device)
     heads = load_medusa_heads(model, loaded, medusa)
-    return ServedModel(loaded, TextCodec(tokenizer), table, heads, segments.compile_runner(loaded) if compile else None)
+    not_compiled = compiled.compile_runner(loaded, batches=batches) if compile else None
+    return ServedModel(loaded, TextCodec(tokenizer), table, heads, not_compiled)
 
 
 def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:

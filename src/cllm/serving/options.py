@@ -52,8 +52,9 @@ class DecodeOptions:
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-    compile: bool = field(default=False, metadata={"help": "compile the lean runner's segments first (float32 on "
-        "a CPU with a C++ compiler: a forward of 1-4 fed tokens about 2x faster, of 16 1.2x; 15-45 s at start, which a short run does not win back)"})
+    compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward first (float32 on "
+        "a CPU with a C++ compiler: a forward of 1-4 fed tokens 1.6-1.9x faster, of 16 1.1x; ~25 s at start on "
+        "2 cores, which a short run does not win back)"})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -84,7 +85,8 @@ class DecodeOptions:
         """The model, its tokenizer (as a TextCodec), its draft table and its Medusa heads (each
         None when not used)."""
         served = load_served(self.model, dtype=self.dtype, device=self.device, threads=self.threads,
-                             draft_table=self.draft_table, medusa=self.medusa, compile=self.compile)
+                             draft_table=self.draft_table, medusa=self.medusa, compile=self.compile,
+                             batches=False)  # one prompt at a time
         if served.not_compiled:
             print(f"cllm: note: --compile: {served.not_compiled}; the eager runner decodes", file=sys.stderr)
         return served
