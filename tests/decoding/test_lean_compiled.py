@@ -5,7 +5,7 @@ several, one fed token and many; the compiled graphs really run (and only in inf
 weight changed after compiling sends forwards back to the eager runner; where it cannot be
 compiled, a reason, and the eager runner decodes.
 
-Each model compiles once per module (Inductor: several seconds each), on its own copy: the
+Each model compiles once per module (Inductor: 10-40 s each here), on its own copy: the
 shared models of `test_lean.py` stay uncompiled."""
 
 import copy

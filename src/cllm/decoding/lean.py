@@ -14,9 +14,10 @@ transformers' `DynamicCache` that `cllm.decoding.cache` uses (`get_seq_length`, 
 `layers[i].keys` / `.values`, `batch_select_indices`), so every commit, rollback, hole and
 compaction there works unchanged.
 
-`compiled.compile_runner(model)` compiles, on request, the whole forward of a few fed tokens into one
-Inductor graph (`compiled.CompiledForward`): on a CPU its GEMM kernels stream the weights several times faster
-than MKL at the few tokens a decoding step feeds. `docs/architecture.md` says when they run.
+`compiled.compile_runner(model)` compiles, on request, the whole forward of a few fed tokens
+into one Inductor graph (`compiled.CompiledForward`): on a CPU its GEMM kernels stream the weights
+several times faster than MKL at the few tokens a decoding step feeds, and nothing runs eagerly
+between the layers. `docs/architecture.md` says when it runs.
 
 `runner_for(model)` says whether a model can take it (and `why_not` why it cannot); the cache
 adapter uses it for every decoding forward (never with gradients: training keeps transformers'
