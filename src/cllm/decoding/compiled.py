@@ -115,9 +115,11 @@ class CompiledForward:
         """Whether the weights are still the ones compiled in."""
         return self._weights() == self._stamp
 
-    def takes(self, rows: int) -> bool:
-        """Whether a graph for `rows` batch rows was compiled."""
-        return rows == 1 or self.rows is not None
+    def takes(self, rows: int, tokens: int) -> bool:
+        """Whether a forward of `tokens` fed tokens per row over `rows` batch rows runs here: a
+        graph for that many rows was compiled, and it feeds at most `lean.COMPILED_MAX_TOKENS` (one
+        token a row runs as two)."""
+        return (rows == 1 or self.rows is not None) and rows * max(tokens, 2) <= lean.COMPILED_MAX_TOKENS
 
     def warm_up(self, runner: lean.LeanRunner) -> None:
         """Compile the variants now, every size but the batch row count of `one_row` marked
@@ -163,7 +165,7 @@ class CompiledForward:
             allowed = F.pad(allowed, (0, 1, 0, 1))
             allowed[:, 1, S + 1] = True
         width = allowed.shape[1]
-        mask = lean._additive(allowed, embedded)
+        mask = lean.additive_mask(allowed, embedded)
         kv.reserve(max(B, 2), S + width)  # the new slots, and two rows (the graphs take two and more)
         x, cos, sin = (t.reshape(B * width, -1).contiguous() for t in (embedded, cos, sin))
         rows = torch.arange(B, device=x.device)
@@ -210,7 +212,7 @@ def compile_runner(model: torch.nn.Module, *, batches: bool = True) -> str | Non
         reason = "the lean runner is off (training mode, or switched off)"
     if reason is not None:
         return reason
-    if runner.compiled is not None and runner.compiled.current() and (runner.compiled.takes(2) or not batches):
+    if runner.compiled is not None and runner.compiled.current() and (runner.compiled.rows is not None or not batches):
         return None
     compiled = CompiledForward(runner, model, batches)
     try:

@@ -302,7 +302,7 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
     return norm.weight.view(shape) * h.to(x.dtype)
 
 
-def _additive(allowed: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+def additive_mask(allowed: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     """A boolean mask as an additive one (0 / -inf) in `like`'s dtype, made once per forward:
     SDPA would convert a boolean mask in every layer."""
     return None if allowed is None else like.new_zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
@@ -397,8 +397,8 @@ class LeanRunner:
         embedded = self.embed(input_ids)  # (B, L, H)
         B, L = input_ids.shape
         allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), embedded.device)
-        if (self.compiled is not None and _compiled_enabled and B * max(L, 2) <= COMPILED_MAX_TOKENS
-                and torch.is_inference_mode_enabled() and self.compiled.takes(B) and self.compiled.current()):
+        if (self.compiled is not None and _compiled_enabled and self.compiled.takes(B, L)
+                and torch.is_inference_mode_enabled() and self.compiled.current()):
             logits, x = self.compiled(self, kv, embedded, position_ids, allowed, last_only)
         elif self.feature_major(embedded):
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
@@ -438,7 +438,7 @@ class LeanRunner:
         return self.rope_table
 
     def rope_tokens(self, embedded: torch.Tensor, position_ids: torch.Tensor,
-                     slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `position_ids`, token-major (B * L, D)."""
         if self.dynamic_rope:
             return tuple(t.reshape(-1, t.shape[-1]) for t in self.rotary(embedded, position_ids))
@@ -454,7 +454,7 @@ class LeanRunner:
         D, M = self.head_dim, B * L
         P = padded_width(M)
         cos, sin = self._rope(embedded, position_ids, kv.get_seq_length() + L)  # (D, B, L)
-        allowed = _additive(allowed, embedded)
+        allowed = additive_mask(allowed, embedded)
         gqa = self.kv_heads != self.heads
         x = F.pad(embedded.view(M, -1).t(), (0, P - M))  # (H, P): feature-major
         attended = x.new_zeros(self.heads * D, P)  # attention's output, padded: its columns past M stay 0
