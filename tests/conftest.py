@@ -1,11 +1,18 @@
 """Shared test set-up: offline, deterministic, one torch thread (tests must not fight the
-machine's two cores with each other or with a background job)."""
+machine's two cores with each other or with a background job), and a compile cache of the
+session's own (the user's is never read or written)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the compiled forwards of this session (`cllm.decoding.compiled.cache_dir`), subprocesses included
+os.environ["CLLM_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="cllm-test-compiled-")
+atexit.register(shutil.rmtree, os.environ["CLLM_COMPILE_CACHE"], ignore_errors=True)
 
 import json  # noqa: E402
 

@@ -356,7 +356,8 @@ def load_for_decoding(
     Args:
         draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
         compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`:
-            float32 on a CPU with a C++ compiler; tens of seconds), for one prompt at a time
+            float32 on a CPU with a C++ compiler; about a minute the first time for these
+            weights, then loaded from the compile cache in seconds), for one prompt at a time
             (a batch of prompts decodes on the eager runner); `not_compiled` says why not.
 
     Example:

@@ -5,8 +5,8 @@ several, one fed token and many; the compiled graphs really run (and only in inf
 weight changed after compiling sends forwards back to the eager runner; where it cannot be
 compiled, a reason, and the eager runner decodes.
 
-Each model compiles once per module (Inductor: 10-40 s each here), on its own copy: the
-shared models of `test_lean.py` stay uncompiled."""
+Each model compiles once per session (AOTInductor, into the session's compile cache: 15-40 s a
+graph here), on its own copy: the shared models of `test_lean.py` stay uncompiled."""
 
 import copy
 
@@ -126,8 +126,8 @@ def test_the_engine_on_the_compiled_forward_gives_transformers_greedy_tokens(arc
 
 
 def test_only_inference_mode_runs_the_compiled_forward():
-    """Dynamo compiled them for inference-mode tensors: elsewhere (no_grad) the eager runner runs,
-    rather than a recompile in the middle of a forward."""
+    """The graphs run in inference mode (where every decoding entry point runs): elsewhere (no_grad)
+    the eager runner runs."""
     model = compiled_model("llama")
     ids = random_prompt(3, 8)
 
@@ -177,7 +177,7 @@ def test_a_weight_changed_after_compiling_sends_forwards_to_the_eager_runner():
     assert jacobi_decode(model, prompt, max_new_tokens=24, block_size=4).new_tokens == expected
 
 
-def test_where_the_forward_cannot_compile_a_reason_and_the_eager_runner_decodes(monkeypatch):
+def test_where_the_forward_cannot_compile_a_reason_and_the_eager_runner_decodes(monkeypatch, tmp_path):
     assert "float32" in compiled.why_not_compiled(lean_model("llama", torch.bfloat16))
     with torch.inference_mode(False):
         model = copy.deepcopy(lean_model("qwen2"))
@@ -185,13 +185,91 @@ def test_where_the_forward_cannot_compile_a_reason_and_the_eager_runner_decodes(
     assert "C++ compiler" in compiled.compile_runner(model)
     monkeypatch.undo()
 
-    def broken(self, runner):
+    def broken(runner, batch_rows, path):
         raise RuntimeError("C++ compile error\nmore detail")
 
-    monkeypatch.setattr(compiled.CompiledForward, "warm_up", broken)
+    monkeypatch.setattr(compiled, "_build", broken)
+    monkeypatch.setattr(compiled, "cache_dir", lambda: tmp_path)  # nothing cached: it builds
     assert compiled.compile_runner(model) == "compiling failed: C++ compile error"
     assert lean.compiled(model) is None and "compiled" not in lean.describe(model)
     prompt = random_prompt(5, 6)
     with lean.runner_enabled(False):
         expected = greedy_decode(model, prompt, max_new_tokens=16).new_tokens
     assert jacobi_decode(model, prompt, max_new_tokens=16, block_size=4).new_tokens == expected
+
+
+def test_a_later_compile_of_the_same_weights_loads_the_package_from_the_compile_cache():
+    """Another process (here: another copy of the model) with the same weights loads what the
+    first one built, and decodes with it exactly; other weights or another thread count are
+    another package."""
+    first = compiled_model("llama")
+    with torch.inference_mode(False):
+        model = copy.deepcopy(lean_model("llama"))
+    assert compiled.compile_runner(model) is None
+    forward = lean.compiled(model)
+    assert forward.cached and "loaded from the compile cache" in lean.describe(model)
+    assert lean.compiled(first).one_row is not forward.one_row  # a graph of its own
+    prompt = random_prompt(6, 9)
+    with lean.runner_enabled(False):
+        expected = greedy_decode(model, prompt, max_new_tokens=24).new_tokens
+    with Counting(model) as counted:
+        assert jacobi_decode(model, prompt, max_new_tokens=24, block_size=4).new_tokens == expected
+    assert counted.calls > 0
+    key = compiled.fingerprint(model, batch_rows=False)
+    assert key != compiled.fingerprint(model, batch_rows=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert compiled.fingerprint(model, batch_rows=False) != key
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1e-3
+    assert compiled.fingerprint(model, batch_rows=False) != key
+
+
+def test_a_damaged_package_is_built_again_and_an_unwritable_cache_builds_in_a_temporary_folder(
+        monkeypatch, tmp_path):
+    model = compiled_model("llama")
+    good = compiled.cache_dir() / f"{compiled.fingerprint(model, batch_rows=False)}.pt2"
+    assert good.is_file()
+    built = []
+
+    def build(runner, batch_rows, path):  # what the real build writes, without the minute it takes
+        built.append(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(good.read_bytes())
+
+    monkeypatch.setattr(compiled, "_build", build)
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "cache"))
+    damaged = tmp_path / "cache" / good.name
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not a package")
+    graph, cached = compiled._graph(model, lean.runner_for(model), batch_rows=False)
+    assert not cached and built == [damaged] and damaged.read_bytes() == good.read_bytes()
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path / "file" / "cache"))  # cannot be a folder
+    built.clear()
+
+    def build_once(runner, batch_rows, path):
+        if not built:
+            built.append(path)
+            raise NotADirectoryError(path.parent)
+        build(runner, batch_rows, path)
+
+    monkeypatch.setattr(compiled, "_build", build_once)
+    graph, cached = compiled._graph(model, lean.runner_for(model), batch_rows=False)
+    assert not cached and len(built) == 2 and tmp_path not in built[1].parents
+    assert not built[1].exists()  # the temporary folder is gone, the loaded graph stays
+    ids = random_prompt(3, 8)
+    with torch.inference_mode():
+        rc, _ = kv.prefill(model, ids, torch.ones_like(ids))
+        want = kv.feed(model, rc, ids[:, :4], [4]).clone()
+        lean.compiled(model).one_row, saved = graph, lean.compiled(model).one_row
+        try:
+            rc, _ = kv.prefill(model, ids, torch.ones_like(ids))
+            got = kv.feed(model, rc, ids[:, :4], [4]).clone()
+        finally:
+            lean.compiled(model).one_row = saved
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -81,7 +81,7 @@ def server(model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     SERVER_LOGS[url] = log
     try:
-        wait_until_up(url, proc, log)
+        wait_until_up(url, proc, log, seconds=300)  # it builds its compiled forward first
         yield url
     finally:
         stop_server(proc, log)

@@ -268,8 +268,12 @@ def compile_models(models: BenchModels, progress: Progress) -> list[str]:
             continue
         progress.line(f"compiling the {role}'s runner forward")
         reason = compiled.compile_runner(model)
-        notes.append(f"{role}: runner forward not compiled: {reason}" if reason else
-                     f"{role}: runner forward compiled in {lean.compiled(model).seconds:.1f} s (before timing)")
+        if reason is None:
+            forward = lean.compiled(model)
+            how = "loaded from the compile cache" if forward.cached else "compiled"
+            notes.append(f"{role}: runner forward {how} in {forward.seconds:.1f} s (before timing)")
+        else:
+            notes.append(f"{role}: runner forward not compiled: {reason}")
         progress.line(notes[-1])
     return notes
 

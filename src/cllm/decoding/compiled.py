@@ -1,27 +1,38 @@
 """The lean runner's compiled forward: the whole decoding forward of a few fed tokens (every
 layer's norms, projections, rotation, cache write, attention and MLP, then the final norm and the
-LM head) as one Inductor graph, the weights frozen in and the cache buffers written in place.
+LM head) as one graph compiled ahead of time by AOTInductor, the weights frozen in and the cache
+buffers written in place.
 
 Why: on a CPU, Inductor's own GEMM kernels stream the frozen weights several times faster than
 MKL's GEMM at the few tokens a decoding step feeds (all of `stdlib-coder`'s GEMMs: 0.4-0.6 ms at
 1-4 rows against 2.5-4), and one graph per forward leaves no eager work between the layers (each
-eager operation and each call into a compiled graph costs tens of microseconds). From about 8
-rows MKL and Inductor are both bound by arithmetic.
+eager operation costs tens of microseconds). Compiled ahead of time, a forward is one call into
+the compiled library: no Dynamo frame, no Python wrapper around the kernels. From about 8 rows MKL
+and Inductor are both bound by arithmetic.
 
-`compile_runner(model)` compiles it once, up front (tens of seconds on a 2-core CPU, every
-process: Inductor does not cache graphs with frozen weights), as a graph for one batch row and,
-unless told not to, one for two rows or more; each takes any count of fed tokens from two (one
-token runs padded to two) and any cache length. `LeanRunner.forward` then runs it for forwards of up to
-`lean.COMPILED_MAX_TOKENS` fed tokens in inference mode, while the weights are the ones compiled.
-`why_not_compiled` says where it cannot run.
+`compile_runner(model)` builds it once per model, machine and torch (about a minute on a 2-core
+CPU per graph) and keeps the package in the compile cache (`cache_dir()`: `$CLLM_COMPILE_CACHE`,
+else `~/.cache/cllm/compiled`); a later process with the same weights loads it in a fraction of
+a second. There is a graph for one batch row and, unless told not to, one for two rows or more;
+each takes any count of fed tokens from two (one token runs padded to two) and any cache length.
+`LeanRunner.forward` then runs it for forwards of up to `lean.COMPILED_MAX_TOKENS` fed tokens in
+inference mode, while the weights are the ones compiled. `why_not_compiled` says where it cannot
+run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
 import shutil
+import tempfile
 import time
-import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,18 +41,28 @@ import torch.nn.functional as F
 from cllm.decoding import lean
 from cllm.decoding.lean import rotate_half, runner_for, why_not
 
-COMPILE_MIN_TORCH = (2, 6)  # Inductor's CPU GEMM template with a dynamic token count
+COMPILE_MIN_TORCH = (2, 6)  # AOTInductor's packages, and Inductor's CPU GEMM template with a dynamic token count
+CACHE_ENV = "CLLM_COMPILE_CACHE"
 # Inductor's settings while the forward compiles: the weights frozen into the graph (packed for
 # Inductor's own GEMM kernels, which at a few rows stream them several times faster than MKL's
 # GEMM here), the kernels chosen by measuring them
 _INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
+def cache_dir() -> Path:
+    """Where compiled forwards are kept: `$CLLM_COMPILE_CACHE`, else `$XDG_CACHE_HOME/cllm/compiled`
+    (`~/.cache/cllm/compiled`). Each package holds its model's weights (packed): delete the folder
+    to reclaim the space; a forward missing from it is compiled again."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cllm" / "compiled"
+
+
 class _Forward(torch.nn.Module):
-    """The runner's forward as one graph, token-major: x (B * L, hidden) embedded tokens, cos and
-    sin (B * L, D) at their positions, an additive mask (B, L, T) over the first T cache slots,
-    cache rows `rows` (B,) and slots `slots` (L,) where the new keys and values go (written in
-    place into `keys[i]` / `values[i]`, (R, H_kv, C, D) each). Returns (logits, normed), token-major.
+    """The runner's forward as one graph: x (B, L, hidden) embedded tokens, cos and sin (B, L, D) at
+    their positions, an additive mask (B, L, T) over the first T cache slots, cache rows `rows`
+    (B,) and slots `slots` (L,) where the new keys and values go (written in place into
+    `keys[i]` / `values[i]`, (R, H_kv, C, D) each). Returns (logits, normed), (B * L, ...) each.
 
     Attention is written as products and sums rather than matrix products, so that Inductor
     generates it (its CPU GEMM template takes constant weights only)."""
@@ -58,7 +79,8 @@ class _Forward(torch.nn.Module):
         B, L, T = mask.shape
         D, H_kv = self.head_dim, self.kv_heads
         group = self.heads // H_kv
-        cos, sin = cos[:, None], sin[:, None]
+        x = x.reshape(B * L, -1)
+        cos, sin = cos.reshape(B * L, 1, D), sin.reshape(B * L, 1, D)
         heads = torch.arange(H_kv, device=x.device)
         where = (rows[:, None, None], heads[None, :, None], slots[None, None, :])  # (B, H_kv, L)
         mask = mask[:, None, None]  # (B, 1, 1, L, T)
@@ -83,30 +105,111 @@ class _Forward(torch.nn.Module):
         return self.lm_head(x), x
 
 
-def _own_code(module: torch.nn.Module) -> Callable[..., Any]:
-    """A function calling `module` with a code object of its own: Dynamo keeps its compiled
-    graphs per code object, so each variant's graph is then the only one its calls look up (and
-    no guard has to tell the variants apart)."""
+def _examples(runner: lean.LeanRunner, batch_rows: bool) -> tuple[tuple, dict]:
+    """Example inputs of `_Forward` and the sizes left free: fed tokens L from 2, cache slots T
+    from 2, cache rows R from 2 and capacity C from 2, and (`batch_rows`) batch rows B from 2;
+    else one batch row. (The example sizes differ from each other, so that none is taken for
+    another, and from 0 and 1, which would be fixed into the graph.)"""
+    weight = runner.embed.weight
+    B, L, T, R, C, D = (2 if batch_rows else 1), 3, 5, 4, 7, runner.head_dim
+    layers = len(runner.layers)
+    new = weight.new_zeros
+    x, cos, sin, mask = new(B, L, weight.shape[1]), new(B, L, D), new(B, L, D), new(B, L, T)
+    rows, slots = torch.arange(B, device=weight.device), torch.arange(T - L, T, device=weight.device)
+    keys, values = ([new(R, runner.kv_heads, C, D) for _ in range(layers)] for _ in range(2))
+    tokens, seen, cache_rows, capacity, batch_dim = (torch.export.Dim(name, min=2) for name in
+                                                     ("tokens", "seen", "rows", "capacity", "batch"))
+    batch = {0: batch_dim} if batch_rows else {}
+    buffer = {0: cache_rows, 2: capacity}
+    shapes = {"x": {**batch, 1: tokens}, "cos": {**batch, 1: tokens}, "sin": {**batch, 1: tokens},
+              "mask": {**batch, 1: tokens, 2: seen}, "rows": batch or None, "slots": {0: tokens},
+              "keys": [buffer] * layers, "values": [buffer] * layers}
+    return (x, cos, sin, mask, rows, slots, keys, values), shapes
 
-    def call(*args: Any) -> Any:
-        return module(*args)
 
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "call", None, call.__closure__)
+def fingerprint(model: torch.nn.Module, batch_rows: bool) -> str:
+    """The compile cache's key for one graph of `model`: everything the package depends on (the
+    model's config and every weight's bytes, the graph's code, Inductor's settings, torch, the
+    CPU's vector unit, the thread count the kernels were built for)."""
+    digest = hashlib.blake2b(digest_size=20)
+    code = inspect.getsource(_Forward) + inspect.getsource(_examples)
+    facts = {"config": model.config.to_dict(), "code": code, "inductor": _INDUCTOR, "torch": torch.__version__,
+             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+             "batch_rows": batch_rows}
+    digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """torch's own deprecation notices from inside export and the package loader (about its
+    internals, nothing a user can act on) kept off the user's terminal."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|copyreg)")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch")
+        yield
+
+
+def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
+    """Export the forward and compile it into the package `path`, written whole or not at all."""
+    inputs, shapes = _examples(runner, batch_rows)
+    with torch.inference_mode(), _quiet():
+        program = torch.export.export(_Forward(runner).eval(), inputs, dynamic_shapes=shapes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    try:
+        with _quiet():
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=_INDUCTOR)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> Any:
+    with _quiet():
+        return torch._inductor.aoti_load_package(str(path))
+
+
+def _graph(model: torch.nn.Module, runner: lean.LeanRunner, batch_rows: bool) -> tuple[Any, bool]:
+    """One compiled graph of `model`: loaded from the compile cache when it holds it, else built
+    (and kept there; in a temporary folder when the cache cannot be written). Returns the graph
+    and whether it came from the cache."""
+    path = cache_dir() / f"{fingerprint(model, batch_rows)}.pt2"
+    if path.is_file():
+        try:
+            return _load(path), True
+        except Exception:  # noqa: BLE001 - a damaged package is built again
+            path.unlink(missing_ok=True)
+    try:
+        _build(runner, batch_rows, path)
+        return _load(path), False
+    except OSError:  # the cache cannot be written: build where it can, for this process
+        with tempfile.TemporaryDirectory(prefix="cllm-compiled-") as folder:
+            scratch = Path(folder) / path.name
+            _build(runner, batch_rows, scratch)
+            return _load(scratch), False
 
 
 class CompiledForward:
-    """A runner's forward (`_Forward`) compiled by Inductor with the weights frozen in, for one
+    """A runner's forward (`_Forward`) compiled ahead of time with the weights frozen in, for one
     batch row (`one_row`) and, when asked, for two or more (`rows`; else None, and batches run
     eagerly): it runs while the model's weights are the ones compiled (`current`); once a weight
     changes (training, `.to()`), the runner's eager forward runs."""
 
     def __init__(self, runner: lean.LeanRunner, model: torch.nn.Module, batches: bool) -> None:
-        self.one_row = torch.compile(_own_code(_Forward(runner)))
-        self.rows = torch.compile(_own_code(_Forward(runner))) if batches else None
-        self.layers = len(runner.layers)
+        start = time.perf_counter()
+        self.one_row, cached = _graph(model, runner, batch_rows=False)
+        self.rows: Any = None
+        if batches:
+            self.rows, cached_rows = _graph(model, runner, batch_rows=True)
+            cached = cached and cached_rows
+        self.seconds = time.perf_counter() - start  # what compiling (or loading) took
+        self.cached = cached  # every graph came from the compile cache
         self._parameters = list(model.parameters())
         self._stamp = self._weights()
-        self.seconds = 0.0  # what compiling took
 
     def _weights(self) -> tuple[tuple[int, int], ...]:
         return tuple((p.data_ptr(), p._version) for p in self._parameters)
@@ -121,33 +224,6 @@ class CompiledForward:
         token a row runs as two)."""
         return (rows == 1 or self.rows is not None) and rows * max(tokens, 2) <= lean.COMPILED_MAX_TOKENS
 
-    def warm_up(self, runner: lean.LeanRunner) -> None:
-        """Compile the variants now, every size but the batch row count of `one_row` marked
-        dynamic (from two: Dynamo specializes sizes 0 and 1), so that no forward compiles."""
-        weight = runner.embed.weight
-        D, L, T, C = runner.head_dim, 2, 3, 4
-        start = time.perf_counter()
-        with torch.inference_mode(), torch._inductor.config.patch(_INDUCTOR):
-            for graph, B in ((self.one_row, 1), (self.rows, 2)):
-                if graph is None:
-                    continue
-                buffers = [weight.new_zeros(2, runner.kv_heads, C, D) for _ in range(2 * self.layers)]
-                x, mask = weight.new_zeros(B * L, weight.shape[1]), weight.new_zeros(B, L, T)
-                cos, sin = weight.new_ones(B * L, D), weight.new_zeros(B * L, D)
-                rows, slots = torch.arange(B, device=weight.device), torch.arange(T - L, T, device=weight.device)
-                for t in (x, cos, sin, slots):
-                    torch._dynamo.mark_dynamic(t, 0)
-                torch._dynamo.mark_dynamic(mask, 1)
-                torch._dynamo.mark_dynamic(mask, 2)
-                for t in buffers:
-                    torch._dynamo.mark_dynamic(t, 0)
-                    torch._dynamo.mark_dynamic(t, 2)
-                if B > 1:
-                    torch._dynamo.mark_dynamic(mask, 0)
-                    torch._dynamo.mark_dynamic(rows, 0)
-                graph(x, cos, sin, mask, rows, slots, buffers[: self.layers], buffers[self.layers :])
-        self.seconds = time.perf_counter() - start
-
     def __call__(self, runner: lean.LeanRunner, kv: lean.LeanKV, embedded: torch.Tensor,
                  position_ids: torch.Tensor, allowed: torch.Tensor | None,
                  last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,22 +236,19 @@ class CompiledForward:
         cos, sin = runner.rope_tokens(embedded, position_ids, S + L)  # (B * L, D)
         allowed = embedded.new_ones(B, L, S + L, dtype=torch.bool) if allowed is None \
             else allowed.expand(B, 1, L, S + L)[:, 0]
+        cos, sin = cos.view(B, L, -1), sin.view(B, L, -1)
         if L == 1:
-            embedded, cos, sin = (t.view(B, 1, -1).expand(B, 2, -1) for t in (embedded, cos, sin))
+            embedded, cos, sin = (t.expand(B, 2, -1) for t in (embedded, cos, sin))
             allowed = F.pad(allowed, (0, 1, 0, 1))
             allowed[:, 1, S + 1] = True
         width = allowed.shape[1]
         mask = lean.additive_mask(allowed, embedded)
         kv.reserve(max(B, 2), S + width)  # the new slots, and two rows (the graphs take two and more)
-        x, cos, sin = (t.reshape(B * width, -1).contiguous() for t in (embedded, cos, sin))
+        x, cos, sin = (t.contiguous() for t in (embedded, cos, sin))
         rows = torch.arange(B, device=x.device)
         slots = torch.arange(S, S + width, device=x.device)
         graph = self.one_row if B == 1 else self.rows
-        # Dynamo's guards are skipped (each variant has one graph): what they would check holds
-        # here, contiguous float32 CPU inputs, two or more fed tokens, inference mode, the weights
-        # compiled, and (for `one_row`) one batch row
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits, x = graph(x, cos, sin, mask, rows, slots, kv.buffers[0], kv.buffers[1])
+        logits, x = graph(x, cos, sin, mask, rows, slots, kv.buffers[0], kv.buffers[1])
         kv.extend(L)
         logits, x = logits.view(B, width, -1)[:, :L], x.view(B, width, -1)[:, :L]
         return (logits[:, -1:], x[:, -1:]) if last_only else (logits, x)
@@ -201,11 +274,12 @@ def why_not_compiled(model: torch.nn.Module) -> str | None:
 
 
 def compile_runner(model: torch.nn.Module, *, batches: bool = True) -> str | None:
-    """Compile the runner's forward for `model` now (tens of seconds on a 2-core CPU, half of it
-    without `batches`): its forwards of up to `lean.COMPILED_MAX_TOKENS` fed tokens then run it.
-    `batches`: also compile the graph for two batch rows or more (a server's batches); without
-    it, they run eagerly. Returns None when done (or already done for these weights), else why
-    not; the eager runner then stays."""
+    """Compile the runner's forward for `model` now, or load it from the compile cache
+    (`cache_dir()`) where an earlier process compiled it for these weights (building takes about a
+    minute per graph on a 2-core CPU, loading well under a second): its forwards of up to
+    `lean.COMPILED_MAX_TOKENS` fed tokens then run it. `batches`: also the graph for two batch
+    rows or more (a server's batches); without it, they run eagerly. Returns None when done (or
+    already done for these weights), else why not; the eager runner then stays."""
     reason = why_not_compiled(model)
     runner = runner_for(model) if reason is None else None
     if reason is None and runner is None:
@@ -214,11 +288,9 @@ def compile_runner(model: torch.nn.Module, *, batches: bool = True) -> str | Non
         return reason
     if runner.compiled is not None and runner.compiled.current() and (runner.compiled.rows is not None or not batches):
         return None
-    compiled = CompiledForward(runner, model, batches)
     try:
-        compiled.warm_up(runner)
-    except Exception as exc:  # Inductor's failures are many and deep: the eager runner stays
+        runner.compiled = CompiledForward(runner, model, batches)
+    except Exception as exc:  # noqa: BLE001 - export's and Inductor's failures are many and deep: the eager runner stays
         text = str(exc).strip()
         return f"compiling failed: {text.splitlines()[0] if text else type(exc).__name__}"
-    runner.compiled = compiled
     return None

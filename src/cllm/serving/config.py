@@ -72,9 +72,10 @@ class ServeConfig:
         "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
         "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
     compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward before serving "
-        "(float32 on a CPU with a C++ compiler; ~40 s at start on 2 cores; elsewhere a note and the eager runner). "
-        "On a 2-core CPU shared with load_test.py's clients it was slower at 2 threads (one client 366 tokens/s "
-        "against 651 eager); at --threads 1 one client was faster (831), 32 clients slower (1,533 against 2,050)"})
+        "(float32 on a CPU with a C++ compiler; the first time for a model ~2 min on 2 cores, then loaded from the "
+        "compile cache in seconds; elsewhere a note and the eager runner). On a 2-core CPU shared with "
+        "load_test.py's clients it was slower at 2 threads (one client 393 tokens/s against 508 eager, 32 clients "
+        "1,149 against 1,847); at --threads 1 one client was faster (840), 32 clients slower (1,488)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
     speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
         "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "

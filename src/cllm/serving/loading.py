@@ -48,7 +48,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`);
             where it cannot be, `not_compiled` says why and the eager runner decodes.
         batches: with `compile`, compile the graph for batches of two rows or more too (a
-            server's); one prompt at a time needs only the one-row graph (half the time).
+            server's); one prompt at a time needs only the one-row graph (less than half the
+            time, the first time for a model: later processes load both from the compile cache).
     """
     hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
     if threads:

@@ -53,8 +53,9 @@ class DecodeOptions:
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward first (float32 on "
-        "a CPU with a C++ compiler: a forward of 1-4 fed tokens 1.6-1.9x faster, of 16 1.1x; ~25 s at start on "
-        "2 cores, which a short run does not win back)"})
+        "a CPU with a C++ compiler: a forward of 1-4 fed tokens ~3x faster, of 16 1.4x; about a minute the "
+        "first time for a model on 2 cores, which a short run does not win back; later runs load it from the "
+        "compile cache, $CLLM_COMPILE_CACHE or ~/.cache/cllm/compiled, in ~2 s)"})
 
     def __post_init__(self):
         if self.method not in METHODS:
