@@ -5,6 +5,7 @@ turns with the template or concatenates them without one, bad input is a one-lin
 
 import dataclasses
 import io
+import os
 import sys
 
 import pytest
@@ -103,6 +104,7 @@ def test_generate_compiled_says_so_and_is_still_greedy_and_a_model_it_cannot_com
                          "--compile", "-v")
     assert code == 0 and out == oracle.text(PROMPTS[0]) + "\n"
     assert "forward: lean runner (llama, float32; compiled forward" in err
+    assert f"--compile: the compiled forward is loaded from {os.environ['CLLM_COMPILE_CACHE']}, or built" in err
     code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", 8,
                          "--compile", "--dtype", "bfloat16")
     assert code == 0 and "note: --compile: the compiled forward runs float32 on a CPU only" in err

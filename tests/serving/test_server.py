@@ -91,7 +91,9 @@ def test_the_server_compiles_its_runner_forward_when_asked_and_says_so(server):
     """Every test here then decodes on them: the outputs against the oracle are theirs."""
     log = SERVER_LOGS[server]
     log.seek(0)
-    assert "cllm serve: forward: lean runner (llama, float32; compiled forward up to 24 fed tokens" in log.read()
+    said = log.read()
+    assert "cllm serve: forward: lean runner (llama, float32; compiled forward up to 24 fed tokens" in said
+    assert f"cllm serve: --compile: the compiled forward is loaded from {ENV['CLLM_COMPILE_CACHE']}" in said
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from cllm.decoding import lean
+from cllm.decoding import compiled, lean
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
 from cllm.serving.vllm_serve import replace_process, vllm_server
@@ -23,6 +23,8 @@ def run(config: Config) -> int:
     """Load the model and serve it until interrupted."""
     if config.engine == "vllm":
         return _serve_vllm(config)
+    if config.compile:
+        print(f"cllm serve: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
     bound = open_app(config)
     keyed = _warn_if_exposed(config, bound.port)
     table = bound.served.draft_table

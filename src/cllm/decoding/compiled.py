@@ -58,6 +58,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cllm" / "compiled"
 
 
+def where_note() -> str:
+    """A line for a command about to compile: where its forward comes from, and what a first
+    build costs (it would otherwise be a silent minute or two)."""
+    return (f"the compiled forward is loaded from {cache_dir()}, or built there first "
+            "(once per model, machine and torch: a minute or two on 2 cores)")
+
+
 class _Forward(torch.nn.Module):
     """The runner's forward as one graph: x (B, L, hidden) embedded tokens, cos and sin (B, L, D) at
     their positions, an additive mask (B, L, T) over the first T cache slots, cache rows `rows`
@@ -155,6 +162,8 @@ def _quiet() -> Iterator[None]:
 
 def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
     """Export the forward and compile it into the package `path`, written whole or not at all."""
+    import torch._inductor  # noqa: PLC0415 - loaded when a forward is compiled, not with the package
+
     inputs, shapes = _examples(runner, batch_rows)
     with torch.inference_mode(), _quiet():
         program = torch.export.export(_Forward(runner).eval(), inputs, dynamic_shapes=shapes)
@@ -169,6 +178,8 @@ def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
 
 
 def _load(path: Path) -> Any:
+    import torch._inductor  # noqa: PLC0415 - loaded when a forward is compiled, not with the package
+
     with _quiet():
         return torch._inductor.aoti_load_package(str(path))
 

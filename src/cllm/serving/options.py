@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cllm.core.config import is_off
-from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig, compiled
 from cllm.serving.completion import METHODS, DecodeParams
 from cllm.serving.loading import ServedModel, load_served
 
@@ -85,6 +85,8 @@ class DecodeOptions:
     def load(self) -> ServedModel:
         """The model, its tokenizer (as a TextCodec), its draft table and its Medusa heads (each
         None when not used)."""
+        if self.compile:
+            print(f"cllm: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
         served = load_served(self.model, dtype=self.dtype, device=self.device, threads=self.threads,
                              draft_table=self.draft_table, medusa=self.medusa, compile=self.compile,
                              batches=False)  # one prompt at a time
