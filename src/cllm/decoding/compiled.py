@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor  # AOTInductor's package builder and loader
 import torch.nn.functional as F
 
 from cllm.decoding import lean
@@ -162,8 +163,6 @@ def _quiet() -> Iterator[None]:
 
 def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
     """Export the forward and compile it into the package `path`, written whole or not at all."""
-    import torch._inductor  # noqa: PLC0415 - loaded when a forward is compiled, not with the package
-
     inputs, shapes = _examples(runner, batch_rows)
     with torch.inference_mode(), _quiet():
         program = torch.export.export(_Forward(runner).eval(), inputs, dynamic_shapes=shapes)
@@ -178,8 +177,6 @@ def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
 
 
 def _load(path: Path) -> Any:
-    import torch._inductor  # noqa: PLC0415 - loaded when a forward is compiled, not with the package
-
     with _quiet():
         return torch._inductor.aoti_load_package(str(path))
 
