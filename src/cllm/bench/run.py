@@ -268,12 +268,8 @@ def compile_models(models: BenchModels, progress: Progress) -> list[str]:
             continue
         progress.line(f"compiling the {role}'s runner forward")
         reason = compiled.compile_runner(model)
-        if reason is None:
-            forward = lean.compiled(model)
-            how = "loaded from the compile cache" if forward.cached else "compiled"
-            notes.append(f"{role}: runner forward {how} in {forward.seconds:.1f} s (before timing)")
-        else:
-            notes.append(f"{role}: runner forward not compiled: {reason}")
+        notes.append(f"{role}: runner forward not compiled: {reason}" if reason else
+                     f"{role}: runner forward {lean.compiled(model).origin} (before timing)")
         progress.line(notes[-1])
     return notes
 

@@ -12,8 +12,8 @@ and Inductor are both bound by arithmetic.
 
 `compile_runner(model)` builds it once per model, machine and torch (about a minute on a 2-core
 CPU per graph) and keeps the package in the compile cache (`cache_dir()`: `$CLLM_COMPILE_CACHE`,
-else `~/.cache/cllm/compiled`); a later process with the same weights loads it in a fraction of
-a second. There is a graph for one batch row and, unless told not to, one for two rows or more;
+else `~/.cache/cllm/compiled`); a later process with the same weights loads it in seconds.
+There is a graph for one batch row and, unless told not to, one for two rows or more;
 each takes any count of fed tokens from two (one token runs padded to two) and any cache length.
 `LeanRunner.forward` then runs it for forwards of up to `lean.COMPILED_MAX_TOKENS` fed tokens in
 inference mode, while the weights are the ones compiled. `why_not_compiled` says where it cannot
@@ -135,20 +135,24 @@ def _examples(runner: lean.LeanRunner, batch_rows: bool) -> tuple[tuple, dict]:
     return (x, cos, sin, mask, rows, slots, keys, values), shapes
 
 
-def fingerprint(model: torch.nn.Module, batch_rows: bool) -> str:
-    """The compile cache's key for one graph of `model`: everything the package depends on (the
-    model's config and every weight's bytes, the graph's code, Inductor's settings, torch, the
-    CPU's vector unit, the thread count the kernels were built for)."""
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every weight's name, shape, dtype and bytes (read once per `compile_runner`)."""
     digest = hashlib.blake2b(digest_size=20)
-    code = inspect.getsource(_Forward) + inspect.getsource(_examples)
-    facts = {"config": model.config.to_dict(), "code": code, "inductor": _INDUCTOR, "torch": torch.__version__,
-             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-             "batch_rows": batch_rows}
-    digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def fingerprint(model: torch.nn.Module, batch_rows: bool, weights: str | None = None) -> str:
+    """The compile cache's key for one graph of `model`: everything the package depends on (the
+    model's config and its weights, `weights_digest` unless given, the graph's code, Inductor's
+    settings, torch, the CPU's vector unit, the thread count the kernels were built for)."""
+    code = inspect.getsource(_Forward) + inspect.getsource(_examples)
+    facts = {"config": model.config.to_dict(), "code": code, "inductor": _INDUCTOR, "torch": torch.__version__,
+             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+             "batch_rows": batch_rows, "weights": weights or weights_digest(model)}
+    return hashlib.blake2b(json.dumps(facts, sort_keys=True, default=str).encode(), digest_size=20).hexdigest()
 
 
 @contextmanager
@@ -181,11 +185,12 @@ def _load(path: Path) -> Any:
         return torch._inductor.aoti_load_package(str(path))
 
 
-def _graph(model: torch.nn.Module, runner: lean.LeanRunner, batch_rows: bool) -> tuple[Any, bool]:
+def _graph(model: torch.nn.Module, runner: lean.LeanRunner, batch_rows: bool,
+           weights: str | None = None) -> tuple[Any, bool]:
     """One compiled graph of `model`: loaded from the compile cache when it holds it, else built
     (and kept there; in a temporary folder when the cache cannot be written). Returns the graph
     and whether it came from the cache."""
-    path = cache_dir() / f"{fingerprint(model, batch_rows)}.pt2"
+    path = cache_dir() / f"{fingerprint(model, batch_rows, weights)}.pt2"
     if path.is_file():
         try:
             return _load(path), True
@@ -209,15 +214,22 @@ class CompiledForward:
 
     def __init__(self, runner: lean.LeanRunner, model: torch.nn.Module, batches: bool) -> None:
         start = time.perf_counter()
-        self.one_row, cached = _graph(model, runner, batch_rows=False)
+        weights = weights_digest(model)  # both graphs' keys: the weights are read once
+        self.one_row, cached = _graph(model, runner, batch_rows=False, weights=weights)
         self.rows: Any = None
         if batches:
-            self.rows, cached_rows = _graph(model, runner, batch_rows=True)
+            self.rows, cached_rows = _graph(model, runner, batch_rows=True, weights=weights)
             cached = cached and cached_rows
         self.seconds = time.perf_counter() - start  # what compiling (or loading) took
         self.cached = cached  # every graph came from the compile cache
         self._parameters = list(model.parameters())
         self._stamp = self._weights()
+
+    @property
+    def origin(self) -> str:
+        """How this forward came to be, for a log line: "compiled in 43.4 s" or "loaded from the
+        compile cache in 2.1 s"."""
+        return f"{'loaded from the compile cache' if self.cached else 'compiled'} in {self.seconds:.1f} s"
 
     def _weights(self) -> tuple[tuple[int, int], ...]:
         return tuple((p.data_ptr(), p._version) for p in self._parameters)

@@ -127,9 +127,8 @@ def describe(model: torch.nn.Module) -> str:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         forward = compiled(model)
         if forward is not None:
-            how = "loaded from the compile cache" if forward.cached else "compiled"
             return (f"lean runner ({model.config.model_type}, {dtype}; compiled forward up to "
-                    f"{COMPILED_MAX_TOKENS} fed tokens, {how} in {forward.seconds:.1f} s)")
+                    f"{COMPILED_MAX_TOKENS} fed tokens, {forward.origin})")
         return f"lean runner ({model.config.model_type}, {dtype})"
     return f"transformers' forward: {reason}"
 
