@@ -9,6 +9,8 @@ Each model compiles once per session (AOTInductor, into the session's compile ca
 graph here), on its own copy: the shared models of `test_lean.py` stay uncompiled."""
 
 import copy
+import os
+import time
 
 import pytest
 import torch
@@ -273,3 +275,24 @@ def test_a_damaged_package_is_built_again_and_an_unwritable_cache_builds_in_a_te
         finally:
             lean.compiled(model).one_row = saved
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_deletes_partial_packages_that_killed_builds_left_and_keeps_fresh_ones(monkeypatch, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale, fresh = cache / "a1b2.4242.partial.pt2", cache / "c3d4.4343.partial.pt2"
+    package = cache / "e5f6.pt2"
+    for path in (stale, fresh, package):
+        path.write_bytes(b"x" * 64)
+    old = time.time() - compiled.PARTIAL_STALE_SECONDS - 60
+    os.utime(stale, (old, old))
+    os.utime(package, (old, old))  # a finished package stays, however old
+
+    def export(*args, **kwargs):  # the build stops here: the sweep came first
+        raise RuntimeError("export stopped by the test")
+
+    monkeypatch.setattr(torch.export, "export", export)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        compiled._build(lean.runner_for(lean_model("llama")), False, cache / "f7a8.pt2")
+    assert not stale.exists() and fresh.exists() and package.exists()
+    assert compiled.sweep_partials(cache, stale=0) == [fresh] and package.exists()

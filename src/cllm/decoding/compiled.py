@@ -48,12 +48,16 @@ CACHE_ENV = "CLLM_COMPILE_CACHE"
 # Inductor's own GEMM kernels, which at a few rows stream them several times faster than MKL's
 # GEMM here), the kernels chosen by measuring them
 _INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# A package is written under a `.partial.pt2` name in the last seconds of its build; one left
+# untouched this long is what a killed build left behind
+PARTIAL_STALE_SECONDS = 3600
 
 
 def cache_dir() -> Path:
     """Where compiled forwards are kept: `$CLLM_COMPILE_CACHE`, else `$XDG_CACHE_HOME/cllm/compiled`
     (`~/.cache/cllm/compiled`). Each package holds its model's weights (packed): delete the folder
-    to reclaim the space; a forward missing from it is compiled again."""
+    to reclaim the space; a forward missing from it is compiled again. What a killed build left
+    (`*.partial.pt2`) the next build deletes (`sweep_partials`)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cllm" / "compiled"
@@ -165,12 +169,28 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def sweep_partials(folder: Path, stale: float = PARTIAL_STALE_SECONDS) -> list[Path]:
+    """Delete the `.partial.pt2` files in `folder` untouched for `stale` seconds (builds killed
+    while writing; each as large as a package); returns them. A build in progress, here or on
+    another machine sharing the folder, writes its file within seconds and is left alone."""
+    removed = []
+    for partial in folder.glob("*.partial.pt2"):
+        try:
+            if time.time() - partial.stat().st_mtime > stale:
+                partial.unlink()
+                removed.append(partial)
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
 def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
     """Export the forward and compile it into the package `path`, written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_partials(path.parent)
     inputs, shapes = _examples(runner, batch_rows)
     with torch.inference_mode(), _quiet():
         program = torch.export.export(_Forward(runner).eval(), inputs, dynamic_shapes=shapes)
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
         with _quiet():
