@@ -280,13 +280,13 @@ def test_a_damaged_package_is_built_again_and_an_unwritable_cache_builds_in_a_te
 def test_a_build_deletes_partial_packages_that_killed_builds_left_and_keeps_fresh_ones(monkeypatch, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    stale, fresh = cache / "a1b2.4242.partial.pt2", cache / "c3d4.4343.partial.pt2"
-    package = cache / "e5f6.pt2"
-    for path in (stale, fresh, package):
+    stale, fresh = cache / f"{'a1' * 20}.4242.partial.pt2", cache / f"{'c3' * 20}.4343.partial.pt2"
+    package, other = cache / f"{'e5' * 20}.pt2", cache / "notes.partial.pt2"  # other: not a name a build writes
+    for path in (stale, fresh, package, other):
         path.write_bytes(b"x" * 64)
     old = time.time() - compiled.PARTIAL_STALE_SECONDS - 60
-    os.utime(stale, (old, old))
-    os.utime(package, (old, old))  # a finished package stays, however old
+    for path in (stale, package, other):  # a finished package stays, however old
+        os.utime(path, (old, old))
 
     def export(*args, **kwargs):  # the build stops here: the sweep came first
         raise RuntimeError("export stopped by the test")
@@ -294,5 +294,5 @@ def test_a_build_deletes_partial_packages_that_killed_builds_left_and_keeps_fres
     monkeypatch.setattr(torch.export, "export", export)
     with pytest.raises(RuntimeError, match="stopped by the test"):
         compiled._build(lean.runner_for(lean_model("llama")), False, cache / "f7a8.pt2")
-    assert not stale.exists() and fresh.exists() and package.exists()
-    assert compiled.sweep_partials(cache, stale=0) == [fresh] and package.exists()
+    assert not stale.exists() and fresh.exists() and package.exists() and other.exists()
+    assert compiled.sweep_partials(cache, stale=0) == [fresh] and package.exists() and other.exists()

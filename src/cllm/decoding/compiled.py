@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -51,6 +52,7 @@ _INDUCTOR = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends
 # A package is written under a `.partial.pt2` name in the last seconds of its build; one left
 # untouched this long is what a killed build left behind
 PARTIAL_STALE_SECONDS = 3600
+_PARTIAL_NAME = re.compile(r"[0-9a-f]{40}\.\d+\.partial\.pt2")  # `_build`'s: <fingerprint>.<pid>.partial.pt2
 
 
 def cache_dir() -> Path:
@@ -170,11 +172,14 @@ def _quiet() -> Iterator[None]:
 
 
 def sweep_partials(folder: Path, stale: float = PARTIAL_STALE_SECONDS) -> list[Path]:
-    """Delete the `.partial.pt2` files in `folder` untouched for `stale` seconds (builds killed
-    while writing; each as large as a package); returns them. A build in progress, here or on
-    another machine sharing the folder, writes its file within seconds and is left alone."""
+    """Delete the partial packages `_build` wrote in `folder` (`<fingerprint>.<pid>.partial.pt2`)
+    untouched for `stale` seconds (builds killed while writing; each as large as a package);
+    returns them. A build in progress, here or on another machine sharing the folder, writes its
+    file within seconds and is left alone; files of other names are never touched."""
     removed = []
     for partial in folder.glob("*.partial.pt2"):
+        if not _PARTIAL_NAME.fullmatch(partial.name):
+            continue
         try:
             if time.time() - partial.stat().st_mtime > stale:
                 partial.unlink()
@@ -316,7 +321,7 @@ def why_not_compiled(model: torch.nn.Module) -> str | None:
 def compile_runner(model: torch.nn.Module, *, batches: bool = True) -> str | None:
     """Compile the runner's forward for `model` now, or load it from the compile cache
     (`cache_dir()`) where an earlier process compiled it for these weights (building takes about a
-    minute per graph on a 2-core CPU, loading well under a second): its forwards of up to
+    minute per graph on a 2-core CPU, loading about 2 s): its forwards of up to
     `lean.COMPILED_MAX_TOKENS` fed tokens then run it. `batches`: also the graph for two batch
     rows or more (a server's batches); without it, they run eagerly. Returns None when done (or
     already done for these weights), else why not; the eager runner then stays."""

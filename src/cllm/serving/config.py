@@ -74,8 +74,8 @@ class ServeConfig:
     compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward before serving "
         "(float32 on a CPU with a C++ compiler; the first time for a model ~2 min on 2 cores, then loaded from the "
         "compile cache in seconds; elsewhere a note and the eager runner). On a 2-core CPU shared with "
-        "load_test.py's clients it was slower at 2 threads (one client 393 tokens/s against 508 eager, 32 clients "
-        "1,149 against 1,847); at --threads 1 one client was faster (840), 32 clients slower (1,488)"})
+        "load_test.py's clients, at 2 threads: one client 700-958 tokens/s against 660-825 eager, 32 clients slower "
+        "(1,881-2,311 against 2,367-2,754; docs/serving.md)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
     speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
         "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "
