@@ -300,3 +300,27 @@ def test_the_decode_threads_events_wake_the_loop_once_per_batch_in_each_requests
         mailbox.post(a, 4)
     with pytest.raises(RuntimeError):
         mailbox.post(a, 5)
+
+
+def test_a_streamed_requests_text_is_posted_at_most_once_per_interval_and_none_is_lost():
+    from cllm.serving.service import _Paced
+
+    now = [100.0]
+    posted = []
+    paced = _Paced(0.05, lambda kind, value: posted.append((kind, value)), clock=lambda: now[0])
+    paced("text", "a")  # the first text goes at once
+    now[0] += 0.01
+    paced("text", "b")
+    now[0] += 0.01
+    paced("text", "c")  # held: 0.02 s since "a"
+    assert posted == [("text", "a")]
+    now[0] += 0.04
+    paced("text", "d")  # 0.06 s: it goes with what was held
+    now[0] += 0.01
+    paced("text", "e")
+    paced("done", "result")  # the answer takes the held text out first
+    assert posted == [("text", "a"), ("text", "bcd"), ("text", "e"), ("done", "result")]
+    posted.clear()
+    errors = _Paced(0.05, lambda kind, value: posted.append((kind, value)), clock=lambda: now[0])
+    errors("error", "timeout")  # nothing held: the answer alone
+    assert posted == [("error", "timeout")]

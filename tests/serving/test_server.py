@@ -397,6 +397,24 @@ def test_create_app_serves_in_process_and_fits_max_tokens_to_the_context(model_d
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 28
 
 
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(model_dir, oracle):
+    """--stream-interval 0: a chunk per decoding step; an interval longer than the decode: the
+    first text at once, the rest in one chunk before the finish."""
+    from fastapi.testclient import TestClient
+
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": NEW, "stream": True}
+    texts = {}
+    for interval in (0, 3600):
+        with TestClient(create_app(oracle.model, oracle.tokenizer, _settings(model_dir, stream_interval=interval)),
+                        base_url=LOCAL) as http, http.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        chunks = [json.loads(line[len("data: "):])["choices"][0] for line in lines]
+        assert chunks[-1]["finish_reason"] == finish_reason(oracle, oracle.ids("def f(x):"))
+        texts[interval] = [c["text"] for c in chunks if c["text"]]
+        assert "".join(texts[interval]) == oracle.text("def f(x):"), interval
+    assert len(texts[0]) > 2 and len(texts[3600]) == 2
+
+
 # ----------------------------------------------------------------------------------------------
 # In-process: create_app under TestClient, or under uvicorn in a thread
 

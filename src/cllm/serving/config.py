@@ -47,6 +47,10 @@ class ServeConfig:
     forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds "
         "over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: "
         "each keeps --recycle-budget)"})
+    stream_interval: float = field(default=0.05, metadata={"help": "streamed requests: seconds between one "
+        "request's text chunks at least; text decoded sooner goes with the next chunk, the first at once (0: a chunk "
+        "per decoding step). Each chunk costs the server and its client CPU time that the forward shares on a "
+        "small CPU (docs/serving.md)"})
     queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the "
         "body is read"})
@@ -94,7 +98,7 @@ class ServeConfig:
                      "max_batch_size", "max_tokens_in_flight", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("read_timeout", "request_timeout", "shutdown_grace", "header_timeout"):
+        for name in ("read_timeout", "request_timeout", "shutdown_grace", "header_timeout", "stream_interval"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.read_timeout == 0 or self.header_timeout == 0:

@@ -27,8 +27,8 @@ from cllm.serving.vllm import (
 )
 
 # `cllm serve` settings vLLM's server has no counterpart for
-UNMAPPED = ("method", "jacobi", "draft_table", "max_tokens_in_flight", "forward_width", "queue_size", "max_body_bytes",
-            "read_timeout", "request_timeout", "shutdown_grace", "max_connections", "header_timeout",
+UNMAPPED = ("method", "jacobi", "draft_table", "max_tokens_in_flight", "forward_width", "stream_interval", "queue_size",
+            "max_body_bytes", "read_timeout", "request_timeout", "shutdown_grace", "max_connections", "header_timeout",
             "allowed_hosts", "openapi", "device")
 
 
