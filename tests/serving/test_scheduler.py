@@ -302,25 +302,39 @@ def test_the_decode_threads_events_wake_the_loop_once_per_batch_in_each_requests
         mailbox.post(a, 5)
 
 
-def test_a_streamed_requests_text_is_posted_at_most_once_per_interval_and_none_is_lost():
-    from cllm.serving.service import _Paced
 
-    now = [100.0]
-    posted = []
-    paced = _Paced(0.05, lambda kind, value: posted.append((kind, value)), clock=lambda: now[0])
-    paced("text", "a")  # the first text goes at once
-    now[0] += 0.01
-    paced("text", "b")
-    now[0] += 0.01
-    paced("text", "c")  # held: 0.02 s since "a"
-    assert posted == [("text", "a")]
-    now[0] += 0.04
-    paced("text", "d")  # 0.06 s: it goes with what was held
-    now[0] += 0.01
-    paced("text", "e")
-    paced("done", "result")  # the answer takes the held text out first
-    assert posted == [("text", "a"), ("text", "bcd"), ("text", "e"), ("done", "result")]
-    posted.clear()
-    errors = _Paced(0.05, lambda kind, value: posted.append((kind, value)), clock=lambda: now[0])
-    errors("error", "timeout")  # nothing held: the answer alone
-    assert posted == [("error", "timeout")]
+@pytest.mark.parametrize("interval", [0, 3600])
+def test_a_streamed_jobs_text_goes_out_per_step_or_paced_and_all_of_it(model, oracle, interval):
+    """stream_interval 0: a chunk per step that makes text; one longer than the decode: the
+    first text at once, the rest in one chunk before the answer."""
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), stream_interval=interval)
+    try:
+        streamed, events = job(oracle.ids("def f(x):"), 24, stream=True)
+        scheduler.submit(streamed)
+        result = events.wait().result
+        assert "".join(events.chunks) == result.text == oracle.text("def f(x):", max_new_tokens=24)
+        assert len(events.chunks) > 2 if interval == 0 else len(events.chunks) == 2
+    finally:
+        scheduler.stop()
+
+
+def test_held_text_goes_out_once_its_interval_has_passed_without_new_text_and_never_after_the_answer(model, oracle):
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), stream_interval=0.05)
+    try:
+        paced, events = job(oracle.ids("x"), stream=True)
+        scheduler._hold(paced, "a")
+        scheduler._send_text(paced, 100.0)  # the first text: at once
+        scheduler._hold(paced, "b")
+        scheduler._hold(paced, "c")
+        scheduler._send_text(paced, 100.03)  # held
+        assert events.chunks == ["a"]
+        scheduler._send_text(paced, 100.06)  # what `_deliver` does each step for every row
+        assert events.chunks == ["a", "bc"]
+        scheduler._hold(paced, "d")
+        scheduler._finish(paced, "done", "the result")  # the rest goes before the answer
+        assert events.chunks == ["a", "bc", "d"] and events.result == "the result"
+        scheduler._hold(paced, "e")
+        scheduler._send_text(paced, 200.0)  # answered: no more text
+        assert events.chunks == ["a", "bc", "d"]
+    finally:
+        scheduler.stop()

@@ -47,10 +47,10 @@ class ServeConfig:
     forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds "
         "over the whole batch, roughly; each request's drafts shrink to its share as the batch grows (speed only; 0: "
         "each keeps --recycle-budget)"})
-    stream_interval: float = field(default=0.05, metadata={"help": "streamed requests: seconds between one "
-        "request's text chunks at least; text decoded sooner goes with the next chunk, the first at once (0: a chunk "
-        "per decoding step). Each chunk costs the server and its client CPU time that the forward shares on a "
-        "small CPU (docs/serving.md)"})
+    stream_interval: float = field(default=0.05, metadata={"help": "streamed requests: a request's new text goes "
+        "out at most once per this many seconds, the first at once, the last with the request's end (0: a chunk per "
+        "decoding step). Each chunk costs the server and its client CPU time that the forward shares on a small CPU "
+        "(docs/serving.md)"})
     queue_size: int = field(default=256, metadata={"help": "requests waiting beyond this get 503"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413, checked before the "
         "body is read"})

@@ -8,8 +8,8 @@ Each step is one batched forward per group in which every row advances by its ow
 (with recycling, a row's drafts shrink to its share of `forward_width` fed tokens as the batch
 grows: speed only);
 a row's new final tokens go through its `TextStream` (detokenized, cut at a stop string) to its
-`on_event` callback; a row leaves the batch when it is done, stopped, cancelled or past its
-deadline.
+`on_event` callback, streamed text at most once per `stream_interval` seconds; a row leaves
+the batch when it is done, stopped, cancelled or past its deadline.
 
 Requests that decode with different engine settings (greedy vs sampled, Jacobi vs AR, another
 temperature) cannot share a forward: each setting has its own `BatchDecoder` (a *group*), and
@@ -23,6 +23,7 @@ Nothing here knows HTTP: `cllm.serving.service` turns events into responses.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -47,9 +48,10 @@ class Overloaded(Exception):
 @dataclass(eq=False)
 class Job:
     """One request. `on_event(kind, value)` is called from the worker thread with ("text", str)
-    for each final chunk (when `stream_text`), then once ("done", Completion) or ("error",
-    reason), reason "timeout", "shutdown", or "failed: <why>" (this request alone failed to
-    decode; its batch mates go on); a cancelled job gets no more events."""
+    for its text as it becomes final (when `stream_text`; at most once per the scheduler's
+    `stream_interval`, what is left before the answer), then once ("done", Completion) or
+    ("error", reason), reason "timeout", "shutdown", or "failed: <why>" (this request alone
+    failed to decode; its batch mates go on); a cancelled job gets no more events."""
 
     prompt_ids: list[int]
     params: DecodeParams  # params.seed seeds the row's generator (None: 0, as in `complete`)
@@ -64,6 +66,8 @@ class Job:
     text: TextStream | None = None
     seen: int = 0  # tokens of the row fed to `text` so far
     answered: bool = False  # its "done" or "error" went out (once, from whichever thread)
+    unsent: str = ""  # streamed text made final and not sent yet
+    sent_at: float = -math.inf  # time.monotonic() when text was last sent
 
     @property
     def tokens_needed(self) -> int:
@@ -102,8 +106,11 @@ class Scheduler:
 
     def __init__(self, model, codec: TextCodec, *, draft_table=None, queue_size: int = 256,
                  max_batch_size: int = 32, max_tokens_in_flight: int = 65536,
-                 forward_width: int | None = None) -> None:
+                 forward_width: int | None = None, stream_interval: float = 0.0) -> None:
         self.model, self.codec, self.draft_table = model, codec, draft_table
+        # a streamed job's text is sent at most once per `stream_interval` seconds (0: per step)
+        self.stream_interval = stream_interval
+        self._sending = threading.Lock()  # a job's unsent text: the worker's, and `stop`'s
         self.queue_size, self.max_batch_size = queue_size, max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.forward_width = forward_width
@@ -225,7 +232,7 @@ class Scheduler:
             self.stats.admitted += len(group_jobs)
             for job, row in zip(group_jobs, rows, strict=True):
                 job.row, job.started_at = row, time.monotonic()
-                on_text = (lambda text, job=job: job.on_event("text", text)) if job.stream_text else None
+                on_text = (lambda text, job=job: self._hold(job, text)) if job.stream_text else None
                 job.text = TextStream(self.codec, job.params.stop, on_text)
                 group.jobs[row] = job
 
@@ -265,7 +272,10 @@ class Scheduler:
                     self._finish(job, "error", "timeout")
 
     def _deliver(self) -> None:
-        """New final tokens -> text; finished rows -> their Completion, and they leave."""
+        """New final tokens -> text (sent when `stream_interval` has passed since the job's last
+        text, whether or not this step made more); finished rows -> their Completion, and they
+        leave."""
+        now = time.monotonic()
         for key, group in list(self._groups.items()):
             decoder = group.decoder
             for row, job in list(group.jobs.items()):
@@ -277,6 +287,7 @@ class Scheduler:
                     log.warning("a request failed alone, its batch mates go on: %s", first_line(exc))
                     result = f"failed: {first_line(exc)}"
                 if result is None:
+                    self._send_text(job, now)
                     continue
                 decoder.remove(row)
                 del group.jobs[row]
@@ -304,11 +315,33 @@ class Scheduler:
                           forward_passes=forwards, seconds=time.monotonic() - job.started_at,
                           finish_reason="stop" if ended else "length", method=job.params.label)
 
+    def _hold(self, job: Job, text: str) -> None:
+        """The job's text stream made `text` final: it waits for `_send_text`."""
+        with self._sending:
+            job.unsent += text
+
+    def _send_text(self, job: Job, now: float) -> None:
+        """Send the job's unsent text when `stream_interval` has passed since its last."""
+        with self._sending:
+            self._send_unsent(job, now)
+
+    def _send_unsent(self, job: Job, now: float, last: bool = False) -> None:
+        """`_send_text` under the lock (`last`: whatever the interval, before the answer); none
+        goes to a job cancelled or answered."""
+        if job.cancelled or job.answered or not job.unsent or not (last or now - job.sent_at >= self.stream_interval):
+            return
+        text, job.unsent, job.sent_at = job.unsent, "", now
+        _emit(job, "text", text)
+
     def _finish(self, job: Job, kind: str, value: Any) -> None:
-        """The job's answer ("done" or "error"): it is no longer live."""
+        """The job's answer ("done" or "error"), after its unsent text: it is no longer live.
+        Text and answer go out under one lock: no text follows the answer (`stop` answers from
+        another thread)."""
         with self._cond:
             self._live.discard(job)
-        _emit(job, kind, value)
+        with self._sending:
+            self._send_unsent(job, time.monotonic(), last=True)
+            _emit(job, kind, value)
 
     def _fail_group(self, group: _Group, reason: str) -> None:
         """Every request of `group` fails with `reason`; the group (and its cache) goes."""

@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import math
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -158,34 +155,6 @@ class _Mailbox:
             queue.put_nowait(event)
 
 
-class _Paced:
-    """A streamed request's events, its text posted at most once per `interval` seconds: text
-    that comes sooner is held and goes with the next post, and what is held goes out before the
-    request's answer ("done" or "error"). The first text goes at once. Fewer, larger SSE chunks
-    of the same text: each chunk costs the event loop and the client CPU time, which on a small
-    CPU the decoding forward shares."""
-
-    def __init__(self, interval: float, post: Callable[[str, Any], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval, self.post, self.clock = interval, post, clock
-        self._held = ""
-        self._last = -math.inf  # when text was last posted
-        self._lock = threading.Lock()  # the answer may come from another thread (shutdown)
-
-    def __call__(self, kind: str, value: Any) -> None:
-        with self._lock:
-            if kind == "text":
-                now = self.clock()
-                if now - self._last < self.interval:
-                    self._held += value
-                    return
-                self._last, value, self._held = now, self._held + value, ""
-            elif self._held:
-                held, self._held = self._held, ""
-                self.post("text", held)
-            self.post(kind, value)
-
-
 class Service:
     """What the routes do: check a request, queue it, answer (plain JSON or SSE)."""
 
@@ -199,7 +168,7 @@ class Service:
         self.scheduler = Scheduler(model, TextCodec(_copy(tokenizer)), draft_table=draft_table,
                                    queue_size=cfg.queue_size, max_batch_size=cfg.max_batch_size,
                                    max_tokens_in_flight=cfg.max_tokens_in_flight,
-                                   forward_width=cfg.forward_width or None)
+                                   forward_width=cfg.forward_width or None, stream_interval=cfg.stream_interval)
         self.metrics = Metrics()
         self.names = {cfg.model_id, cfg.model}
         # one prompt tokenized at a time: a flood of long prompts takes one core, not every core
@@ -238,14 +207,13 @@ class Service:
             self._mailbox = _Mailbox(loop)
         mailbox = self._mailbox
 
-        def post(kind: str, value) -> None:  # from the decode thread
+        def on_event(kind: str, value) -> None:  # from the decode thread
             try:
                 mailbox.post(events, (kind, value))
             except RuntimeError:  # the event loop is gone (shutdown)
                 job.cancelled = True
 
         stream = bool(body.get("stream"))
-        on_event = _Paced(cfg.stream_interval, post) if stream and cfg.stream_interval > 0 else post
         deadline = time.monotonic() + cfg.request_timeout if cfg.request_timeout else None
         job = Job(prompt_ids, params, on_event, stream_text=stream, deadline=deadline)
         try:
