@@ -302,7 +302,6 @@ def test_the_decode_threads_events_wake_the_loop_once_per_batch_in_each_requests
         mailbox.post(a, 5)
 
 
-
 @pytest.mark.parametrize("interval", [0, 3600])
 def test_a_streamed_jobs_text_goes_out_per_step_or_paced_and_all_of_it(model, oracle, interval):
     """stream_interval 0: a chunk per step that makes text; one longer than the decode: the

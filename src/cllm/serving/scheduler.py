@@ -287,7 +287,8 @@ class Scheduler:
                     log.warning("a request failed alone, its batch mates go on: %s", first_line(exc))
                     result = f"failed: {first_line(exc)}"
                 if result is None:
-                    self._send_text(job, now)
+                    if job.unsent:  # most rows most steps: nothing to send, no lock to take
+                        self._send_text(job, now)
                     continue
                 decoder.remove(row)
                 del group.jobs[row]
