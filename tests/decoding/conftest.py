@@ -37,9 +37,10 @@ def _config(arch: str):
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
-# llama and qwen2 decode through the lean runner (`cllm.decoding.lean`); "@transformers" runs the
-# same tests on transformers' own forward, so both paths pass every exactness test
-PATHS = ARCHS + ["llama@transformers", "qwen2@transformers"]
+# llama and qwen2 decode through the lean runner (`cllm.decoding.lean`), in float32 on its packed
+# weights; "@unpacked" runs the same tests on its MKL path, "@transformers" on transformers' own
+# forward, so every path passes every exactness test
+PATHS = ARCHS + ["llama@unpacked", "llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -55,7 +56,7 @@ def tiny_model(arch: str) -> torch.nn.Module:
 def arch(request):
     """An architecture's name, with the decoding forward it is tested on switched on."""
     name, _, path = request.param.partition("@")
-    with lean.runner_enabled(path != "transformers"):
+    with lean.runner_enabled(path != "transformers"), lean.packed_enabled(path != "unpacked"):
         yield name
 
 

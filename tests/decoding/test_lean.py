@@ -17,6 +17,14 @@ LEAN_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
+@pytest.fixture(autouse=True, params=["packed", "mkl"])
+def packing(request):
+    """Every test here runs on both float32 CPU paths of the runner: its oneDNN-packed weights
+    and MKL's GEMM on the model's own."""
+    with lean.packed_enabled(request.param == "packed"):
+        yield request.param
+
+
 def lean_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if (arch, dtype) not in _MODELS:
         sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -80,12 +88,48 @@ def assert_same_logits(got, want):
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
 @torch.inference_mode()
-def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and_trees(arch):
+def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and_trees(arch, packing):
     model = lean_model(arch)
     assert lean.why_not(model) is None and lean.describe(model).startswith("lean runner")
+    assert ("oneDNN-packed" in lean.describe(model)) == (packing == "packed")
     (got, kind), (want, other) = both(model, feeds(model))
     assert kind == "LeanKV" and other == "DynamicCache"
+    assert (lean.runner_for(model).packed is not None) == (packing == "packed")
     assert_same_logits(got, want)
+
+
+@torch.inference_mode()
+def test_weights_changed_after_packing_are_packed_again():
+    """An optimizer step changes the weights in place, loading a checkpoint replaces them: the
+    next forward computes with the new ones either way."""
+    torch.manual_seed(3)
+    with torch.inference_mode(False):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                   initializer_range=0.2)).eval()
+    ids = random_prompt(4, 6)
+
+    def logits():
+        return kv.prefill(model, ids, torch.ones_like(ids))[1].clone()
+
+    for change in ("in place", "replaced"):
+        before = both(model, logits)[0]
+        layer = model.model.layers[0]
+        with torch.inference_mode(False), torch.no_grad():
+            if change == "in place":
+                layer.mlp.up_proj.weight.mul_(-1.5)
+            else:
+                layer.self_attn.v_proj.weight = torch.nn.Parameter(torch.randn_like(layer.self_attn.v_proj.weight))
+        got, want = both(model, logits)
+        assert not torch.allclose(got, before, atol=1e-3), change
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_too_large_to_pack_computes_on_its_own_weights(monkeypatch):
+    model = lean_model("llama")
+    monkeypatch.setattr(lean.PackedWeights, "MAX_BYTES", 1000)
+    with lean.packed_enabled(True):
+        assert "MKL's GEMM: a packed copy would take" in lean.describe(model)
 
 
 SETTINGS = {

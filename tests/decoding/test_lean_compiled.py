@@ -177,6 +177,10 @@ def test_a_weight_changed_after_compiling_sends_forwards_to_the_eager_runner():
     assert jacobi_decode(model, prompt, max_new_tokens=24, block_size=4).new_tokens == expected
     assert compiled.compile_runner(model) is None and lean.compiled(model) is not None  # compiled anew
     assert jacobi_decode(model, prompt, max_new_tokens=24, block_size=4).new_tokens == expected
+    attention = model.model.layers[0].self_attn
+    with torch.inference_mode(False), torch.no_grad():  # a weight replaced, as loading a checkpoint can
+        attention.v_proj.weight = torch.nn.Parameter(attention.v_proj.weight * 2)
+    assert lean.compiled(model) is None
 
 
 def test_where_the_forward_cannot_compile_a_reason_and_the_eager_runner_decodes(monkeypatch, tmp_path):

@@ -113,3 +113,17 @@ def test_a_model_too_large_for_the_cpu_memory_is_refused_in_one_line(monkeypatch
 
 def test_tpf_pairs_parse():
     assert parse_tpf("ar=1, jacobi=1.05,cllm=3") == {"ar": 1.0, "jacobi": 1.05, "cllm": 3.0}
+
+
+def test_time_forwards_times_every_forward_the_model_takes_at_every_batch_and_k():
+    """A float32 Llama on the CPU: the runner on packed weights, on MKL's GEMM, and transformers'."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in TINY.items() if k not in (
+        "architectures", "model_type")})).eval()
+    times = steptime.time_forwards(model, [1, 3], [1, 2], prefix=8, rounds=2)
+    assert list(times) == ["lean", "lean-mkl", "transformers"]
+    for per_batch in times.values():
+        assert {B: sorted(per_k) for B, per_k in per_batch.items()} == {1: [1, 3], 2: [1, 3]}
+        assert all(len(s) == 2 and min(s) > 0 for per_k in per_batch.values() for s in per_k.values())

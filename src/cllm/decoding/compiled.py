@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -247,7 +248,7 @@ class CompiledForward:
             cached = cached and cached_rows
         self.seconds = time.perf_counter() - start  # what compiling (or loading) took
         self.cached = cached  # every graph came from the compile cache
-        self._parameters = list(model.parameters())
+        self._model = weakref.ref(model)
         self._stamp = self._weights()
 
     @property
@@ -257,7 +258,10 @@ class CompiledForward:
         return f"{'loaded from the compile cache' if self.cached else 'compiled'} in {self.seconds:.1f} s"
 
     def _weights(self) -> tuple[tuple[int, int], ...]:
-        return tuple((p.data_ptr(), p._version) for p in self._parameters)
+        """Where each of the model's weights is now and how often it was changed in place (a
+        weight replaced, or changed by an optimizer step, changes this)."""
+        model = self._model()
+        return () if model is None else tuple((p.data_ptr(), p._version) for p in model.parameters())
 
     def current(self) -> bool:
         """Whether the weights are still the ones compiled in."""

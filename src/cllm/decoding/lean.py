@@ -3,10 +3,13 @@ Jacobi step costs is mostly the framework around ~10 MFLOP of arithmetic, so the
 its forward where it can, as gpt-fast and llama.cpp do.
 
 `LeanRunner` computes the model's forward from its own weights (embeddings, norms, projections,
-MLP, LM head, rotary frequencies: nothing is converted or copied) in a straight line per layer:
+MLP, LM head, rotary frequencies: nothing is converted; the one copy is the packed weights
+below) in a straight line per layer:
 one attention call per layer over a preallocated cache, masks built by index arithmetic once per
 forward, RoPE from a table of positions, logits only where the caller reads them, no host sync.
-In float32 on a CPU the activations run feature-major so that every projection is one
+In float32 on a CPU every projection runs on a oneDNN-packed copy of its weights
+(`PackedWeights`), with the bias, residual, SiLU or the MLP's product in the same call; where
+that copy is not made, the activations run feature-major so that every projection is one MKL
 `W @ X` GEMM, zero-padded to 16 columns when fewer tokens are fed (MKL's slow shapes);
 elsewhere it runs the model's modules in transformers' layout (`LeanRunner.feature_major`).
 `LeanKV` is its cache: one buffer per layer grown geometrically, with the surface of
@@ -32,6 +35,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -43,6 +47,7 @@ GROWTH = 256  # cache slots reserved beyond what a forward needs when the buffer
 
 _enabled = True
 _compiled_enabled = True
+_packed_enabled = True
 _runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -68,6 +73,19 @@ def compiled_enabled(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _compiled_enabled = before
+
+
+@contextmanager
+def packed_enabled(enabled: bool) -> Iterator[None]:
+    """Within: float32 CPU forwards compute their projections from oneDNN-packed weights where
+    they can (True, `PackedWeights`), or with MKL's GEMM on the model's own weights (False).
+    Tests run the exactness suites both ways; `cllm bench`'s forward cost times both."""
+    global _packed_enabled
+    before, _packed_enabled = _packed_enabled, enabled
+    try:
+        yield
+    finally:
+        _packed_enabled = before
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -129,7 +147,14 @@ def describe(model: torch.nn.Module) -> str:
         if forward is not None:
             return (f"lean runner ({model.config.model_type}, {dtype}; compiled forward up to "
                     f"{COMPILED_MAX_TOKENS} fed tokens, {forward.origin})")
-        return f"lean runner ({model.config.model_type}, {dtype})"
+        weight = model.get_input_embeddings().weight
+        if not LeanRunner.feature_major(weight):
+            return f"lean runner ({model.config.model_type}, {dtype})"
+        unpacked = PackedWeights.why_not(model)
+        if unpacked is None:
+            return (f"lean runner ({model.config.model_type}, {dtype}; oneDNN-packed weights, "
+                    f"{PackedWeights.size(model) / 2**20:.0f} MiB beside the model's)")
+        return f"lean runner ({model.config.model_type}, {dtype}; MKL's GEMM: {unpacked})"
     return f"transformers' forward: {reason}"
 
 
@@ -302,6 +327,17 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
     return norm.weight.view(shape) * h.to(x.dtype)
 
 
+def _rms_norm_rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`_rms_norm` of float32 x over its last dimension, in one call where torch has one
+    (`F.rms_norm`, torch >= 2.4: the same arithmetic, one kernel instead of six)."""
+    if _FUSED_RMS_NORM:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return _rms_norm(norm, x, -1)
+
+
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
+
+
 def additive_mask(allowed: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     """A boolean mask as an additive one (0 / -inf) in `like`'s dtype, made once per forward:
     SDPA would convert a boolean mask in every layer."""
@@ -319,6 +355,99 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     with rotate_half's sign folded into `signed_sin` (D, B, L); cos (D, B, L)."""
     half = x.shape[1] // 2
     return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
+
+
+class PackedWeights:
+    """oneDNN's blocked copies of one model's projection and LM-head weights (float32 on a CPU):
+    its inner-product kernels read that layout faster than MKL's GEMM reads the plain one, at
+    every width a decoding step feeds (1 to 320 tokens measured), and they add the bias, the
+    residual, SiLU and the MLP's product in the same pass. q, k and v are packed as one
+    projection. A copy: the model's own weights stay as they are for training and transformers'
+    forward, so it costs their size again (`MAX_BYTES` at most). Stale once a weight is replaced
+    or changed in place (`current`): the runner packs again."""
+
+    WIDTH = 16  # oneDNN's batch-size hint for the packed layout (any width computes on it)
+    MAX_BYTES = 2 * 2**30  # larger models compute on their own weights
+
+    def __init__(self, runner: LeanRunner) -> None:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        self.layers = []
+        self._linears: list[torch.nn.Module] = []  # where the packed weights come from
+        for layer in runner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+            biases = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv]
+            self.layers.append({
+                "qkv": (pack(torch.cat([p.weight for p in qkv]), self.WIDTH),
+                        None if all(p.bias is None for p in qkv) else torch.cat(biases)),
+                **{name: (pack(linear.weight, self.WIDTH), linear.bias) for name, linear in (
+                    ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}})
+            self._linears += [*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        head = runner.lm_head
+        self.head = (pack(head.weight, self.WIDTH), head.bias)
+        self.silu = getattr(runner.model().config, "hidden_act", None) in ("silu", "swish")  # transformers' SiLU
+        self._linears.append(head)
+        self._stamp = self._weights()
+
+    def _weights(self) -> tuple[tuple[int, int], ...]:
+        """Where each weight and bias packed is now and how often it was changed in place (a
+        weight replaced, or changed by an optimizer step, changes this)."""
+        return tuple((t.data_ptr(), t._version) for m in self._linears for t in (m.weight, m.bias) if t is not None)
+
+    def current(self) -> bool:
+        """Whether the model's weights are still the ones packed."""
+        return self._weights() == self._stamp
+
+    @staticmethod
+    def size(model: torch.nn.Module) -> int:
+        """Bytes of the packed copy: the projections' and the LM head's weights."""
+        return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                   if isinstance(m, torch.nn.Linear))
+
+    @staticmethod
+    def why_not(model: torch.nn.Module) -> str | None:
+        """Why a float32 CPU forward of `model` computes on its own weights (None: packed)."""
+        if not _packed_enabled:
+            return "packed weights switched off"
+        if not packing_available():
+            return "this torch has no oneDNN linear kernels"
+        size = PackedWeights.size(model)
+        if size > PackedWeights.MAX_BYTES:
+            return (f"a packed copy would take {size / 2**30:.1f} GiB more "
+                    f"(at most {PackedWeights.MAX_BYTES / 2**30:.0f} GiB)")
+        return None
+
+
+@cache
+def packing_available() -> bool:
+    """Whether this torch has the oneDNN linear kernels `PackedWeights` computes with, and they
+    give F.linear's result on a small case (an op whose meaning changed is not used)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        x, w, b, other = (torch.randn(*shape, generator=g) for shape in ((3, 8), (5, 8), (5,), (3, 5)))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PackedWeights.WIDTH)
+        want = F.linear(x, w, b)
+        got = (torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
+               torch.ops.mkldnn._linear_pointwise(x, packed, b, "swish", [], ""),
+               torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, b, "add"),
+               torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, b, "mul"))
+        return all(torch.allclose(a, e, rtol=1e-4, atol=1e-5) for a, e in zip(
+            got, (want, F.silu(want), want + other, want * other), strict=True))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+
+def _packed_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None], *,
+                   other: torch.Tensor | None = None, then: str = "none") -> torch.Tensor:
+    """x (M, in) through a packed projection (weight, bias): (M, out); then "swish" applies
+    SiLU, "add" adds `other` (a residual), "mul" multiplies by it, in the same pass."""
+    packed, bias = weight
+    if other is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, then, [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, then)
 
 
 COMPILED_MAX_TOKENS = 24  # fed tokens (B * L, one a row counting two) up to which the compiled forward runs;
@@ -358,10 +487,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 class LeanRunner:
     """The decoding forward of one model (see the module docstring); state is the model's modules.
 
-    In float32 on a CPU the activations run feature-major, (features, B * L): every projection is
-    then `W @ X`, the weight the tall operand, which MKL computes faster than transformers'
-    `X @ W^T` at the few tokens a decoding step feeds (`cllm bench`'s `forward_cost`); attention
-    runs on (B, heads, L, D) either way. Elsewhere the layers run in transformers' layout."""
+    In float32 on a CPU the projections run on packed weights (`_packed_forward`), or, where
+    they are not packed, feature-major, (features, B * L): every projection is then `W @ X`, the
+    weight the tall operand, which MKL computes faster than transformers' `X @ W^T` at the few
+    tokens a decoding step feeds (`cllm bench`'s `forward_cost`); attention runs on (B, heads,
+    L, D) either way. Elsewhere the layers run in transformers' layout."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, inner = model.config, model.model
@@ -378,6 +508,8 @@ class LeanRunner:
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.dynamic_rope = getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope")
         self.compiled: Any = None  # a `compiled.CompiledForward`, set by `compiled.compile_runner`
+        self.packed: PackedWeights | None = None  # built at the first float32 CPU forward that can use it
+        self._unpacked: str | None | bool = False  # why this model's weights are not packed (False: not asked yet)
 
     def new_cache(self, batch: int, capacity: int) -> LeanKV:
         weight = self.embed.weight
@@ -400,6 +532,8 @@ class LeanRunner:
         if (self.compiled is not None and _compiled_enabled and self.compiled.takes(B, L)
                 and torch.is_inference_mode_enabled() and self.compiled.current()):
             logits, x = self.compiled(self, kv, embedded, position_ids, allowed, last_only)
+        elif self.feature_major(embedded) and (packed := self._packed()) is not None:
+            logits, x = self._packed_forward(packed, kv, embedded, position_ids, allowed, last_only)
         elif self.feature_major(embedded):
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
         else:
@@ -407,6 +541,19 @@ class LeanRunner:
         out = LeanOutput(logits, x if hidden else None)
         self._run_hooks("_forward_hooks", inputs, out)
         return out
+
+    def _packed(self) -> PackedWeights | None:
+        """The packed weights a float32 CPU forward computes with (packed again when the model's
+        changed), or None where `PackedWeights.why_not`."""
+        if self._unpacked is False:
+            with packed_enabled(True):
+                self._unpacked = PackedWeights.why_not(self.model())
+        if not _packed_enabled or self._unpacked is not None:
+            self.packed = None
+            return None
+        if self.packed is None or not self.packed.current():
+            self.packed = PackedWeights(self)
+        return self.packed
 
     @staticmethod
     def feature_major(x: torch.Tensor) -> bool:
@@ -483,6 +630,46 @@ class LeanRunner:
             x = F.pad(x, (0, padded_width(M) - M))
         logits = _project(self.lm_head, x)[:, :M]  # (V, B * L')
         return logits.t().view(B, L, -1), x[:, :M].t().view(B, L, -1)
+
+    def _packed_forward(self, packed: PackedWeights, kv: LeanKV, embedded: torch.Tensor,
+                        position_ids: torch.Tensor, allowed: torch.Tensor | None,
+                        last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, L', V) and the final norm's output (B, L', H) from the packed weights,
+        activations token-major (B * L, features), unpadded (oneDNN has no slow widths to avoid)."""
+        B, L, _ = embedded.shape
+        D, M = self.head_dim, B * L
+        heads, kv_heads = self.heads, self.kv_heads
+        cos, sin = (t.view(B, L, 1, D).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids,
+                                                                                   kv.get_seq_length() + L))
+        half = D // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign folded in
+        allowed = additive_mask(allowed, embedded)
+        x = embedded.view(M, -1)
+        for i, (layer, weights) in enumerate(zip(self.layers, packed.layers, strict=True)):
+            attn = layer.self_attn
+            h = _rms_norm_rows(layer.input_layernorm, x)
+            qkv = _packed_linear(h, weights["qkv"]).view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
+                q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
+            q = torch.addcmul(q * cos, torch.cat((q[..., half:], q[..., :half]), dim=-1), sin)
+            k = torch.addcmul(k * cos, torch.cat((k[..., half:], k[..., :half]), dim=-1), sin)
+            keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=kv_heads != heads)  # (B, heads, L, D)
+            x = _packed_linear(out.transpose(1, 2).reshape(M, -1), weights["o"], other=x, then="add")
+            h = _rms_norm_rows(layer.post_attention_layernorm, x)
+            if packed.silu:
+                gate = _packed_linear(h, weights["gate"], then="swish")
+            else:
+                gate = layer.mlp.act_fn(_packed_linear(h, weights["gate"]))
+            x = _packed_linear(_packed_linear(h, weights["up"], other=gate, then="mul"), weights["down"],
+                               other=x, then="add")
+        x = _rms_norm_rows(self.norm, x).view(B, L, -1)
+        if last_only:
+            x = x[:, -1:]
+        logits = _packed_linear(x.reshape(-1, x.shape[-1]), packed.head)
+        return logits.view(*x.shape[:2], -1), x
 
     def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

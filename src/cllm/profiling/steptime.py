@@ -184,12 +184,17 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
     cached tokens, on each forward the model can take: {"compiled" (the lean runner's compiled
     forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.decoding.lean`'s eager
-    forward, when it runs the model), "transformers": {B: {k: [seconds per round]}}}. Rounds are interleaved over
-    (forward, B, k) and rotated; each step is rolled back, so every one sees the same cache."""
+    forward, when it runs the model), "lean-mkl" (the same on MKL's GEMM and the plain weights,
+    where "lean" runs on packed ones), "transformers": {B: {k: [seconds per round]}}}. Rounds
+    are interleaved over (forward, B, k) and rotated; each step is rolled back, so every one
+    sees the same cache."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    paths = (["compiled"] if lean.compiled(model) is not None else []) + (
-        ["lean"] if lean.why_not(model) is None else []) + ["transformers"]
+    runs = lean.why_not(model) is None
+    packs = runs and lean.LeanRunner.feature_major(model.get_input_embeddings().weight) \
+        and lean.PackedWeights.why_not(model) is None
+    paths = (["compiled"] if lean.compiled(model) is not None else []) + (["lean"] if runs else []) + (
+        ["lean-mkl"] if packs else []) + ["transformers"]
     caches, ids = {}, {}
     for path in paths:
         for B in batches:
@@ -203,7 +208,7 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
     @torch.inference_mode()
     def step(path: str, B: int, k: int) -> None:
         rc = caches[path, B]
-        with lean.compiled_enabled(path == "compiled"):
+        with lean.compiled_enabled(path == "compiled"), lean.packed_enabled(path != "lean-mkl"):
             logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
         logits.argmax(-1).tolist()  # the step's one device sync
         kv.commit(rc, keep=[0] * B, fed=k)
