@@ -537,6 +537,7 @@ class LeanRunner:
         elif self.feature_major(embedded):
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
         else:
+            self.packed = None  # the model moved to another dtype or device: the copy is of no use
             logits, x = self._token_major(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
         out = LeanOutput(logits, x if hidden else None)
         self._run_hooks("_forward_hooks", inputs, out)
