@@ -94,7 +94,7 @@ def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and
     assert ("oneDNN-packed" in lean.describe(model)) == (packing == "packed")
     (got, kind), (want, other) = both(model, feeds(model))
     assert kind == "LeanKV" and other == "DynamicCache"
-    assert (lean.runner_for(model).packed is not None) == (packing == "packed")
+    assert packing == "mkl" or lean.runner_for(model).packed is not None
     assert_same_logits(got, want)
 
 

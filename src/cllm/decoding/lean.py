@@ -550,8 +550,7 @@ class LeanRunner:
             with packed_enabled(True):
                 self._unpacked = PackedWeights.why_not(self.model())
         if not _packed_enabled or self._unpacked is not None:
-            self.packed = None
-            return None
+            return None  # a copy made earlier is kept: switching back does not pack again
         if self.packed is None or not self.packed.current():
             self.packed = PackedWeights(self)
         return self.packed
