@@ -4,18 +4,14 @@ its forward where it can, as gpt-fast and llama.cpp do.
 
 `LeanRunner` computes the model's forward from its own weights (embeddings, norms, projections,
 MLP, LM head, rotary frequencies: nothing is converted; the one copy is the packed weights
-below) in a straight line per layer:
-one attention call per layer over a preallocated cache, masks built by index arithmetic once per
-forward, RoPE from a table of positions, logits only where the caller reads them, no host sync.
-In float32 on a CPU every projection runs on a oneDNN-packed copy of its weights
-(`PackedWeights`), with the bias, residual, SiLU or the MLP's product in the same call; where
-that copy is not made, the activations run feature-major so that every projection is one MKL
-`W @ X` GEMM, zero-padded to 16 columns when fewer tokens are fed (MKL's slow shapes);
-elsewhere it runs the model's modules in transformers' layout (`LeanRunner.feature_major`).
-`LeanKV` is its cache: one buffer per layer grown geometrically, with the surface of
-transformers' `DynamicCache` that `cllm.decoding.cache` uses (`get_seq_length`, `crop`,
-`layers[i].keys` / `.values`, `batch_select_indices`), so every commit, rollback, hole and
-compaction there works unchanged.
+below) in a straight line per layer: one attention call per layer over a preallocated cache
+(`lean_kv.LeanKV`), masks built by index arithmetic once per forward, RoPE from a table of
+positions, logits only where the caller reads them, no host sync. In float32 on a CPU every
+projection runs on a oneDNN-packed copy of its weights (`packed.PackedWeights`), with the bias,
+residual, SiLU or the MLP's product in the same call; where that copy is not made, the
+activations run feature-major so that every projection is one MKL `W @ X` GEMM, zero-padded to
+16 columns when fewer tokens are fed (MKL's slow shapes); elsewhere it runs the model's modules
+in transformers' layout (`LeanRunner.feature_major`).
 
 `compiled.compile_runner(model)` compiles, on request, the whole forward of a few fed tokens
 into one Inductor graph (`compiled.CompiledForward`): on a CPU its GEMM kernels stream the weights
@@ -35,15 +31,16 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from cllm.decoding.lean_kv import GROWTH, LeanKV
+from cllm.decoding.packed import PackedWeights, packed_linear
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTIONS = ("sdpa", "eager")
-GROWTH = 256  # cache slots reserved beyond what a forward needs when the buffers grow
 
 _enabled = True
 _compiled_enabled = True
@@ -150,150 +147,12 @@ def describe(model: torch.nn.Module) -> str:
         weight = model.get_input_embeddings().weight
         if not LeanRunner.feature_major(weight):
             return f"lean runner ({model.config.model_type}, {dtype})"
-        unpacked = PackedWeights.why_not(model)
+        unpacked = PackedWeights.why_not(model) if _packed_enabled else "packed weights switched off"
         if unpacked is None:
             return (f"lean runner ({model.config.model_type}, {dtype}; oneDNN-packed weights, "
                     f"{PackedWeights.size(model) / 2**20:.0f} MiB beside the model's)")
         return f"lean runner ({model.config.model_type}, {dtype}; MKL's GEMM: {unpacked})"
     return f"transformers' forward: {reason}"
-
-
-# ---------------------------------------------------------------------------------------------
-# The cache
-
-
-class _LayerView:
-    """Layer i's keys and values as DynamicCache exposes them: (B, H, S, D) views of the valid
-    slots; assigning one stores it (reallocating when it outgrows the buffer)."""
-
-    def __init__(self, kv: LeanKV, i: int) -> None:
-        self._kv, self._i = kv, i
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self._kv.view(0, self._i)
-
-    @keys.setter
-    def keys(self, value: torch.Tensor) -> None:
-        self._kv.store(0, self._i, value)
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self._kv.view(1, self._i)
-
-    @values.setter
-    def values(self, value: torch.Tensor) -> None:
-        self._kv.store(1, self._i, value)
-
-
-class LeanKV:
-    """Per layer a keys and a values buffer (rows, H_kv, capacity, D), both dimensions grown
-    geometrically: the first `rows` rows are the batch, and `length[w][i]` slots of buffer w
-    (0: keys, 1: values) of layer i are in use (equal between operations). Rows leaving and
-    joining move only the rows concerned (`batch_select_indices`, `join`)."""
-
-    def __init__(self, layers: int, batch: int, heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, heads, capacity, head_dim)
-        self.buffers = [[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2)]
-        self.length = [[0] * layers, [0] * layers]
-        self.rows = batch
-        self.layers = [_LayerView(self, i) for i in range(layers)]
-        self.runner: LeanRunner | None = None  # the runner whose forwards fill it
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return self.length[0][layer]
-
-    def view(self, which: int, i: int) -> torch.Tensor:
-        return self.buffers[which][i][: self.rows, :, : self.length[which][i]]
-
-    def _room(self, which: int, i: int, rows: int, slots: int) -> torch.Tensor:
-        """Buffer w of layer i, reallocated (its used part copied) when it has fewer than `rows`
-        rows or `slots` slots."""
-        buffer = self.buffers[which][i]
-        R, H, S, D = buffer.shape
-        if rows <= R and slots <= S:
-            return buffer
-        rows, slots = (R if rows <= R else max(rows, 2 * R)), (S if slots <= S else max(2 * S, slots + GROWTH))
-        grown = buffer.new_empty((rows, H, slots, D))
-        used = min(self.rows, R)
-        grown[:used, :, : self.length[which][i]] = buffer[:used, :, : self.length[which][i]]
-        self.buffers[which][i] = grown
-        return grown
-
-    def store(self, which: int, i: int, value: torch.Tensor) -> None:
-        B, _, S, _ = value.shape
-        self._room(which, i, B, S)[:B, :, :S] = value
-        self.length[which][i] = S
-        self.rows = B
-
-    def crop(self, max_length: int) -> None:
-        """DynamicCache's `crop`: a negative argument drops that many slots from the end."""
-        for lengths in self.length:
-            for i, n in enumerate(lengths):
-                lengths[i] = n + max_length if max_length < 0 else min(n, max_length)
-
-    def batch_select_indices(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index`, in that order. In place when no row is read after it was
-        overwritten (kept rows in order, or rows from the end filling the gaps: only the rows
-        that move are copied); otherwise through a copy of the kept rows."""
-        rows = index.tolist()
-        written: set[int] = set()
-        moves = []
-        for j, r in enumerate(rows):
-            if r in written:
-                moves = None
-                break
-            if r != j:
-                moves.append((j, r))
-                written.add(j)
-        for which, buffers in enumerate(self.buffers):
-            for i, buffer in enumerate(buffers):
-                used = self.length[which][i]
-                if moves is None:
-                    kept = buffer[:, :, :used].index_select(0, index.to(buffer.device))
-                    buffer[: len(rows), :, :used] = kept
-                    continue
-                for j, r in moves:
-                    buffer[j, :, :used] = buffer[r, :, :used]
-        self.rows = len(rows)
-
-    def join(self, other: LeanKV) -> None:
-        """Append `other`'s rows after these (new rows joining a running batch). Every entry keeps
-        its slot; the part with fewer slots is padded with zeros, which the adapter's mask hides:
-        these rows after their entries (nothing of theirs moves), `other`'s before theirs."""
-        B, B2 = self.rows, other.rows
-        for which in (0, 1):
-            for i in range(len(self.layers)):
-                S, S2 = self.length[which][i], other.length[which][i]
-                end = max(S, S2)
-                buffer = self._room(which, i, B + B2, end)
-                buffer[:B, :, S:end] = 0
-                buffer[B : B + B2, :, : end - S2] = 0
-                buffer[B : B + B2, :, end - S2 : end] = other.view(which, i)
-                self.length[which][i] = end
-        self.rows = B + B2
-
-    def reserve(self, rows: int, slots: int) -> None:
-        """Room in every buffer for `rows` batch rows and `slots` slots (the compiled forward
-        writes into the buffers itself)."""
-        for which, buffers in enumerate(self.buffers):
-            for i in range(len(buffers)):
-                self._room(which, i, rows, slots)
-
-    def extend(self, slots: int) -> None:
-        """Count `slots` more slots as in use in every buffer: a compiled forward wrote them."""
-        for lengths in self.length:
-            lengths[:] = [n + slots for n in lengths]
-
-    def append(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new (B, H, L, D) entries after layer i's used slots; returns every slot in use."""
-        for which, new in ((0, keys), (1, values)):
-            start = self.length[which][i]
-            end = start + new.shape[2]
-            self._room(which, i, self.rows, end)[: self.rows, :, start:end] = new
-            self.length[which][i] = end
-        return self.view(0, i), self.view(1, i)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,99 +214,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     with rotate_half's sign folded into `signed_sin` (D, B, L); cos (D, B, L)."""
     half = x.shape[1] // 2
     return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
-
-
-class PackedWeights:
-    """oneDNN's blocked copies of one model's projection and LM-head weights (float32 on a CPU):
-    its inner-product kernels read that layout faster than MKL's GEMM reads the plain one, at
-    every width a decoding step feeds (1 to 320 tokens measured), and they add the bias, the
-    residual, SiLU and the MLP's product in the same pass. q, k and v are packed as one
-    projection. A copy: the model's own weights stay as they are for training and transformers'
-    forward, so it costs their size again (`MAX_BYTES` at most). Stale once a weight is replaced
-    or changed in place (`current`): the runner packs again."""
-
-    WIDTH = 16  # oneDNN's batch-size hint for the packed layout (any width computes on it)
-    MAX_BYTES = 2 * 2**30  # larger models compute on their own weights
-
-    def __init__(self, runner: LeanRunner) -> None:
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        self.layers = []
-        self._linears: list[torch.nn.Module] = []  # where the packed weights come from
-        for layer in runner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-            biases = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv]
-            self.layers.append({
-                "qkv": (pack(torch.cat([p.weight for p in qkv]), self.WIDTH),
-                        None if all(p.bias is None for p in qkv) else torch.cat(biases)),
-                **{name: (pack(linear.weight, self.WIDTH), linear.bias) for name, linear in (
-                    ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj))}})
-            self._linears += [*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        head = runner.lm_head
-        self.head = (pack(head.weight, self.WIDTH), head.bias)
-        self.silu = getattr(runner.model().config, "hidden_act", None) in ("silu", "swish")  # transformers' SiLU
-        self._linears.append(head)
-        self._stamp = self._weights()
-
-    def _weights(self) -> tuple[tuple[int, int], ...]:
-        """Where each weight and bias packed is now and how often it was changed in place (a
-        weight replaced, or changed by an optimizer step, changes this)."""
-        return tuple((t.data_ptr(), t._version) for m in self._linears for t in (m.weight, m.bias) if t is not None)
-
-    def current(self) -> bool:
-        """Whether the model's weights are still the ones packed."""
-        return self._weights() == self._stamp
-
-    @staticmethod
-    def size(model: torch.nn.Module) -> int:
-        """Bytes of the packed copy: the projections' and the LM head's weights."""
-        return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                   if isinstance(m, torch.nn.Linear))
-
-    @staticmethod
-    def why_not(model: torch.nn.Module) -> str | None:
-        """Why a float32 CPU forward of `model` computes on its own weights (None: packed)."""
-        if not _packed_enabled:
-            return "packed weights switched off"
-        if not packing_available():
-            return "this torch has no oneDNN linear kernels"
-        size = PackedWeights.size(model)
-        if size > PackedWeights.MAX_BYTES:
-            return (f"a packed copy would take {size / 2**30:.1f} GiB more "
-                    f"(at most {PackedWeights.MAX_BYTES / 2**30:.0f} GiB)")
-        return None
-
-
-@cache
-def packing_available() -> bool:
-    """Whether this torch has the oneDNN linear kernels `PackedWeights` computes with, and they
-    give F.linear's result on a small case (an op whose meaning changed is not used)."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        g = torch.Generator().manual_seed(0)
-        x, w, b, other = (torch.randn(*shape, generator=g) for shape in ((3, 8), (5, 8), (5,), (3, 5)))
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PackedWeights.WIDTH)
-        want = F.linear(x, w, b)
-        got = (torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
-               torch.ops.mkldnn._linear_pointwise(x, packed, b, "swish", [], ""),
-               torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, b, "add"),
-               torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, b, "mul"))
-        return all(torch.allclose(a, e, rtol=1e-4, atol=1e-5) for a, e in zip(
-            got, (want, F.silu(want), want + other, want * other), strict=True))
-    except (AttributeError, RuntimeError, TypeError):
-        return False
-
-
-
-def _packed_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None], *,
-                   other: torch.Tensor | None = None, then: str = "none") -> torch.Tensor:
-    """x (M, in) through a packed projection (weight, bias): (M, out); then "swish" applies
-    SiLU, "add" adds `other` (a residual), "mul" multiplies by it, in the same pass."""
-    packed, bias = weight
-    if other is None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, then, [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, then)
 
 
 COMPILED_MAX_TOKENS = 24  # fed tokens (B * L, one a row counting two) up to which the compiled forward runs;
@@ -547,12 +313,11 @@ class LeanRunner:
         """The packed weights a float32 CPU forward computes with (packed again when the model's
         changed), or None where `PackedWeights.why_not`."""
         if self._unpacked is False:
-            with packed_enabled(True):
-                self._unpacked = PackedWeights.why_not(self.model())
+            self._unpacked = PackedWeights.why_not(self.model())
         if not _packed_enabled or self._unpacked is not None:
             return None  # a copy made earlier is kept: switching back does not pack again
         if self.packed is None or not self.packed.current():
-            self.packed = PackedWeights(self)
+            self.packed = PackedWeights(self.model())
         return self.packed
 
     @staticmethod
@@ -648,7 +413,7 @@ class LeanRunner:
         for i, (layer, weights) in enumerate(zip(self.layers, packed.layers, strict=True)):
             attn = layer.self_attn
             h = _rms_norm_rows(layer.input_layernorm, x)
-            qkv = _packed_linear(h, weights["qkv"]).view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
+            qkv = packed_linear(h, weights["qkv"]).view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
                 q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
@@ -657,18 +422,18 @@ class LeanRunner:
             keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
                                                  enable_gqa=kv_heads != heads)  # (B, heads, L, D)
-            x = _packed_linear(out.transpose(1, 2).reshape(M, -1), weights["o"], other=x, then="add")
+            x = packed_linear(out.transpose(1, 2).reshape(M, -1), weights["o"], other=x, then="add")
             h = _rms_norm_rows(layer.post_attention_layernorm, x)
             if packed.silu:
-                gate = _packed_linear(h, weights["gate"], then="swish")
+                gate = packed_linear(h, weights["gate"], then="swish")
             else:
-                gate = layer.mlp.act_fn(_packed_linear(h, weights["gate"]))
-            x = _packed_linear(_packed_linear(h, weights["up"], other=gate, then="mul"), weights["down"],
+                gate = layer.mlp.act_fn(packed_linear(h, weights["gate"]))
+            x = packed_linear(packed_linear(h, weights["up"], other=gate, then="mul"), weights["down"],
                                other=x, then="add")
         x = _rms_norm_rows(self.norm, x).view(B, L, -1)
         if last_only:
             x = x[:, -1:]
-        logits = _packed_linear(x.reshape(-1, x.shape[-1]), packed.head)
+        logits = packed_linear(x.reshape(-1, x.shape[-1]), packed.head)
         return logits.view(*x.shape[:2], -1), x
 
     def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
