@@ -296,3 +296,11 @@ def test_the_blocked_argmax_gives_torchs_indices_on_feature_major_logits_ties_in
     assert torch.equal(got, logits.argmax(-1))
     assert got[0, :3].tolist() == [10, 300, 0]
     assert torch.equal(lean.argmax(logits.contiguous()), logits.argmax(-1))  # other layouts: torch's own
+
+
+def test_packed_forwards_run_on_few_widths_each_at_least_the_tokens_fed():
+    widths = [lean.packed_rows(t) for t in range(1, 4097)]
+    assert widths[:32] == list(range(1, 33))  # decoding steps: exactly their tokens
+    assert all(w >= t for t, w in enumerate(widths, 1)) and widths == sorted(widths)
+    assert len(set(widths)) <= 32 + 14 + 12 + 12  # oneDNN builds kernels for each width it meets
+    assert max(w / t for t, w in enumerate(widths, 1)) < 1.5

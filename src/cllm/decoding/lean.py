@@ -187,8 +187,8 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _rms_norm_rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`_rms_norm` of float32 x over its last dimension, in one call where torch has one
-    (`F.rms_norm`, torch >= 2.4: the same arithmetic, one kernel instead of six)."""
+    """`_rms_norm` of float32 x over its last dimension, through `F.rms_norm` where torch has it
+    (>= 2.4): transformers' arithmetic in one call from Python (about 0.01 ms less per norm)."""
     if _FUSED_RMS_NORM:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     return _rms_norm(norm, x, -1)
@@ -225,6 +225,25 @@ def padded_width(tokens: int) -> int:
     """Columns the feature-major GEMMs run on for `tokens` fed tokens: at 2-15 columns MKL's GEMM
     is slower than at 16 (up to 2-3x on the CPUs measured), so those run zero-padded to 16."""
     return tokens if tokens == 1 else max(tokens, GEMM_WIDTH)
+
+
+PACKED_EXACT_ROWS = 32  # up to this many fed tokens, a packed forward runs on exactly that many rows
+
+
+def packed_rows(tokens: int) -> int:
+    """Rows a packed forward of `tokens` fed tokens runs on. oneDNN builds its kernels for each
+    width it meets (about 0.6 ms per projection the first time) and keeps a bounded number, so
+    wider forwards (prefills, batches) run zero-padded to one of a few widths: a multiple of 16
+    up to 256 tokens, of 64 up to 1,024, of 256 beyond."""
+    if tokens <= PACKED_EXACT_ROWS:
+        return tokens
+    step = 16 if tokens <= 256 else 64 if tokens <= 1024 else 256
+    return -(-tokens // step) * step
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (M, features) with zero rows appended up to `rows`."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
 ARGMAX_BLOCK = 256  # vocabulary entries per block of the blocked argmax
@@ -400,20 +419,22 @@ class LeanRunner:
                         position_ids: torch.Tensor, allowed: torch.Tensor | None,
                         last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, L', V) and the final norm's output (B, L', H) from the packed weights,
-        activations token-major (B * L, features), unpadded (oneDNN has no slow widths to avoid)."""
+        activations token-major (B * L, features) zero-padded to `packed_rows(B * L)` rows (the
+        padding rows never reach attention or the output)."""
         B, L, _ = embedded.shape
         D, M = self.head_dim, B * L
+        P = packed_rows(M)
         heads, kv_heads = self.heads, self.kv_heads
         cos, sin = (t.view(B, L, 1, D).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids,
                                                                                    kv.get_seq_length() + L))
         half = D // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign folded in
         allowed = additive_mask(allowed, embedded)
-        x = embedded.view(M, -1)
+        x = _pad_rows(embedded.view(M, -1), P)
         for i, (layer, weights) in enumerate(zip(self.layers, packed.layers, strict=True)):
             attn = layer.self_attn
             h = _rms_norm_rows(layer.input_layernorm, x)
-            qkv = packed_linear(h, weights["qkv"]).view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
+            qkv = packed_linear(h, weights["qkv"])[:M].view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
                 q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
@@ -422,7 +443,7 @@ class LeanRunner:
             keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
                                                  enable_gqa=kv_heads != heads)  # (B, heads, L, D)
-            x = packed_linear(out.transpose(1, 2).reshape(M, -1), weights["o"], other=x, then="add")
+            x = packed_linear(_pad_rows(out.transpose(1, 2).reshape(M, -1), P), weights["o"], other=x, then="add")
             h = _rms_norm_rows(layer.post_attention_layernorm, x)
             if packed.silu:
                 gate = packed_linear(h, weights["gate"], then="swish")
@@ -430,10 +451,11 @@ class LeanRunner:
                 gate = layer.mlp.act_fn(packed_linear(h, weights["gate"]))
             x = packed_linear(packed_linear(h, weights["up"], other=gate, then="mul"), weights["down"],
                                other=x, then="add")
-        x = _rms_norm_rows(self.norm, x).view(B, L, -1)
+        x = _rms_norm_rows(self.norm, x)[:M].view(B, L, -1)
         if last_only:
             x = x[:, -1:]
-        logits = packed_linear(x.reshape(-1, x.shape[-1]), packed.head)
+        rows = x.shape[0] * x.shape[1]
+        logits = packed_linear(_pad_rows(x.reshape(rows, -1), packed_rows(rows)), packed.head)[:rows]
         return logits.view(*x.shape[:2], -1), x
 
     def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
