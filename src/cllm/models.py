@@ -33,7 +33,7 @@ from transformers.utils import logging as transformers_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
-from cllm.decoding import RECOMMENDED, compiled
+from cllm.decoding import RECOMMENDED, compiled, lean
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
@@ -371,6 +371,7 @@ def load_for_decoding(
     model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
     not_compiled = compiled.compile_runner(model, batches=False) if compile else None
+    lean.prepare(model)
     return DecodingModel(model, tokenizer, table, settings, str(name_or_path), not_compiled)
 
 

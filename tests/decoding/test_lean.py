@@ -304,3 +304,19 @@ def test_packed_forwards_run_on_few_widths_each_at_least_the_tokens_fed():
     assert all(w >= t for t, w in enumerate(widths, 1)) and widths == sorted(widths)
     assert len(set(widths)) <= 32 + 14 + 12 + 12  # oneDNN builds kernels for each width it meets
     assert max(w / t for t, w in enumerate(widths, 1)) < 1.5
+
+
+def test_prepare_packs_and_warms_before_the_first_forward_and_leaves_other_models_alone(packing):
+    torch.manual_seed(5)
+    with torch.inference_mode(False):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2)).eval()
+    lean.prepare(model)
+    assert (lean.runner_for(model).packed is not None) == (packing == "packed")
+    ids = random_prompt(6, 5)
+    with lean.runner_enabled(False):
+        expected = greedy_decode(model, ids, max_new_tokens=12).new_tokens
+    assert jacobi_decode(model, ids, max_new_tokens=12, block_size=4).new_tokens == expected
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).eval()
+    lean.prepare(gpt2)  # no runner: nothing to do
+    assert lean.runner_for(gpt2) is None

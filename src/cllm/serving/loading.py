@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_average_1min, threads_for_load
-from cllm.decoding import compiled
+from cllm.decoding import compiled, lean
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import MedusaHeads
 from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
@@ -59,6 +59,7 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     loaded = load_model(model, dtype=dtype, device=device)
     heads = load_medusa_heads(model, loaded, medusa)
     not_compiled = compiled.compile_runner(loaded, batches=batches) if compile else None
+    lean.prepare(loaded)
     return ServedModel(loaded, TextCodec(tokenizer), table, heads, not_compiled)
 
 
