@@ -320,3 +320,29 @@ def test_prepare_packs_and_warms_before_the_first_forward_and_leaves_other_model
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).eval()
     lean.prepare(gpt2)  # no runner: nothing to do
     assert lean.runner_for(gpt2) is None
+
+
+def test_where_the_onednn_kernels_do_not_compute_what_f_linear_does_the_plain_weights_decode(monkeypatch):
+    """A torch whose oneDNN ops changed meaning (here: SiLU made wrong for the check) is refused
+    in one line and decoded exactly on the MKL path."""
+    from cllm.decoding import packed
+
+    monkeypatch.setattr(packed.F, "silu", lambda t: t * 2)
+    packed.packing_available.cache_clear()
+    with lean.packed_enabled(True):
+        try:
+            assert not packed.packing_available()
+            torch.manual_seed(9)
+            with torch.inference_mode(False):
+                model = tf.LlamaForCausalLM(tf.LlamaConfig(
+                    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2)).eval()
+            assert lean.describe(model).endswith("MKL's GEMM: this torch has no oneDNN linear kernels)")
+            monkeypatch.undo()  # the decoding below runs on the real SiLU
+            ids = random_prompt(7, 6)
+            with lean.runner_enabled(False):
+                expected = greedy_decode(model, ids, max_new_tokens=12).new_tokens
+            assert jacobi_decode(model, ids, max_new_tokens=12, block_size=4).new_tokens == expected
+            assert lean.runner_for(model).packed is None
+        finally:
+            packed.packing_available.cache_clear()

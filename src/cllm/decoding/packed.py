@@ -111,9 +111,8 @@ def packing_available() -> bool:
         return False
 
 
-
 def packed_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None], *,
-                   other: torch.Tensor | None = None, then: str = "none") -> torch.Tensor:
+                  other: torch.Tensor | None = None, then: str = "none") -> torch.Tensor:
     """x (M, in) through a packed projection (weight, bias): (M, out); then "swish" applies
     SiLU, "add" adds `other` (a residual), "mul" multiplies by it, in the same pass."""
     packed, bias = weight
