@@ -10,7 +10,7 @@ import transformers as tf
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import cache as kv
-from cllm.decoding import lean
+from cllm.decoding import lean, packed
 from tests.decoding.conftest import MAX_POSITIONS, VOCAB, random_prompt
 
 LEAN_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -325,8 +325,6 @@ def test_prepare_packs_and_warms_before_the_first_forward_and_leaves_other_model
 def test_where_the_onednn_kernels_do_not_compute_what_f_linear_does_the_plain_weights_decode(monkeypatch):
     """A torch whose oneDNN ops changed meaning (here: SiLU made wrong for the check) is refused
     in one line and decoded exactly on the MKL path."""
-    from cllm.decoding import packed
-
     monkeypatch.setattr(packed.F, "silu", lambda t: t * 2)
     packed.packing_available.cache_clear()
     with lean.packed_enabled(True):
