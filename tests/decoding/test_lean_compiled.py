@@ -157,11 +157,20 @@ def test_compiled_without_batches_one_row_runs_compiled_and_a_batch_eagerly():
     ids, mask, eos = padded_batch(model)
     with lean.runner_enabled(False):
         expected = greedy_decode(model, ids, mask, max_new_tokens=24).new_tokens
-    with Counting(model) as counted:
-        got = jacobi_decode(model, ids, mask, max_new_tokens=24, **SETTINGS["recycling"])
-        assert counted.calls == 0 and got.new_tokens == expected
-        one = jacobi_decode(model, ids[2:], mask[2:], max_new_tokens=24, **SETTINGS["recycling"])
-        assert counted.counts["one_row"] > 0 and one.new_tokens == expected[2:]
+    forward = lean.compiled(model)
+    taken = []  # the rows of each forward the compiled graph took
+    forward.takes = lambda rows, tokens, takes=forward.takes: takes(rows, tokens) and not taken.append(rows)
+    try:
+        with Counting(model) as counted:
+            got = jacobi_decode(model, ids, mask, max_new_tokens=24, generator=torch.Generator().manual_seed(0),
+                                **SETTINGS["recycling"])
+            # while two rows or more decode, eagerly; a row left alone at the end may run compiled
+            assert set(taken) <= {1} and counted.calls == len(taken) and got.new_tokens == expected
+            batch_calls = len(taken)
+            one = jacobi_decode(model, ids[2:], mask[2:], max_new_tokens=24, **SETTINGS["recycling"])
+            assert counted.counts["one_row"] == len(taken) > batch_calls and one.new_tokens == expected[2:]
+    finally:
+        del forward.takes
 
 
 def test_a_weight_changed_after_compiling_sends_forwards_to_the_eager_runner():
