@@ -31,7 +31,6 @@ import shutil
 import tempfile
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -248,7 +247,9 @@ class CompiledForward:
             cached = cached and cached_rows
         self.seconds = time.perf_counter() - start  # what compiling (or loading) took
         self.cached = cached  # every graph came from the compile cache
-        self._model = weakref.ref(model)
+        # where each weight lives (module, name): read there at each check, so a replaced weight
+        # shows, without walking the module tree in every forward
+        self._slots = [(m, name) for m in model.modules() for name, p in m.named_parameters(recurse=False)]
         self._stamp = self._weights()
 
     @property
@@ -260,8 +261,7 @@ class CompiledForward:
     def _weights(self) -> tuple[tuple[int, int], ...]:
         """Where each of the model's weights is now and how often it was changed in place (a
         weight replaced, or changed by an optimizer step, changes this)."""
-        model = self._model()
-        return () if model is None else tuple((p.data_ptr(), p._version) for p in model.parameters())
+        return tuple((p.data_ptr(), p._version) for p in (m._parameters[name] for m, name in self._slots))
 
     def current(self) -> bool:
         """Whether the weights are still the ones compiled in."""
