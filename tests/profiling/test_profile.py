@@ -32,7 +32,7 @@ def tiny_config(tmp_path_factory):
 def measured(tiny_config, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     cfg = ProfileConfig(shape=str(tiny_config), device="cpu", prefix=32, k=KS[1:], repeats=2, host_tokens=6,
-                        tpf="ar=1,jacobi=1.2,engine=3", out=str(out))
+                        tpf="ar=1,jacobi=1.2,engine=3", forward_batches=[1, 3], decode_tokens=12, out=str(out))
     return profile(cfg), out
 
 
@@ -75,6 +75,33 @@ def test_the_markdown_has_a_row_per_k(measured):
     assert [int(line.split("|")[1]) for line in rows] == KS
 
 
+def test_one_forward_is_timed_on_every_path_at_every_batch_and_k(measured):
+    result, out = measured
+    assert list(result.forwards) == ["lean", "lean-mkl", "transformers"]  # float32 on a CPU: every path
+    for per_batch in result.forwards.values():
+        assert {B: sorted(map(int, per_k)) for B, per_k in per_batch.items()} == {"1": KS, "3": KS}
+        assert all(ms > 0 for per_k in per_batch.values() for ms in per_k.values())
+    table = (out / "profile.md").read_text()
+    assert "| forward | B | k = 1 | k = 2 | k = 4 | k = 8 |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| lean |", "| lean-mkl |", "| transformers |"))]
+    assert len(rows) == 6 + 2  # 3 paths x 2 batches, and the decode table's 2 paths
+
+
+def test_a_greedy_decode_is_timed_on_the_runner_and_on_transformers_with_the_same_tokens(measured):
+    result, out = measured
+    assert result.decode["new_tokens"] == 12 and result.decode["same_tokens"] is True  # float32: exact
+    assert sorted(result.decode["tokens_per_second"]) == ["lean", "transformers"]
+    assert all(tps > 0 for tps in result.decode["tokens_per_second"].values())
+    assert "the paths decoded the same tokens" in (out / "profile.md").read_text()
+
+
+def test_the_forward_table_and_the_decode_can_be_skipped(tiny_config, tmp_path):
+    result = profile(ProfileConfig(shape=str(tiny_config), device="cpu", prefix=8, k=[2], repeats=1, host_tokens=0,
+                                   tree=False, forward_batches=[], decode_tokens=0, out=str(tmp_path / "p")))
+    assert result.forwards == {} and result.decode == {}
+    assert "One causal forward" not in markdown(result) and "greedy decoding" not in markdown(result)
+
+
 def test_the_tree_step_feeds_exactly_k_tokens_through_the_engines_trie():
     for k in range(1, 65):
         tokens, depth, mask = steptime.tree_layout(k)
@@ -96,6 +123,8 @@ def test_the_named_shapes_have_their_nominal_sizes():
     (["--repeats", "0"], "--repeats must be an int >= 1"),
     (["--dtype", "int3"], "unknown dtype"),
     (["--prefix", "4090"], "exceeds the model's position limit"),
+    (["--decode-tokens", "-1"], "--decode-tokens must be an int >= 0"),
+    (["--forward-batches", "0"], "--forward-batches must be ints >= 1"),
 ])
 def test_bad_inputs_are_one_line_errors(args, expected, capsys, tmp_path):
     code = main(["profile", "--device", "cpu", "--out", str(tmp_path), *args])

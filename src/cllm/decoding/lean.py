@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cllm.decoding import graphs
 from cllm.decoding.lean_kv import GROWTH, LeanKV
 from cllm.decoding.packed import PackedWeights, packed_linear
 
@@ -45,6 +46,7 @@ ATTENTIONS = ("sdpa", "eager")
 _enabled = True
 _compiled_enabled = True
 _packed_enabled = True
+_graphs_enabled = True
 _runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -134,6 +136,18 @@ def prepare(model: torch.nn.Module) -> None:
             packed.warm(range(1, PACKED_EXACT_ROWS + 1))
 
 
+@contextmanager
+def graphs_enabled(enabled: bool) -> Iterator[None]:
+    """Within: forwards on a GPU are replayed from CUDA graphs where they can be (True,
+    `graphs.GraphSet`), or run eagerly (False). `cllm profile` times both."""
+    global _graphs_enabled
+    before, _graphs_enabled = _graphs_enabled, enabled
+    try:
+        yield
+    finally:
+        _graphs_enabled = before
+
+
 def runner_for(model: torch.nn.Module) -> LeanRunner | None:
     """The model's runner (built once per model), or None when it cannot take one, when the lean
     path is switched off, or when the model is in training mode."""
@@ -163,7 +177,15 @@ def describe(model: torch.nn.Module) -> str:
                     f"{COMPILED_MAX_TOKENS} fed tokens, {forward.origin})")
         weight = model.get_input_embeddings().weight
         if not LeanRunner.feature_major(weight):
-            return f"lean runner ({model.config.model_type}, {dtype})"
+            runner = runner_for(model)
+            unfit = graphs.why_not_graphs(runner, weight) if runner is not None else "the runner is off"
+            if weight.device.type != "cuda":
+                return f"lean runner ({model.config.model_type}, {dtype})"
+            if not _graphs_enabled or unfit is not None:
+                return (f"lean runner ({model.config.model_type}, {dtype}; eager, no CUDA graphs: "
+                        f"{unfit or 'switched off'})")
+            return (f"lean runner ({model.config.model_type}, {dtype}; CUDA graphs up to "
+                    f"{graphs.MAX_TOKENS} fed tokens)")
         unpacked = PackedWeights.why_not(model) if _packed_enabled else "packed weights switched off"
         if unpacked is None:
             return (f"lean runner ({model.config.model_type}, {dtype}; oneDNN-packed weights, "
@@ -312,12 +334,25 @@ class LeanRunner:
         self.compiled: Any = None  # a `compiled.CompiledForward`, set by `compiled.compile_runner`
         self.packed: PackedWeights | None = None  # built at the first float32 CPU forward that can use it
         self._unpacked: str | None | bool = False  # why this model's weights are not packed (False: not asked yet)
+        self.spares = graphs.Spares()  # freed caches' buffers and their CUDA graphs
+        self.graphs_failed: str | None = None  # why forwards stopped replaying CUDA graphs (a capture failed)
+        # where each weight lives (module, name), found once: a CUDA graph reads the weights' addresses
+        self._weight_slots = [(m, name) for m in model.modules() for name, _ in m.named_parameters(recurse=False)]
 
     def new_cache(self, batch: int, capacity: int) -> LeanKV:
+        """An empty cache for `batch` rows with room for `capacity` slots and more; where forwards
+        replay CUDA graphs, on buffers (and their graphs) a freed cache left, when one fits."""
         weight = self.embed.weight
-        kv = LeanKV(len(self.layers), batch, self.kv_heads, self.head_dim, capacity + GROWTH, weight.dtype,
-                    weight.device)
-        kv.runner = self
+        shape = (len(self.layers), batch, self.kv_heads, self.head_dim)
+        if not (_graphs_enabled and graphs.why_not_graphs(self, weight) is None):
+            kv = LeanKV(*shape, capacity + GROWTH, weight.dtype, weight.device)
+            kv.runner = self
+            return kv
+        capacity = graphs.capacity_for(capacity + GROWTH)
+        spare = self.spares.take(batch, capacity)
+        kv = LeanKV(*shape, capacity, weight.dtype, weight.device, buffers=spare[0] if spare else None)
+        kv.runner, kv.graphs = self, spare[1] if spare else graphs.GraphSet()
+        self.spares.keep_when_freed(kv)
         return kv
 
     def forward(self, kv: LeanKV, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -328,9 +363,16 @@ class LeanRunner:
         key validity (causal among the new tokens), or a full (B, 1, L, S + L) mask."""
         inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=kv)
         self._run_hooks("_forward_pre_hooks", inputs)
-        embedded = self.embed(input_ids)  # (B, L, H)
         B, L = input_ids.shape
-        allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), embedded.device)
+        allowed = self._mask(attention_mask, B, L, kv.get_seq_length(), input_ids.device)
+        if self._graphed(kv, B, L) and (replayed := kv.graphs.forward(self, kv, input_ids, position_ids, allowed)):
+            logits, x = replayed
+            if last_only:
+                logits, x = logits[:, -1:], x[:, -1:]
+            out = LeanOutput(logits, x if hidden else None)
+            self._run_hooks("_forward_hooks", inputs, out)
+            return out
+        embedded = self.embed(input_ids)  # (B, L, H)
         if (self.compiled is not None and _compiled_enabled and self.compiled.takes(B, L)
                 and torch.is_inference_mode_enabled() and self.compiled.current()):
             logits, x = self.compiled(self, kv, embedded, position_ids, allowed, last_only)
@@ -340,10 +382,24 @@ class LeanRunner:
             logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
         else:
             self.packed = None  # the model moved to another dtype or device: the copy is of no use
-            logits, x = self._token_major(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
+            logits, x = self.layer_stack(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
         out = LeanOutput(logits, x if hidden else None)
         self._run_hooks("_forward_hooks", inputs, out)
         return out
+
+    def _graphed(self, kv: LeanKV, rows: int, tokens: int) -> bool:
+        """Whether this forward is replayed from a CUDA graph of the cache's (`graphs.GraphSet`)."""
+        if not (_graphs_enabled and torch.is_inference_mode_enabled()) or self.compiled is not None:
+            return False
+        if graphs.why_not_graphs(self, self.embed.weight) is not None:
+            return False
+        if kv.graphs is None:
+            kv.graphs = graphs.GraphSet()
+        return kv.graphs.takes(rows, tokens)
+
+    def weight_addresses(self) -> tuple[int, ...]:
+        """Where each of the model's weights is now (a CUDA graph reads them there)."""
+        return tuple(m._parameters[name].data_ptr() for m, name in self._weight_slots)
 
     def _packed(self) -> PackedWeights | None:
         """The packed weights a float32 CPU forward computes with (packed again when the model's
@@ -475,9 +531,12 @@ class LeanRunner:
         logits = packed_linear(_pad_rows(x.reshape(rows, -1), packed_rows(rows)), packed.head)[:rows]
         return logits.view(*x.shape[:2], -1), x
 
-    def _token_major(self, kv: LeanKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same in transformers' layout (B, L, features), through the model's own modules."""
+    def layer_stack(self, kv: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same in transformers' layout (B, L, features), through the model's own modules: x the
+        embedded tokens, cos and sin (B, L, D) at their positions; each layer's new keys and values
+        go to `kv.append` (a `LeanKV`, or a CUDA graph's `graphs._Slots`), which returns every slot
+        the attention reads."""
         B, L, _ = x.shape
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, L, D)
         gqa = self.kv_heads != self.heads

@@ -44,13 +44,16 @@ class LeanKV:
     joining move only the rows concerned (`batch_select_indices`, `join`)."""
 
     def __init__(self, layers: int, batch: int, heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, buffers: list | None = None) -> None:
         shape = (batch, heads, capacity, head_dim)
-        self.buffers = [[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in range(2)]
+        # `buffers`: a freed cache's, reused (their contents are past slots nobody reads)
+        self.buffers = buffers or [[torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+                                   for _ in range(2)]
         self.length = [[0] * layers, [0] * layers]
         self.rows = batch
         self.layers = [_LayerView(self, i) for i in range(layers)]
         self.runner: Any = None  # the `lean.LeanRunner` whose forwards fill it
+        self.graphs: Any = None  # a `graphs.GraphSet`: the CUDA graphs of its forwards, once one is captured
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.length[0][layer]
@@ -131,6 +134,14 @@ class LeanKV:
         for which, buffers in enumerate(self.buffers):
             for i in range(len(buffers)):
                 self._room(which, i, rows, slots)
+
+    def zero_unused(self) -> None:
+        """Zero every slot past the used ones and every row past the batch, in every buffer (a
+        forward attending over the whole capacity then meets no garbage; `graphs`)."""
+        for which, buffers in enumerate(self.buffers):
+            for i, buffer in enumerate(buffers):
+                buffer[:, :, self.length[which][i] :].zero_()
+                buffer[self.rows :].zero_()
 
     def extend(self, slots: int) -> None:
         """Count `slots` more slots as in use in every buffer: a compiled forward wrote them."""

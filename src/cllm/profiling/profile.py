@@ -37,6 +37,8 @@ from cllm.profiling.steptime import (
     resolve_device,
     shape_config,
     summary,
+    time_decodes,
+    time_forwards,
     time_host,
     time_steps,
     write_json,
@@ -83,6 +85,11 @@ class ProfileConfig:
     tree: bool = field(default=True, metadata={"help": "also time the tree-mask step (a recycling trie of k tokens)"})
     host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the "
         "engine's host time per step (0: skip)"})
+    forward_batches: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "batch sizes at which one "
+        "causal forward of every k is timed on each forward the model can take (the lean runner, transformers'), "
+        "interleaved over --repeats rounds (empty: not timed)"})
+    decode_tokens: int = field(default=128, metadata={"help": "new tokens of the single-request greedy decode timed "
+        "on each of those forwards, tokens/s (0: skip)"})
     seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})
     forward: Literal["auto", "transformers"] = field(default="auto", metadata={"help": "the forward timed: auto (the "
         "lean runner where it runs the model, the Llama family; else transformers'), or transformers"})
@@ -98,8 +105,11 @@ class ProfileConfig:
                 raise ValueError(f"--{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.host_tokens < 0:
-            raise ValueError(f"--host-tokens must be >= 0, got {self.host_tokens}")
+        for name in ("host_tokens", "decode_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)!r}")
+        if any(not isinstance(b, int) or b < 1 for b in self.forward_batches):
+            raise ValueError(f"--forward-batches must be ints >= 1, got {self.forward_batches}")
         if self.forward not in ("auto", "transformers"):
             raise ValueError(f"--forward must be auto or transformers, got {self.forward!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -137,6 +147,10 @@ class StepProfile:
     tpf: dict[str, float]
     rows: list[StepTiming]
     config: dict[str, Any] = field(default_factory=dict)
+    # one causal forward, ms (min over rounds): {path: {batch: {k: ms}}}, keys as strings (JSON)
+    forwards: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # single-request greedy decoding: {"new_tokens", "tokens_per_second": {path: tok/s}, "same_tokens"}
+    decode: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ks(self) -> list[int]:
@@ -213,6 +227,20 @@ def markdown(p: StepProfile) -> str:
                  _fmt(r.tree_ratio), _fmt(r.host_jacobi_ms, 3), _fmt(r.host_engine_ms, 3)]
         cells += [f"{v['tokens_per_second']:,.1f}, {v['speedup_vs_ar']:.2f}x" for v in r.predicted.values()]
         lines.append("| " + " | ".join(cells) + " |")
+    if p.forwards:
+        ks = sorted({int(k) for per_b in p.forwards.values() for per_k in per_b.values() for k in per_k})
+        lines += ["", f"One causal forward of k fed tokens per row, batch B, after {m['prefix']} cached tokens, ms "
+                  "(min over the rounds), on each forward the model can take:", "",
+                  "| forward | B | " + " | ".join(f"k = {k}" for k in ks) + " |", "|" + "---|" * (len(ks) + 2)]
+        lines += ["| " + " | ".join([path, B, *(_fmt(per_k.get(str(k)), 3) for k in ks)]) + " |"
+                  for path, per_b in p.forwards.items() for B, per_k in per_b.items()]
+    if p.decode:
+        d = p.decode
+        same = "the same tokens" if d["same_tokens"] else "different tokens (outside float32 a near-tie can flip)"
+        lines += ["", f"Single-request greedy decoding, {d['new_tokens']} new tokens after a {m['prefix']}-token "
+                  f"prompt (prefill included), the fastest of the rounds; the paths decoded {same}:", "",
+                  "| forward | tokens/s |", "|---|---|"]
+        lines += [f"| {path} | {tps:,.1f} |" for path, tps in d["tokens_per_second"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -226,9 +254,9 @@ def profile(config: ProfileConfig) -> StepProfile:
         torch.set_num_threads(config.threads)
     model_config = shape_config(config.shape)
     limit = getattr(model_config, "max_position_embeddings", None)
-    need = config.prefix + max(max(config.k), config.host_tokens)
-    if limit is not None and need > limit:
-        raise UserError(f"--prefix {config.prefix} + {max(max(config.k), config.host_tokens)} tokens exceeds the "
+    most = max(max(config.k), config.host_tokens, config.decode_tokens)
+    if limit is not None and config.prefix + most > limit:
+        raise UserError(f"--prefix {config.prefix} + {most} tokens exceeds the "
                         f"model's position limit {limit}: lower --prefix")
     n_params = parameter_count(model_config)
     log.info("building a random %s model (%s parameters, %s, %s)", config.shape, parameters(n_params),
@@ -241,10 +269,23 @@ def profile(config: ProfileConfig) -> StepProfile:
         rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
                        host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
         forward = lean.describe(model) if config.forward == "auto" else "transformers' forward (--forward transformers)"
+    forwards, decode = {}, {}
+    if config.forward_batches:
+        log.info("timing one forward per path at batch %s", ", ".join(map(str, config.forward_batches)))
+        times = time_forwards(model, config.k, config.forward_batches, prefix=config.prefix, rounds=config.repeats,
+                              seed=config.seed)
+        forwards = {path: {str(B): {str(k): round(1e3 * min(s), 4) for k, s in per_k.items()}
+                           for B, per_k in per_b.items()} for path, per_b in times.items()}
+    if config.decode_tokens:
+        log.info("timing a %d-token greedy decode per path", config.decode_tokens)
+        decode = {"new_tokens": config.decode_tokens,
+                  **time_decodes(model, prefix=config.prefix, new_tokens=config.decode_tokens, repeats=HOST_REPEATS,
+                                 seed=config.seed)}
     result = StepProfile(
         model={"shape": config.shape, "parameters": n_params, "dtype": str(dtype).removeprefix("torch."),
                "device": device.type, "prefix": config.prefix, "forward": forward},
-        machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config))
+        machine=machine_info(device), tpf=tpf, rows=rows, config=config_to_dict(config), forwards=forwards,
+        decode=decode)
     if config.out is not None:
         out = claim_folder(config.out, "profile")
         write_json(result.to_dict(), out / PROFILE_JSON)

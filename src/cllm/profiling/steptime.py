@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import sync
 from cllm.decoding import cache as kv
-from cllm.decoding import jacobi_decode, lean
+from cllm.decoding import graphs, greedy_decode, jacobi_decode, lean
 from cllm.decoding.jacobi import TokenTrie
 from cllm.modeling.shapes import LLAMA_SHAPES
 from cllm.models import resolve_dtype
@@ -179,22 +179,30 @@ def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds
     return out
 
 
+def forward_paths(model: torch.nn.Module) -> list[str]:
+    """The decoding forwards `model` can take, as `time_forwards` names them."""
+    with lean.runner_enabled(True):
+        runner = lean.runner_for(model)
+    weight = model.get_input_embeddings().weight
+    packs = runner is not None and lean.LeanRunner.feature_major(weight) and lean.PackedWeights.why_not(model) is None
+    graphed = runner is not None and graphs.why_not_graphs(runner, weight) is None
+    return (["compiled"] if lean.compiled(model) is not None else []) + (["lean"] if runner is not None else []) + (
+        ["lean-mkl"] if packs else []) + (["lean-eager"] if graphed else []) + ["transformers"]
+
+
 def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
                   rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
     cached tokens, on each forward the model can take: {"compiled" (the lean runner's compiled
     forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.decoding.lean`'s eager
-    forward, when it runs the model), "lean-mkl" (the same on MKL's GEMM and the plain weights,
-    where "lean" runs on packed ones), "transformers": {B: {k: [seconds per round]}}}. Rounds
+    forward, when it runs the model; on a GPU replayed from CUDA graphs), "lean-mkl" (the same on
+    MKL's GEMM and the plain weights, where "lean" runs on packed ones), "lean-eager" (the same
+    without CUDA graphs, where "lean" runs on them), "transformers": {B: {k: [seconds per round]}}}. Rounds
     are interleaved over (forward, B, k) and rotated; each step is rolled back, so every one
     sees the same cache."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    runs = lean.why_not(model) is None
-    packs = runs and lean.LeanRunner.feature_major(model.get_input_embeddings().weight) \
-        and lean.PackedWeights.why_not(model) is None
-    paths = (["compiled"] if lean.compiled(model) is not None else []) + (["lean"] if runs else []) + (
-        ["lean-mkl"] if packs else []) + ["transformers"]
+    paths = forward_paths(model)
     caches, ids = {}, {}
     for path in paths:
         for B in batches:
@@ -208,7 +216,8 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
     @torch.inference_mode()
     def step(path: str, B: int, k: int) -> None:
         rc = caches[path, B]
-        with lean.compiled_enabled(path == "compiled"), lean.packed_enabled(path != "lean-mkl"):
+        with lean.compiled_enabled(path == "compiled"), lean.packed_enabled(path != "lean-mkl"), \
+                lean.graphs_enabled(path != "lean-eager"):
             logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
         logits.argmax(-1).tolist()  # the step's one device sync
         kv.commit(rc, keep=[0] * B, fed=k)
@@ -282,6 +291,35 @@ def time_host(model: torch.nn.Module, settings: dict[str, Any], *, prefix: int, 
         finally:
             timer.remove()
     return min(runs[1:] or runs, key=lambda run: run.host_ms_per_step)
+
+
+def time_decodes(model: torch.nn.Module, *, prefix: int, new_tokens: int, repeats: int,
+                 seed: int = 0) -> dict[str, Any]:
+    """Single-request greedy decoding speed, tokens/s, on each forward the model can take:
+    {"lean" (where the lean runner runs the model), "lean-eager" (the same without CUDA graphs, where
+    "lean" runs on them), "transformers"}. `greedy_decode` of exactly
+    `new_tokens` tokens (no EOS) after a random prompt of `prefix` tokens; the paths are
+    interleaved over `repeats` rounds after a warm-up and the fastest round is kept. Returns
+    {"tokens_per_second": {path: tok/s}, "same_tokens": whether every path decoded the same tokens}
+    (in float32 they must; in bfloat16 a near-tie may flip)."""
+    device, vocab = next(model.parameters()).device, model.config.vocab_size
+    prompt = torch.randint(vocab, (1, prefix), generator=torch.Generator().manual_seed(seed)).to(device)
+    paths = [path for path in forward_paths(model) if path in ("lean", "lean-eager", "transformers")]
+    best: dict[str, float] = {}
+    outputs: dict[str, list[int]] = {}
+    for r in range(repeats + 1):  # round 0 warms up
+        for path in paths if r % 2 else paths[::-1]:
+            with lean.runner_enabled(path != "transformers"), lean.graphs_enabled(path != "lean-eager"):
+                sync(device)
+                t0 = time.perf_counter()
+                out = greedy_decode(model, prompt, max_new_tokens=new_tokens, eos_token_id=None)
+                sync(device)
+                seconds = time.perf_counter() - t0
+            outputs.setdefault(path, out.new_tokens[0])
+            if r:
+                best[path] = min(best.get(path, float("inf")), seconds)
+    return {"tokens_per_second": {path: new_tokens / seconds for path, seconds in best.items()},
+            "same_tokens": len({tuple(o) for o in outputs.values()}) == 1}
 
 
 def summary(times: list[float]) -> dict[str, float]:
