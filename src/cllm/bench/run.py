@@ -45,7 +45,7 @@ from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.evaluation.heldout import heldout_prompts, reference_loss
 from cllm.evaluation.humaneval import STOP, completion_text, run_tests
 from cllm.models import SHIPPED
-from cllm.profiling.steptime import time_forwards
+from cllm.profiling.steptime import forward_ms, time_forwards
 
 COUNTING = ("docs/method.md#counting: forward passes = every model call (prefill included; the target's or CLLM's "
             "calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over "
@@ -286,9 +286,7 @@ def forward_cost(model: torch.nn.Module, config: BenchConfig, progress: Progress
     with progress.stage("forward cost", 1, detail=f"k = {ks}, batch = {batches}, {prefix} cached tokens") as stage:
         times = time_forwards(model, ks, batches, prefix=prefix, rounds=config.repeats, seed=config.seed)
         stage.advance()
-    return {"prefix": prefix, "forward": lean.describe(model),
-            "ms": {path: {str(B): {str(k): round(1e3 * min(s), 4) for k, s in per_k.items()}
-                          for B, per_k in per_batch.items()} for path, per_batch in times.items()}}
+    return {"prefix": prefix, "forward": lean.describe(model), "ms": forward_ms(times)}
 
 
 def humaneval_quality(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],

@@ -171,7 +171,7 @@ class GraphSet:
         captured = self.graphs.get((B, L))
         fresh = captured is None
         if fresh:
-            captured = self._static(runner, kv, B, L)
+            captured = self._static(kv, B, L)
         captured.ids.copy_(input_ids)
         captured.positions.copy_(position_ids)
         torch.arange(S, S + L, out=captured.slots)
@@ -206,7 +206,7 @@ class GraphSet:
         self.where, self.weights = where, weights
 
     @staticmethod
-    def _static(runner: LeanRunner, kv: LeanKV, B: int, L: int) -> _Captured:
+    def _static(kv: LeanKV, B: int, L: int) -> _Captured:
         device, capacity = kv.buffers[0][0].device, kv.buffers[0][0].shape[2]
         new = dict(dtype=torch.long, device=device)
         return _Captured(graph=None, ids=torch.zeros(B, L, **new), positions=torch.zeros(B, L, **new),

@@ -177,10 +177,10 @@ def describe(model: torch.nn.Module) -> str:
                     f"{COMPILED_MAX_TOKENS} fed tokens, {forward.origin})")
         weight = model.get_input_embeddings().weight
         if not LeanRunner.feature_major(weight):
-            runner = runner_for(model)
-            unfit = graphs.why_not_graphs(runner, weight) if runner is not None else "the runner is off"
             if weight.device.type != "cuda":
                 return f"lean runner ({model.config.model_type}, {dtype})"
+            runner = runner_for(model)
+            unfit = graphs.why_not_graphs(runner, weight) if runner is not None else "the runner is off"
             if not _graphs_enabled or unfit is not None:
                 return (f"lean runner ({model.config.model_type}, {dtype}; eager, no CUDA graphs: "
                         f"{unfit or 'switched off'})")

@@ -32,6 +32,7 @@ from cllm.models import resolve_dtype
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
 from cllm.profiling.steptime import (
     default_dtype,
+    forward_ms,
     parameter_count,
     random_model,
     resolve_device,
@@ -272,10 +273,8 @@ def profile(config: ProfileConfig) -> StepProfile:
     forwards, decode = {}, {}
     if config.forward_batches:
         log.info("timing one forward per path at batch %s", ", ".join(map(str, config.forward_batches)))
-        times = time_forwards(model, config.k, config.forward_batches, prefix=config.prefix, rounds=config.repeats,
-                              seed=config.seed)
-        forwards = {path: {str(B): {str(k): round(1e3 * min(s), 4) for k, s in per_k.items()}
-                           for B, per_k in per_b.items()} for path, per_b in times.items()}
+        forwards = forward_ms(time_forwards(model, config.k, config.forward_batches, prefix=config.prefix,
+                                            rounds=config.repeats, seed=config.seed))
     if config.decode_tokens:
         log.info("timing a %d-token greedy decode per path", config.decode_tokens)
         decode = {"new_tokens": config.decode_tokens,

@@ -293,6 +293,12 @@ def time_host(model: torch.nn.Module, settings: dict[str, Any], *, prefix: int, 
     return min(runs[1:] or runs, key=lambda run: run.host_ms_per_step)
 
 
+def forward_ms(times: dict[str, dict[int, dict[int, list[float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """`time_forwards`' seconds as the reports keep them: {path: {"B": {"k": min ms}}}."""
+    return {path: {str(B): {str(k): round(1e3 * min(s), 4) for k, s in per_k.items()} for B, per_k in per_b.items()}
+            for path, per_b in times.items()}
+
+
 def time_decodes(model: torch.nn.Module, *, prefix: int, new_tokens: int, repeats: int,
                  seed: int = 0) -> dict[str, Any]:
     """Single-request greedy decoding speed, tokens/s, on each forward the model can take:
