@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 
-from cllm.decoding import graphs, lean
+from cllm.decoding import cpu_paths, graphs, lean
 
 VOCAB = 256
 MAX_POSITIONS = 256
@@ -41,11 +41,12 @@ def _config(arch: str):
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
 # llama and qwen2 decode through the lean runner (`cllm.decoding.lean`), in float32 on its packed
-# weights; "@unpacked" runs the same tests on its MKL path, "@graphs" on its CUDA-graph path (every
-# forward of a few tokens through the static buffers and the index writes, the graph stood in by
-# `graphs.EagerGraph` on the CPU), "@transformers" on transformers' own forward, so every path
+# weights; "@unpacked" runs the same tests on its feature-major MKL path, "@rows" on its token-major
+# one (`cpu_paths`: which of the three a machine runs fastest is measured at load), "@graphs" on
+# its CUDA-graph path (every forward of a few tokens through the static buffers and the index
+# writes, the graph stood in by `graphs.EagerGraph` on the CPU), "@transformers" on transformers' own forward, so every path
 # passes every exactness test
-PATHS = ARCHS + ["llama@unpacked", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
+PATHS = ARCHS + ["llama@unpacked", "qwen2@rows", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -62,7 +63,7 @@ def arch(request):
     """An architecture's name, with the decoding forward it is tested on switched on."""
     name, _, path = request.param.partition("@")
     with lean.runner_enabled(path != "transformers"), lean.packed_enabled(path != "unpacked"), \
-            graphs_standing_in(path == "graphs"):
+            cpu_paths.forced("rows" if path == "rows" else None), graphs_standing_in(path == "graphs"):
         yield name
 
 

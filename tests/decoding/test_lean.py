@@ -10,18 +10,19 @@ import transformers as tf
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import cache as kv
-from cllm.decoding import lean, packed
+from cllm.decoding import cpu_paths, lean, packed
 from tests.decoding.conftest import MAX_POSITIONS, VOCAB, random_prompt
 
 LEAN_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
-@pytest.fixture(autouse=True, params=["packed", "mkl"])
+@pytest.fixture(autouse=True, params=["packed", "mkl", "rows"])
 def packing(request):
-    """Every test here runs on both float32 CPU paths of the runner: its oneDNN-packed weights
-    and MKL's GEMM on the model's own."""
-    with lean.packed_enabled(request.param == "packed"):
+    """Every test here runs on each float32 CPU path of the runner (`cpu_paths`): its
+    oneDNN-packed weights, MKL's GEMM on the model's own feature-major, and token-major ("rows",
+    its LM head on the packed copy at some widths: `head_plan`)."""
+    with lean.packed_enabled(request.param != "mkl"), cpu_paths.forced("rows" if request.param == "rows" else None):
         yield request.param
 
 
@@ -94,7 +95,7 @@ def test_the_runner_computes_transformers_logits_through_prefill_feeds_holes_and
     assert ("oneDNN-packed" in lean.describe(model)) == (packing == "packed")
     (got, kind), (want, other) = both(model, feeds(model))
     assert kind == "LeanKV" and other == "DynamicCache"
-    assert packing == "mkl" or lean.runner_for(model).packed is not None
+    assert packing != "packed" or lean.runner_for(model).packed is not None
     assert_same_logits(got, want)
 
 
@@ -128,7 +129,7 @@ def test_weights_changed_after_packing_are_packed_again():
 def test_a_model_too_large_to_pack_computes_on_its_own_weights(monkeypatch):
     model = lean_model("llama")
     monkeypatch.setattr(lean.PackedWeights, "MAX_BYTES", 1000)
-    with lean.packed_enabled(True):
+    with lean.packed_enabled(True), cpu_paths.forced(None):
         assert "MKL's GEMM: a packed copy would take" in lean.describe(model)
 
 
@@ -312,7 +313,7 @@ def test_prepare_packs_and_warms_before_the_first_forward_and_leaves_other_model
         model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=1, num_attention_heads=2)).eval()
     lean.prepare(model)
-    assert (lean.runner_for(model).packed is not None) == (packing == "packed")
+    assert (lean.runner_for(model).packed is not None) == (packing != "mkl")
     ids = random_prompt(6, 5)
     with lean.runner_enabled(False):
         expected = greedy_decode(model, ids, max_new_tokens=12).new_tokens
@@ -327,7 +328,7 @@ def test_where_the_onednn_kernels_do_not_compute_what_f_linear_does_the_plain_we
     in one line and decoded exactly on the MKL path."""
     monkeypatch.setattr(packed.F, "silu", lambda t: t * 2)
     packed.packing_available.cache_clear()
-    with lean.packed_enabled(True):
+    with lean.packed_enabled(True), cpu_paths.forced(None):
         try:
             assert not packed.packing_available()
             torch.manual_seed(9)

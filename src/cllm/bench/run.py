@@ -118,6 +118,9 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     """Threads and seed; the machine (its load read before any work of ours); the methods with
     the references they need; the prompts; the validation set; the record to resume from."""
     torch.set_num_threads(config.threads)
+    for model in (models.target, models.cllm, models.draft, models.medusa2):
+        if model is not None:
+            lean.prepare(model)  # as `load_for_decoding` readies it, at the bench's threads
     torch.manual_seed(config.seed)
     device = next(models.target.parameters()).device
     machine = {**machine_info(device), "dtype": config.dtype, "seed": config.seed}

@@ -12,6 +12,7 @@ import torch
 
 import cllm.decoding.cache as kv
 from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
+from cllm.decoding.lean import argmax
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 
@@ -38,7 +39,7 @@ def greedy_decode(
         prefill produces every row's first token).
     """
     return autoregressive(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                          eos_token_id=eos_token_id, choose=lambda logits: logits.argmax(dim=-1).tolist())
+                          eos_token_id=eos_token_id, choose=lambda logits: argmax(logits).tolist())
 
 
 def autoregressive(

@@ -33,10 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cllm.decoding import graphs
+from cllm.decoding import cpu_paths, graphs
 from cllm.decoding.lean_kv import GROWTH, LeanKV
 from cllm.decoding.packed import PackedWeights, packed_linear
 
@@ -125,15 +126,23 @@ WARM_MAX_BYTES = 256 * 2**20  # larger packed models build their kernels in thei
 def prepare(model: torch.nn.Module) -> None:
     """Ready `model`'s decoding forward before its first request (`load_for_decoding`, `cllm
     serve`): its runner, and on a CPU in float32 its packed weights with oneDNN's kernels built
-    for every width a decoding step feeds (1 to `PACKED_EXACT_ROWS` tokens; about 0.1 s for
-    `stdlib-coder`, and skipped over `WARM_MAX_BYTES`). Where the runner does not run, nothing."""
+    for every width a decoding step feeds (1 to `PACKED_EXACT_ROWS` tokens) and the plan of which
+    float32 forward is fastest here at each width (`cpu_paths.measure`); about 0.5 s for
+    `stdlib-coder`, both skipped over `WARM_MAX_BYTES` (the packed weights then serve every
+    width). Where the runner does not run, nothing."""
     runner = runner_for(model)
     if runner is None or not runner.feature_major(model.get_input_embeddings().weight):
         return
+    if PackedWeights.size(model) > WARM_MAX_BYTES:
+        return
     with torch.inference_mode():
         packed = runner._packed()
-        if packed is not None and PackedWeights.size(model) <= WARM_MAX_BYTES:
+        if packed is not None:
             packed.warm(range(1, PACKED_EXACT_ROWS + 1))
+        if packed is not None:
+            runner.head_plan = cpu_paths.measure_head(runner.lm_head, packed)
+        paths = [p for p in cpu_paths.PATHS if p != "packed" or packed is not None]
+        runner.plan = cpu_paths.measure(runner, paths)
 
 
 @contextmanager
@@ -187,6 +196,16 @@ def describe(model: torch.nn.Module) -> str:
             return (f"lean runner ({model.config.model_type}, {dtype}; CUDA graphs up to "
                     f"{graphs.MAX_TOKENS} fed tokens)")
         unpacked = PackedWeights.why_not(model) if _packed_enabled else "packed weights switched off"
+        legend = {"packed": f"oneDNN-packed weights ({PackedWeights.size(model) / 2**20:.0f} MiB beside the model's)",
+                  "gemm": "MKL's GEMM on the model's weights, feature-major",
+                  "rows": "the model's weights, token-major"}
+        if (forced := cpu_paths.forced_path()) in ("gemm", "rows"):
+            return f"lean runner ({model.config.model_type}, {dtype}; {legend[forced]}, forced)"
+        runner = _runners.get(model)
+        if runner is not None and runner.plan is not None:
+            used = ", ".join(f"{p} = {legend[p]}" for p in cpu_paths.PATHS if p in runner.plan.paths)
+            return (f"lean runner ({model.config.model_type}, {dtype}; the forward measured fastest here: "
+                    f"{runner.plan.describe()}; {used})")
         if unpacked is None:
             return (f"lean runner ({model.config.model_type}, {dtype}; oneDNN-packed weights, "
                     f"{PackedWeights.size(model) / 2**20:.0f} MiB beside the model's)")
@@ -213,6 +232,12 @@ def _project(linear: torch.nn.Linear, x: torch.Tensor, residual: torch.Tensor | 
     else:
         y = torch.addmm(residual, linear.weight, x)
     return y if linear.bias is None else y.add_(linear.bias[:, None])
+
+
+def _linear_added(linear: torch.nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x) for token-major x (M, in), the residual added by the GEMM itself."""
+    y = torch.addmm(residual, x, linear.weight.t())
+    return y if linear.bias is None else y.add_(linear.bias)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -286,22 +311,24 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 ARGMAX_BLOCK = 256  # vocabulary entries per block of the blocked argmax
-ARGMAX_MIN_TOKENS = 64  # fewer tokens' logits: torch's argmax is as fast
+ARGMAX_MIN_TOKENS = 64  # fewer tokens' feature-major logits: numpy's argmax is as fast
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)`: the same indices (a row's first maximum), faster on the runner's
-    feature-major logits of many tokens, a (B, L, V) view of a (V, B * L) tensor, which torch's
-    argmax reads across the vocabulary's stride. Here each block of `ARGMAX_BLOCK` vocabulary
-    entries is reduced along the contiguous tokens (`amax`), and only the first block holding a
+    """`logits.argmax(-1)`: the same indices (a row's first maximum; NaN counting as the largest),
+    faster on a CPU. There torch's argmax reads float32 logits at well under 1 GB/s (on 2 Xeon
+    cores, 14 us for one row of 8,192 and 300 us for 10), numpy's vectorized one 1.4 and 5.4 us,
+    so CPU logits in float32 / float64 go to numpy's. The runner's feature-major logits of many
+    tokens, a (B, L, V) view of a (V, B * L) tensor, are reduced in blocks of `ARGMAX_BLOCK`
+    vocabulary entries along the contiguous tokens (`amax`), and only the first block holding a
     token's maximum is searched."""
     V = logits.shape[-1]
     M = logits.numel() // max(V, 1)
-    if M < ARGMAX_MIN_TOKENS or V % ARGMAX_BLOCK or logits.device.type != "cpu":
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
         return logits.argmax(-1)
     by_vocab = logits.reshape(M, V).t()  # (V, M): a view when the logits are feature-major
-    if not by_vocab.is_contiguous():
-        return logits.argmax(-1)
+    if M < ARGMAX_MIN_TOKENS or V % ARGMAX_BLOCK or not by_vocab.is_contiguous():
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
     blocks = by_vocab.view(V // ARGMAX_BLOCK, ARGMAX_BLOCK, M)
     first = blocks.amax(1).argmax(0)  # (M,): per token, the first block holding its maximum
     within = blocks[first, :, torch.arange(M)].argmax(1)  # (M,)
@@ -333,6 +360,8 @@ class LeanRunner:
         self.dynamic_rope = getattr(self.rotary, "rope_type", "default") in ("dynamic", "longrope")
         self.compiled: Any = None  # a `compiled.CompiledForward`, set by `compiled.compile_runner`
         self.packed: PackedWeights | None = None  # built at the first float32 CPU forward that can use it
+        self.plan: cpu_paths.Plan | None = None  # the float32 CPU forward to take at each width, as measured
+        self.head_plan: cpu_paths.Plan | None = None  # a "rows" forward's LM-head kernel at each width, as measured
         self._unpacked: str | None | bool = False  # why this model's weights are not packed (False: not asked yet)
         self.spares = graphs.Spares()  # freed caches' buffers and their CUDA graphs
         self.graphs_failed: str | None = None  # why forwards stopped replaying CUDA graphs (a capture failed)
@@ -376,10 +405,8 @@ class LeanRunner:
         if (self.compiled is not None and _compiled_enabled and self.compiled.takes(B, L)
                 and torch.is_inference_mode_enabled() and self.compiled.current()):
             logits, x = self.compiled(self, kv, embedded, position_ids, allowed, last_only)
-        elif self.feature_major(embedded) and (packed := self._packed()) is not None:
-            logits, x = self._packed_forward(packed, kv, embedded, position_ids, allowed, last_only)
         elif self.feature_major(embedded):
-            logits, x = self._feature_major(kv, embedded, position_ids, allowed, last_only)
+            logits, x = self._cpu_forward(kv, embedded, position_ids, allowed, last_only)
         else:
             self.packed = None  # the model moved to another dtype or device: the copy is of no use
             logits, x = self.layer_stack(kv, embedded, *self.rotary(embedded, position_ids), allowed, last_only)
@@ -448,6 +475,23 @@ class LeanRunner:
             return tuple(t.reshape(-1, t.shape[-1]) for t in self.rotary(embedded, position_ids))
         flat = position_ids.reshape(-1)
         return tuple(t.index_select(1, flat).t().contiguous() for t in self._rope_table(embedded, slots))
+
+    def cpu_path(self, tokens: int) -> str:
+        """Which float32 CPU forward computes `tokens` fed tokens (`cpu_paths`): the one forced,
+        else the plan's, else the packed weights'; "gemm" where the weights are not packed."""
+        path = cpu_paths.forced_path() or (self.plan.path(tokens) if self.plan is not None else "packed")
+        return "gemm" if path == "packed" and self._packed() is None else path
+
+    def _cpu_forward(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
+                     allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float32 CPU forward on the path `cpu_path` names."""
+        B, L, _ = embedded.shape
+        path = self.cpu_path(B * L)
+        if path == "packed":
+            return self._packed_forward(self.packed, kv, embedded, position_ids, allowed, last_only)
+        if path == "gemm":
+            return self._feature_major(kv, embedded, position_ids, allowed, last_only)
+        return self._rows_forward(kv, embedded, position_ids, allowed, last_only)
 
     def _feature_major(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
                        allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,6 +574,49 @@ class LeanRunner:
         rows = x.shape[0] * x.shape[1]
         logits = packed_linear(_pad_rows(x.reshape(rows, -1), packed_rows(rows)), packed.head)[:rows]
         return logits.view(*x.shape[:2], -1), x
+
+    def _rows_forward(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
+                      allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, L', V) and the final norm's output (B, L', H) token-major, (B * L, features),
+        on the model's own weights (`X @ W^T`, MKL's GEMM as transformers runs it): its layers'
+        arithmetic in fewer calls than their modules make (RMSNorm in one, rotate_half's sign
+        folded into sin, the residuals added by the GEMMs)."""
+        B, L, _ = embedded.shape
+        D, M = self.head_dim, B * L
+        cos, sin = (t.view(B, L, 1, D).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids,
+                                                                                   kv.get_seq_length() + L))
+        half = D // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        allowed = additive_mask(allowed, embedded)
+        silu = getattr(self.model().config, "hidden_act", None) in ("silu", "swish")
+        x = embedded.view(M, -1)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = _rms_norm_rows(layer.input_layernorm, x)
+            q, k, v = (F.linear(h, p.weight, p.bias).view(B, L, -1, D).transpose(1, 2)
+                       for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
+                q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
+            q = torch.addcmul(q * cos, torch.cat((q[..., half:], q[..., :half]), dim=-1), sin)
+            k = torch.addcmul(k * cos, torch.cat((k[..., half:], k[..., :half]), dim=-1), sin)
+            keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=self.kv_heads != self.heads)  # (B, heads, L, D)
+            x = _linear_added(attn.o_proj, out.transpose(1, 2).reshape(M, -1), x)
+            h = _rms_norm_rows(layer.post_attention_layernorm, x)
+            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            gate = F.silu(gate, inplace=True) if silu else mlp.act_fn(gate)
+            x = _linear_added(mlp.down_proj, gate.mul_(F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)), x)
+        x = _rms_norm_rows(self.norm, x).view(B, L, -1)
+        if last_only:
+            x = x[:, -1:]
+        rows = x.shape[0] * x.shape[1]
+        packed = self.packed
+        if self.head_plan is not None and self.head_plan.path(rows) == "packed" and packed is not None \
+                and _packed_enabled and packed.head_current():
+            logits = packed_linear(_pad_rows(x.reshape(rows, -1), packed_rows(rows)), packed.head)[:rows]
+            return logits.view(*x.shape[:2], -1), x
+        return F.linear(x, self.lm_head.weight, self.lm_head.bias), x
 
     def layer_stack(self, kv: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,6 +72,16 @@ class PackedWeights:
         """Whether the model's weights are still the ones packed."""
         return self._weights() == self._stamp
 
+    def head_current(self) -> bool:
+        """Whether the LM head's weights are still the ones packed: `current` for the head alone,
+        for a forward that computes only its logits on the packed copy."""
+        stamp = self._head_stamp()
+        return self._stamp[-len(stamp):] == stamp
+
+    def _head_stamp(self) -> tuple[tuple[int, int], ...]:
+        head = self._linears[-1]
+        return tuple((t.data_ptr(), t._version) for t in (head.weight, head.bias) if t is not None)
+
     @staticmethod
     def size(model: torch.nn.Module) -> int:
         """Bytes of the packed copy: the projections' and the LM head's weights."""

@@ -25,6 +25,7 @@ import torch
 from cllm.core.errors import first_line
 from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
+from cllm.decoding.lean import argmax
 from cllm.decoding.stats import DecodeOutput
 
 
@@ -86,7 +87,7 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling | None,
     """Every row's next token from its logits (B, V): the argmax (greedy), or one draw per row
     from the sampled distribution with the row's generator."""
     if sampling is None:
-        return logits.argmax(dim=-1).tolist()
+        return argmax(logits).tolist()
     return [draw(p, g) for p, g in zip(sampling.probs(logits), generators, strict=True)]
 
 

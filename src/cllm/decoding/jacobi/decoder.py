@@ -21,6 +21,7 @@ from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
 from cllm.decoding.jacobi.verifiers import choose_verifier
+from cllm.decoding.lean import argmax
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
@@ -193,7 +194,7 @@ class BatchDecoder:
             for r in range(B)
         ]
         self._next_id += B
-        greedy = logits.argmax(dim=-1).tolist() if cfg.sampling is None else None
+        greedy = argmax(logits).tolist() if cfg.sampling is None else None
 
         def first(r: int, row: Row) -> None:  # the prefill's logits give the first new token
             token = greedy[r] if greedy is not None else pick_tokens(logits[r : r + 1], cfg.sampling,

@@ -1,0 +1,164 @@
+"""Which of the lean runner's float32 CPU forwards is fastest at each width, on this machine.
+
+The runner (`cllm.decoding.lean`) computes a float32 CPU forward three ways, each exact (token
+for token transformers' greedy output, its logits equal to float32 rounding):
+
+- "packed": on oneDNN-packed copies of the weights (`packed.PackedWeights`), token-major;
+- "gemm": feature-major on MKL's GEMM and the model's own weights (`W @ X`);
+- "rows": token-major through the model's own modules (transformers' `X @ W^T`).
+
+Which one is fastest depends on the CPU and on the tokens a forward feeds. On the 2-core AMD
+Zen 4 of `benchmarks/engines-cpu/` the packed weights won at every width; on a 2-core Intel
+Xeon with AVX-512 a forward of the embedded model took, eagerly, 1.69 ms packed, 1.24 on MKL's
+GEMM and 1.31 by rows at 1 fed token, and 1.83 / 1.90 / 1.76 ms at 4. So `measure` times each
+at a few widths when a model is readied for decoding (`lean.prepare`), and the runner then
+takes, for a forward of M fed tokens (all rows together), the path measured fastest at the
+first measured width of at least M (`Plan.path`). Without a plan the runner computes on the
+packed weights.
+
+The LM head weighs most in a small model's forward (a third of the embedded model's weights),
+and its best kernel differs again: on the same Xeon, MKL's `X @ W^T` took 154 us at 1-3 fed
+tokens and 304 at 4-6, oneDNN's packed copy 180-190 at 1-6. So a "rows" forward computes its
+logits on the kernel `measure_head` found fastest at its width (`LeanRunner.head_plan`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from cllm.decoding.packed import PackedWeights, packed_linear
+
+if TYPE_CHECKING:
+    from cllm.decoding.lean import LeanRunner
+
+PATHS = ("packed", "gemm", "rows")
+HEAD_PATHS = ("packed", "rows")  # the LM head of a "rows" forward: its packed copy, or F.linear on its weight
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # fed tokens timed: a decoding step's, then batches' and prefills'
+PREFIX = 128  # cached tokens before each timed forward
+ROUNDS = 3  # interleaved timed rounds, after one untimed; a path's time at a width is its fastest forward
+REPEATS = 2  # forwards in a row per path and width, the first untimed (its weights are then in the CPU's caches,
+# as in a decode, whose steps mostly take one path)
+
+MARGIN = 0.1  # another path than the fastest overall is taken at a width where it is this much faster
+
+_forced: str | None = None
+
+
+@contextmanager
+def forced(path: str | None) -> Iterator[None]:
+    """Within: every float32 CPU forward of the runner takes `path` (one of `PATHS`; None: its
+    plan's). "packed" falls back to "gemm" where the weights are not packed. Tests run the
+    exactness suites on each path; `measure` times them."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"unknown CPU forward {path!r} (one of {', '.join(PATHS)})")
+    global _forced
+    before, _forced = _forced, path
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def forced_path() -> str | None:
+    """The path `forced` imposes now, or None."""
+    return _forced
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The fastest path at each measured width, and the times it was chosen from."""
+
+    widths: tuple[int, ...]  # ascending
+    paths: tuple[str, ...]  # the fastest at each width
+    ms: dict[str, tuple[float, ...]]  # per path: its fastest time at each width, milliseconds
+
+    @classmethod
+    def from_times(cls, ms: dict[str, dict[int, float]]) -> Plan:
+        """The plan of measured times, {path: {width: ms}}, every path at the same widths: the path
+        fastest over all widths together, and at a width another only where it is more than
+        `MARGIN` faster (timings are noisy, and a forward switching paths finds less of its
+        weights in the CPU's caches).
+        """
+        widths = tuple(sorted(next(iter(ms.values()))))
+        overall = min(ms, key=lambda p: sum(ms[p].values()))
+        chosen = tuple(fastest if ms[fastest][w] < (1 - MARGIN) * ms[overall][w] else overall
+                       for w in widths for fastest in [min(ms, key=lambda p: ms[p][w])])
+        return cls(widths, chosen, {p: tuple(times[w] for w in widths) for p, times in ms.items()})
+
+    def path(self, tokens: int) -> str:
+        """The path for a forward of `tokens` fed tokens: the fastest at the first measured width
+        of at least `tokens` (the widest's beyond it)."""
+        return self.paths[min(bisect.bisect_left(self.widths, tokens), len(self.widths) - 1)]
+
+    def describe(self) -> str:
+        """The plan in words: 'rows at 1-4, gemm at 5-16, packed at 17+ fed tokens'."""
+        parts, low = [], 1
+        for i, path in enumerate(self.paths):
+            if i + 1 < len(self.paths) and self.paths[i + 1] == path:
+                continue
+            high = self.widths[i]
+            span = f"{low}+" if i + 1 == len(self.paths) else str(low) if low == high else f"{low}-{high}"
+            parts.append(f"{path} at {span}")
+            low = high + 1
+        return ", ".join(parts) + " fed tokens"
+
+
+def measure(runner: LeanRunner, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS,
+            prefix: int = PREFIX, rounds: int = ROUNDS,
+            clock: Callable[[], float] = time.perf_counter) -> Plan:
+    """Times one forward of each of `paths` at each of `widths` fed tokens (one row, causal, after
+    `prefix` random cached tokens; rolled back after each), in interleaved rounds whose order
+    rotates, and returns the plan of the fastest. About 0.4 s for the embedded model on 2 cores."""
+    embed = runner.embed.weight
+    vocab, device = embed.shape[0], embed.device
+    g = torch.Generator().manual_seed(0)
+    ids = {w: torch.randint(vocab, (1, w), generator=g).to(device) for w in widths}
+    positions = {w: torch.arange(prefix, prefix + w, device=device)[None] for w in widths}
+    order = [(w, p) for w in widths for p in paths]
+    best = {p: dict.fromkeys(widths, float("inf")) for p in paths}
+    with torch.inference_mode():
+        kv = runner.new_cache(1, prefix + max(widths))
+        runner.forward(kv, torch.randint(vocab, (1, prefix), generator=g).to(device),
+                       torch.arange(prefix, device=device)[None], None)
+        for r in range(rounds + 1):  # round 0 warms every shape up, untimed
+            shift = r % len(order)
+            for w, path in order[shift:] + order[:shift]:
+                with forced(path):
+                    for i in range(REPEATS):
+                        t0 = clock()
+                        runner.forward(kv, ids[w], positions[w], None, last_only=False)
+                        seconds = clock() - t0
+                        kv.crop(prefix)
+                        if r and i:
+                            best[path][w] = min(best[path][w], 1000 * seconds)
+    return Plan.from_times(best)
+
+
+def measure_head(head: torch.nn.Linear, packed: PackedWeights, *, widths: Sequence[int] = WIDTHS,
+                 rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter) -> Plan:
+    """Times the LM head alone on each of `HEAD_PATHS` at each of `widths` rows, as `measure`
+    times forwards, and returns the plan of the fastest."""
+    g = torch.Generator().manual_seed(0)
+    xs = {w: torch.randn(w, head.in_features, generator=g).to(head.weight) for w in widths}
+    kernels = {"packed": lambda x: packed_linear(x, packed.head), "rows": lambda x: F.linear(x, head.weight, head.bias)}
+    order = [(w, p) for w in widths for p in HEAD_PATHS]
+    best = {p: dict.fromkeys(widths, float("inf")) for p in HEAD_PATHS}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            shift = r % len(order)
+            for w, path in order[shift:] + order[:shift]:
+                for i in range(REPEATS):
+                    t0 = clock()
+                    kernels[path](xs[w])
+                    seconds = clock() - t0
+                    if r and i:
+                        best[path][w] = min(best[path][w], 1000 * seconds)
+    return Plan.from_times(best)

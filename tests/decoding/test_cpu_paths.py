@@ -1,0 +1,95 @@
+"""The choice among the lean runner's float32 CPU forwards (`cllm.decoding.cpu_paths`): the plan
+made from timings, the timing itself (on a clock that charges each path a known cost), and
+decoding exactly when a plan switches path from one width to the next."""
+
+import pytest
+import torch
+import transformers as tf
+
+from cllm import greedy_decode, jacobi_decode
+from cllm.decoding import cpu_paths, lean
+from cllm.decoding.cpu_paths import Plan
+from tests.decoding.conftest import VOCAB, random_prompt
+
+WIDTHS = (1, 2, 4, 8)
+
+
+def times(**per_path):
+    return {path: dict(zip(WIDTHS, ms, strict=True)) for path, ms in per_path.items()}
+
+
+def test_the_plan_takes_the_fastest_path_overall_and_another_only_where_it_is_clearly_faster():
+    plan = Plan.from_times(times(packed=[2.0, 2.0, 2.0, 2.0], gemm=[1.0, 1.95, 2.5, 3.0], rows=[1.5, 1.5, 1.5, 2.1]))
+    assert plan.paths == ("gemm", "rows", "rows", "rows")  # rows is fastest overall; gemm 33% faster at 1
+    assert [plan.path(t) for t in (1, 2, 3, 4, 5, 8, 9, 500)] == ["gemm", "rows", "rows", "rows", "rows", "rows",
+                                                                 "rows", "rows"]
+    assert plan.describe() == "gemm at 1, rows at 2+ fed tokens"
+    close = Plan.from_times(times(packed=[2.0, 2.0, 2.0, 2.0], rows=[1.9, 2.1, 1.85, 2.05]))
+    assert close.paths == ("rows",) * 4  # packed is never 10% faster: no switching on noise
+    split = Plan.from_times(times(packed=[3.0, 3.0, 1.0, 1.0], rows=[1.0, 1.0, 3.0, 3.0]))
+    assert split.describe() == "rows at 1-2, packed at 3+ fed tokens"
+    assert [split.path(t) for t in (1, 2, 3, 4, 9)] == ["rows", "rows", "packed", "packed", "packed"]
+
+
+def test_an_unknown_path_is_refused():
+    with pytest.raises(ValueError, match="unknown CPU forward 'fast'"):
+        with cpu_paths.forced("fast"):
+            pass
+
+
+def small_llama(seed=3):
+    torch.manual_seed(seed)
+    with torch.inference_mode(False):
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=0)).eval()
+
+
+def test_measure_times_every_path_at_every_width_and_leaves_no_trace():
+    """A clock that charges each forward what its path costs at its width (rows cheap at 1-2
+    tokens, gemm at 4-8): the plan follows the charges, and the runner's cache is left alone."""
+    model = small_llama()
+    runner = lean.runner_for(model)
+    cost = {"packed": [5, 5, 5, 5], "gemm": [9, 9, 1, 1], "rows": [1, 1, 9, 9]}
+    fed = []
+    model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    now, calls = [0.0], [0]
+
+    def clock():
+        calls[0] += 1
+        if calls[0] % 2 == 0:  # a forward's end: charge it
+            now[0] += cost[cpu_paths.forced_path()][WIDTHS.index(fed[-1])] / 1000
+        return now[0]
+
+    plan = cpu_paths.measure(runner, ["packed", "gemm", "rows"], widths=WIDTHS, prefix=8, rounds=2, clock=clock)
+    assert plan.paths == ("rows", "rows", "gemm", "gemm")
+    assert plan.ms == {p: pytest.approx(cost[p]) for p in cost}
+    assert sorted(fed[1:]) == sorted(WIDTHS * 3 * (2 + 1) * cpu_paths.REPEATS)  # after the prefill: every one
+
+
+@pytest.mark.parametrize("settings", [dict(block_size=1), dict(block_size=4), dict(block_size=16),
+                                      dict(block_size=4, recycle=8, recycle_budget=24)])
+@torch.inference_mode()
+def test_decoding_is_exact_when_the_plan_switches_path_from_width_to_width(settings):
+    model = small_llama(4)
+    runner = lean.runner_for(model)
+    ids = random_prompt(11, 9)
+    with lean.runner_enabled(False):
+        expected = greedy_decode(model, ids, max_new_tokens=40).new_tokens
+    widths = (1, 2, 4, 8, 16, 32)
+    runner.plan = Plan(widths, ("rows", "gemm", "packed", "rows", "gemm", "packed"), {})
+    runner.head_plan = Plan(widths, ("packed", "rows", "packed", "rows", "packed", "rows"), {})
+    try:
+        assert jacobi_decode(model, ids, max_new_tokens=40, **settings).new_tokens == expected
+    finally:
+        runner.plan = runner.head_plan = None
+
+
+def test_prepare_measures_a_plan_that_describe_names():
+    model = small_llama(5)
+    lean.prepare(model)
+    runner = lean.runner_for(model)
+    assert runner.plan is not None and set(runner.plan.paths) <= set(cpu_paths.PATHS)
+    assert runner.plan.widths == cpu_paths.WIDTHS
+    assert all(len(ms) == len(cpu_paths.WIDTHS) for ms in runner.plan.ms.values())
+    assert f"the forward measured fastest here: {runner.plan.describe()}" in lean.describe(model)
