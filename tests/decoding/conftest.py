@@ -44,8 +44,8 @@ ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
 # weights; "@unpacked" runs the same tests on its feature-major MKL path, "@rows" on its token-major
 # one (`cpu_paths`: which of the three a machine runs fastest is measured at load), "@graphs" on
 # its CUDA-graph path (every forward of a few tokens through the static buffers and the index
-# writes, the graph stood in by `graphs.EagerGraph` on the CPU), "@transformers" on transformers' own forward, so every path
-# passes every exactness test
+# writes, the graph stood in by `graphs.EagerGraph` on the CPU), "@transformers" on transformers'
+# own forward, so every path passes every exactness test
 PATHS = ARCHS + ["llama@unpacked", "qwen2@rows", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
 

@@ -542,10 +542,7 @@ class LeanRunner:
         D, M = self.head_dim, B * L
         P = packed_rows(M)
         heads, kv_heads = self.heads, self.kv_heads
-        cos, sin = (t.view(B, L, 1, D).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids,
-                                                                                   kv.get_seq_length() + L))
-        half = D // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's sign folded in
+        rope = self._rope_heads(embedded, position_ids, kv.get_seq_length() + L)
         allowed = additive_mask(allowed, embedded)
         x = _pad_rows(embedded.view(M, -1), P)
         for i, (layer, weights) in enumerate(zip(self.layers, packed.layers, strict=True)):
@@ -553,13 +550,7 @@ class LeanRunner:
             h = _rms_norm_rows(layer.input_layernorm, x)
             qkv = packed_linear(h, weights["qkv"])[:M].view(B, L, heads + 2 * kv_heads, D).transpose(1, 2)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
-                q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
-            q = torch.addcmul(q * cos, torch.cat((q[..., half:], q[..., :half]), dim=-1), sin)
-            k = torch.addcmul(k * cos, torch.cat((k[..., half:], k[..., :half]), dim=-1), sin)
-            keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
-                                                 enable_gqa=kv_heads != heads)  # (B, heads, L, D)
+            out = self._attend(kv, i, attn, q, k, v, rope, allowed)
             x = packed_linear(_pad_rows(out.transpose(1, 2).reshape(M, -1), P), weights["o"], other=x, then="add")
             h = _rms_norm_rows(layer.post_attention_layernorm, x)
             if packed.silu:
@@ -575,6 +566,28 @@ class LeanRunner:
         logits = packed_linear(_pad_rows(x.reshape(rows, -1), packed_rows(rows)), packed.head)[:rows]
         return logits.view(*x.shape[:2], -1), x
 
+    def _rope_heads(self, embedded: torch.Tensor, position_ids: torch.Tensor,
+                    slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and rotate_half-signed sin at `position_ids`, (B, 1, L, D): for token-major heads."""
+        B, L = position_ids.shape
+        cos, sin = (t.view(B, L, 1, -1).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids, slots))
+        half = cos.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _attend(self, kv: LeanKV, i: int, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], allowed: torch.Tensor | None) -> torch.Tensor:
+        """Layer i's attention of token-major heads q, k, v (B, heads, L, D): Qwen3's per-head
+        norms, the rotation, the new keys and values appended to `kv`; (B, heads, L, D)."""
+        if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
+            q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
+        cos, sin = rope
+        half = cos.shape[-1] // 2
+        q = torch.addcmul(q * cos, torch.cat((q[..., half:], q[..., :half]), dim=-1), sin)
+        k = torch.addcmul(k * cos, torch.cat((k[..., half:], k[..., :half]), dim=-1), sin)
+        keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
+                                              enable_gqa=self.kv_heads != self.heads)
+
     def _rows_forward(self, kv: LeanKV, embedded: torch.Tensor, position_ids: torch.Tensor,
                       allowed: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, L', V) and the final norm's output (B, L', H) token-major, (B * L, features),
@@ -583,10 +596,7 @@ class LeanRunner:
         folded into sin, the residuals added by the GEMMs)."""
         B, L, _ = embedded.shape
         D, M = self.head_dim, B * L
-        cos, sin = (t.view(B, L, 1, D).transpose(1, 2) for t in self.rope_tokens(embedded, position_ids,
-                                                                                   kv.get_seq_length() + L))
-        half = D // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        rope = self._rope_heads(embedded, position_ids, kv.get_seq_length() + L)
         allowed = additive_mask(allowed, embedded)
         silu = getattr(self.model().config, "hidden_act", None) in ("silu", "swish")
         x = embedded.view(M, -1)
@@ -595,13 +605,7 @@ class LeanRunner:
             h = _rms_norm_rows(layer.input_layernorm, x)
             q, k, v = (F.linear(h, p.weight, p.bias).view(B, L, -1, D).transpose(1, 2)
                        for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
-                q, k = _rms_norm_rows(attn.q_norm, q), _rms_norm_rows(attn.k_norm, k)
-            q = torch.addcmul(q * cos, torch.cat((q[..., half:], q[..., :half]), dim=-1), sin)
-            k = torch.addcmul(k * cos, torch.cat((k[..., half:], k[..., :half]), dim=-1), sin)
-            keys, values = kv.append(i, k, v)  # (B, H_kv, S + L, D)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.scale,
-                                                 enable_gqa=self.kv_heads != self.heads)  # (B, heads, L, D)
+            out = self._attend(kv, i, attn, q, k, v, rope, allowed)
             x = _linear_added(attn.o_proj, out.transpose(1, 2).reshape(M, -1), x)
             h = _rms_norm_rows(layer.post_attention_layernorm, x)
             gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
