@@ -12,7 +12,7 @@ import torch
 
 import cllm.decoding.cache as kv
 from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
-from cllm.decoding.lean import argmax
+from cllm.decoding.kernels import argmax
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 
 

@@ -29,15 +29,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from cllm.decoding.packed import PackedWeights, packed_linear
-
-if TYPE_CHECKING:
-    from cllm.decoding.lean import LeanRunner
 
 PATHS = ("packed", "gemm", "rows")
 HEAD_PATHS = ("packed", "rows")  # the LM head of a "rows" forward: its packed copy, or F.linear on its weight
@@ -111,12 +108,13 @@ class Plan:
         return ", ".join(parts) + " fed tokens"
 
 
-def measure(runner: LeanRunner, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS,
+def measure(runner: Any, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS,
             prefix: int = PREFIX, rounds: int = ROUNDS,
             clock: Callable[[], float] = time.perf_counter) -> Plan:
     """Times one forward of each of `paths` at each of `widths` fed tokens (one row, causal, after
     `prefix` random cached tokens; rolled back after each), in interleaved rounds whose order
-    rotates, and returns the plan of the fastest. About 0.4 s for the embedded model on 2 cores."""
+    rotates, and returns the plan of the fastest. `runner`: a `lean.LeanRunner`. About 0.6 s for
+    the embedded model on 2 cores."""
     embed = runner.embed.weight
     vocab, device = embed.shape[0], embed.device
     g = torch.Generator().manual_seed(0)

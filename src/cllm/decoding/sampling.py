@@ -25,7 +25,7 @@ import torch
 from cllm.core.errors import first_line
 from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
-from cllm.decoding.lean import argmax
+from cllm.decoding.kernels import argmax
 from cllm.decoding.stats import DecodeOutput
 
 

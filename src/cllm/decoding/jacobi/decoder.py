@@ -21,7 +21,7 @@ from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
 from cllm.decoding.jacobi.verifiers import choose_verifier
-from cllm.decoding.lean import argmax
+from cllm.decoding.kernels import argmax
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
