@@ -51,14 +51,16 @@ def test_measure_times_every_path_at_every_width_and_leaves_no_trace():
     model = small_llama()
     runner = lean.runner_for(model)
     cost = {"packed": [5, 5, 5, 5], "gemm": [9, 9, 1, 1], "rows": [1, 1, 9, 9]}
-    fed = []
-    model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    fed, paths = [], []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: (fed.append(kw["input_ids"].shape[1]), paths.append(cpu_paths.forced_path())),
+        with_kwargs=True)
     now, calls = [0.0], [0]
 
     def clock():
         calls[0] += 1
-        if calls[0] % 2 == 0:  # a forward's end: charge it
-            now[0] += cost[cpu_paths.forced_path()][WIDTHS.index(fed[-1])] / 1000
+        if calls[0] % 2 == 0:  # a forward's end: charge it what its path costs at its width
+            now[0] += cost[paths[-1]][WIDTHS.index(fed[-1])] / 1000
         return now[0]
 
     plan = cpu_paths.measure(runner, ["packed", "gemm", "rows"], widths=WIDTHS, prefix=8, rounds=2, clock=clock)

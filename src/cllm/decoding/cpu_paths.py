@@ -5,12 +5,12 @@ for token transformers' greedy output, its logits equal to float32 rounding):
 
 - "packed": on oneDNN-packed copies of the weights (`packed.PackedWeights`), token-major;
 - "gemm": feature-major on MKL's GEMM and the model's own weights (`W @ X`);
-- "rows": token-major through the model's own modules (transformers' `X @ W^T`).
+- "rows": token-major on the model's own weights (transformers' `X @ W^T`).
 
 Which one is fastest depends on the CPU and on the tokens a forward feeds. On the 2-core AMD
 Zen 4 of `benchmarks/engines-cpu/` the packed weights won at every width; on a 2-core Intel
-Xeon with AVX-512 a forward of the embedded model took, eagerly, 1.69 ms packed, 1.24 on MKL's
-GEMM and 1.31 by rows at 1 fed token, and 1.83 / 1.90 / 1.76 ms at 4. So `measure` times each
+Xeon with AVX-512, `measure` timed a forward of the embedded model at 1.98 ms packed, 1.34 on
+MKL's GEMM and 1.09 by rows at 1 fed token, and 2.37 / 2.50 / 1.65 ms at 4. So `measure` times each
 at a few widths when a model is readied for decoding (`lean.prepare`), and the runner then
 takes, for a forward of M fed tokens (all rows together), the path measured fastest at the
 first measured width of at least M (`Plan.path`). Without a plan the runner computes on the
@@ -108,36 +108,46 @@ class Plan:
         return ", ".join(parts) + " fed tokens"
 
 
+def _fastest(run: Callable[[str, int], None], paths: Sequence[str], widths: Sequence[int], rounds: int,
+             clock: Callable[[], float]) -> Plan:
+    """The plan of `run(path, width)`'s fastest times: interleaved rounds whose order rotates,
+    `REPEATS` calls in a row per path and width, the first of them (and round 0) untimed."""
+    order = [(w, p) for w in widths for p in paths]
+    best = {p: dict.fromkeys(widths, float("inf")) for p in paths}
+    for r in range(rounds + 1):
+        shift = r % len(order)
+        for w, path in order[shift:] + order[:shift]:
+            for i in range(REPEATS):
+                t0 = clock()
+                run(path, w)
+                seconds = clock() - t0
+                if r and i:
+                    best[path][w] = min(best[path][w], 1000 * seconds)
+    return Plan.from_times(best)
+
+
 def measure(runner: Any, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS,
             prefix: int = PREFIX, rounds: int = ROUNDS,
             clock: Callable[[], float] = time.perf_counter) -> Plan:
     """Times one forward of each of `paths` at each of `widths` fed tokens (one row, causal, after
-    `prefix` random cached tokens; rolled back after each), in interleaved rounds whose order
-    rotates, and returns the plan of the fastest. `runner`: a `lean.LeanRunner`. About 0.6 s for
-    the embedded model on 2 cores."""
+    `prefix` random cached tokens; rolled back after each) and returns the plan of the fastest
+    (`_fastest`). `runner`: a `lean.LeanRunner`. About 0.6 s for the embedded model on 2 cores."""
     embed = runner.embed.weight
     vocab, device = embed.shape[0], embed.device
     g = torch.Generator().manual_seed(0)
     ids = {w: torch.randint(vocab, (1, w), generator=g).to(device) for w in widths}
     positions = {w: torch.arange(prefix, prefix + w, device=device)[None] for w in widths}
-    order = [(w, p) for w in widths for p in paths]
-    best = {p: dict.fromkeys(widths, float("inf")) for p in paths}
+
+    def forward(path: str, w: int) -> None:
+        with forced(path):
+            runner.forward(kv, ids[w], positions[w], None)
+        kv.crop(prefix)
+
     with torch.inference_mode():
         kv = runner.new_cache(1, prefix + max(widths))
         runner.forward(kv, torch.randint(vocab, (1, prefix), generator=g).to(device),
                        torch.arange(prefix, device=device)[None], None)
-        for r in range(rounds + 1):  # round 0 warms every shape up, untimed
-            shift = r % len(order)
-            for w, path in order[shift:] + order[:shift]:
-                with forced(path):
-                    for i in range(REPEATS):
-                        t0 = clock()
-                        runner.forward(kv, ids[w], positions[w], None, last_only=False)
-                        seconds = clock() - t0
-                        kv.crop(prefix)
-                        if r and i:
-                            best[path][w] = min(best[path][w], 1000 * seconds)
-    return Plan.from_times(best)
+        return _fastest(forward, paths, widths, rounds, clock)
 
 
 def measure_head(head: torch.nn.Linear, packed: PackedWeights, *, widths: Sequence[int] = WIDTHS,
@@ -147,16 +157,5 @@ def measure_head(head: torch.nn.Linear, packed: PackedWeights, *, widths: Sequen
     g = torch.Generator().manual_seed(0)
     xs = {w: torch.randn(w, head.in_features, generator=g).to(head.weight) for w in widths}
     kernels = {"packed": lambda x: packed_linear(x, packed.head), "rows": lambda x: F.linear(x, head.weight, head.bias)}
-    order = [(w, p) for w in widths for p in HEAD_PATHS]
-    best = {p: dict.fromkeys(widths, float("inf")) for p in HEAD_PATHS}
     with torch.inference_mode():
-        for r in range(rounds + 1):
-            shift = r % len(order)
-            for w, path in order[shift:] + order[:shift]:
-                for i in range(REPEATS):
-                    t0 = clock()
-                    kernels[path](xs[w])
-                    seconds = clock() - t0
-                    if r and i:
-                        best[path][w] = min(best[path][w], 1000 * seconds)
-    return Plan.from_times(best)
+        return _fastest(lambda path, w: kernels[path](xs[w]), HEAD_PATHS, widths, rounds, clock)

@@ -66,8 +66,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     half = x.shape[1] // 2
     return torch.addcmul(x * cos, torch.cat((x[:, half:], x[:, :half]), dim=1), signed_sin)
 
-
-
 GEMM_WIDTH = 16  # the fewest columns a feature-major GEMM runs on (more than one token fed)
 
 

@@ -259,6 +259,7 @@ class LeanRunner:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # transformers' SiLU: F.silu
         self.scale = self.head_dim**-0.5
         # RoPE variants whose frequencies follow the sequence length are computed per forward;
         # the others come from a table of every position so far (the module's own values)
@@ -504,7 +505,6 @@ class LeanRunner:
         D, M = self.head_dim, B * L
         rope = self._rope_heads(embedded, position_ids, kv.get_seq_length() + L)
         allowed = additive_mask(allowed, embedded)
-        silu = getattr(self.model().config, "hidden_act", None) in ("silu", "swish")
         x = embedded.view(M, -1)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -515,7 +515,7 @@ class LeanRunner:
             x = _linear_added(attn.o_proj, out.transpose(1, 2).reshape(M, -1), x)
             h = _rms_norm_rows(layer.post_attention_layernorm, x)
             gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            gate = F.silu(gate, inplace=True) if silu else mlp.act_fn(gate)
+            gate = F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)
             x = _linear_added(mlp.down_proj, gate.mul_(F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)), x)
         x = _rms_norm_rows(self.norm, x).view(B, L, -1)
         if last_only:
