@@ -719,3 +719,25 @@ def test_past_the_shutdown_grace_a_request_gets_503_json_and_a_stream_an_error_e
     assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
     events = outcome["stream"]
     assert events[-1] == "data: [DONE]" and "shutting down" in events[-2]
+
+
+def test_open_app_loads_the_model_off_the_calling_thread(model_dir, monkeypatch):
+    """The model is loaded (and the runner's paths timed) on a passing thread, so that the decode
+    thread is the only one holding torch CPU threads (`cllm.core.machine.in_passing_thread`)."""
+    import cllm.serving.app as app_module
+
+    loaded_on = []
+    real = app_module.load_served
+
+    def recording(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "load_served", recording)
+    bound = app_module.open_app(ServeConfig(model=str(model_dir), port=0, threads=1))
+    try:
+        assert len(loaded_on) == 1 and loaded_on[0] is not threading.current_thread()
+        assert not loaded_on[0].is_alive()
+        assert bound.served.model is not None
+    finally:
+        bound.sock.close()

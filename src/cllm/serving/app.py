@@ -51,6 +51,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from cllm.core.errors import UserError
+from cllm.core.machine import in_passing_thread
 from cllm.serving.api import ApiError, chat_messages, completion_prompt
 from cllm.serving.config import ServeConfig, allowed_hosts, api_key
 from cllm.serving.http import guarded_protocol, room_for_connections
@@ -231,11 +232,15 @@ def open_app(config: ServeConfig) -> BoundApp:
     """Bind the port first (a taken port fails before anything slow), then load the model
     (`--threads 0`: the cores the load average leaves free) and build its app."""
     sock = bind(config.host, config.port)
-    try:
+
+    def load() -> tuple[ServedModel, FastAPI]:
         served = load_served(config.model, dtype=config.dtype, device=config.device,
                              threads=config.threads or free_cores(), draft_table=config.draft_table,
                              compile=config.compile)
-        app = create_app(served.model, served.codec.tokenizer, config, served.draft_table)
+        return served, create_app(served.model, served.codec.tokenizer, config, served.draft_table)
+
+    try:  # off the main thread: the decode thread is then the only one with torch CPU threads
+        served, app = in_passing_thread(load)
     except BaseException:
         sock.close()
         raise
