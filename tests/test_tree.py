@@ -146,5 +146,5 @@ def test_tests_mirror_the_tree():
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
     loose = sorted(p.name for p in TESTS.glob("test_*.py")
-                   if p.stem.removeprefix("test_") not in {"tree", "cli", "models", "install", "scripts", "method_doc"})
+                   if p.stem.removeprefix("test_") not in {"tree", "cli", "models", "benchmarks", "install", "scripts", "method_doc"})
     assert not loose, f"tests outside the folder of their package: {loose}"
