@@ -34,6 +34,8 @@ FORBIDDEN = {("decoding", "data"): "the engine knows nothing of tokenizers or pr
 # Third-party packages that may be imported inside a function: heavy, and needed by one option.
 LAZY_OK = {"matplotlib", "peft", "vllm", "llama_cpp", "gguf", "deepspeed", "arctic_inference"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 600, 80, 10
+# tests of the command line and of repository files rather than of one package: they sit at the top of tests/
+TOP_LEVEL_TESTS = {"tree", "cli", "models", "benchmarks", "install", "scripts", "method_doc"}
 
 
 @cache
@@ -145,6 +147,5 @@ def test_tests_mirror_the_tree():
     packages = {package(m) for m in modules()} - {""}
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
-    loose = sorted(p.name for p in TESTS.glob("test_*.py")
-                   if p.stem.removeprefix("test_") not in {"tree", "cli", "models", "benchmarks", "install", "scripts", "method_doc"})
+    loose = sorted(p.name for p in TESTS.glob("test_*.py") if p.stem.removeprefix("test_") not in TOP_LEVEL_TESTS)
     assert not loose, f"tests outside the folder of their package: {loose}"
