@@ -15,7 +15,9 @@ Requests that decode with different engine settings (greedy vs sampled, Jacobi v
 temperature) cannot share a forward: each setting has its own `BatchDecoder` (a *group*), and
 every group takes one step per round. A row's output is what it gets decoded alone (greedy:
 token for token; sampled: the same draws from its own seeded generator), whatever its batch
-mates: `tests/decoding/test_batch_decoder.py` and `tests/serving/test_server.py` check it.
+mates: `tests/decoding/test_batch_decoder.py` and `tests/serving/test_server.py` check it. In
+bfloat16 and float16 a batched forward rounds differently, so a near-tie can go the other way
+(docs/serving.md).
 
 Nothing here knows HTTP: `cllm.serving.service` turns events into responses.
 """
