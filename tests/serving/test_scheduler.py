@@ -4,12 +4,14 @@ seeded sampling: what `complete` samples alone); the batch respects its size and
 cancelled and timed-out jobs leave it; stopping fails what is left. A forward pre-hook (`Gate`)
 holds the decode thread at a chosen forward so that what happens between steps is exact."""
 
+import gc
 import threading
 import time
 
 import pytest
 
 from cllm.decoding import BatchDecoder, JacobiConfig
+from cllm.decoding.lean_kv import LeanKV
 from cllm.models import load_model
 from cllm.serving.completion import DecodeParams, TextCodec, complete
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
@@ -173,6 +175,31 @@ def test_an_abandoned_job_alone_stops_decoding_at_once(model, oracle):
     assert scheduler.stats.cancelled == 1 and gate.count == 3  # the forward it was in, no more
     assert scheduler.running == 0 and not scheduler._groups  # its cache is gone too
     scheduler.stop()
+
+
+def test_a_batchs_cache_is_freed_when_it_leaves_not_at_the_next_cycle_collection(model, oracle):
+    """Jobs of many settings (a group, a cache each), streamed or not, one cancelled: once they
+    have left, no KV cache is left, with Python's cycle collector off. A cache in a reference
+    cycle outlives its batch until a full collection, which a server holding many objects runs
+    seldom: under a mixed load (a group per setting, each freeing its cache as it empties) the
+    freed caches piled up and the server's memory grew without levelling off."""
+    gc.collect()
+    gc.disable()
+    try:
+        scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
+        settings = [dict(), dict(method="ar"), *(dict(temperature=t, top_p=0.9, seed=i)
+                                                  for i, t in enumerate((0.5, 0.7, 0.9, 1.1)))]
+        jobs = [job(oracle.ids(PROMPTS[i % 4]), 16 + i, stream=i % 2 == 1, **kw) for i, kw in enumerate(settings * 2)]
+        submit_together(scheduler, jobs)
+        scheduler.cancel(jobs[-1][0])
+        for _, events in jobs[:-1]:
+            assert events.wait().error is None
+        scheduler.stop()  # the decode thread holds nothing more
+        assert scheduler.stats.prefills == len(settings)
+        assert not scheduler._groups
+        assert not [o for o in gc.get_objects() if type(o) is LeanKV]
+    finally:
+        gc.enable()
 
 
 def test_a_job_past_its_deadline_gets_a_timeout_waiting_or_running(model, oracle):

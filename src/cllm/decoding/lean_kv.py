@@ -51,9 +51,15 @@ class LeanKV:
                                    for _ in range(2)]
         self.length = [[0] * layers, [0] * layers]
         self.rows = batch
-        self.layers = [_LayerView(self, i) for i in range(layers)]
         self.runner: Any = None  # the `lean.LeanRunner` whose forwards fill it
         self.graphs: Any = None  # a `graphs.GraphSet`: the CUDA graphs of its forwards, once one is captured
+
+    @property
+    def layers(self) -> list[_LayerView]:
+        """Each layer's view, made anew: views kept in the cache would refer back to it, and in that
+        reference cycle its buffers would outlive it until Python's cycle collector ran, which in a
+        server holding many objects is seldom (every freed batch's cache then piled up)."""
+        return [_LayerView(self, i) for i in range(len(self.length[0]))]
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.length[0][layer]
