@@ -236,6 +236,14 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
         ("/v1/completions", {"prompt": [5, 10**6]}, 400, "token ids"),
         ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n = 1"),
+        ("/v1/completions", {"prompt": "x", "n": True}, 400, "'n' must be an integer"),
+        ("/v1/completions", {"prompt": "x", "n": 1.0}, 400, "'n' must be an integer"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "'logprobs' = 0 is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400,
+         "'logprobs' must be a boolean or an integer"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "'presence_penalty'"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+         "'stream_options'"),
         ("/v1/nowhere", {"prompt": "x"}, 404, "Not Found"),
         ("/v1/completions", {"model": [NAME], "prompt": "x"}, 400, "'model' must be a string"),
         ("/v1/chat/completions", {"model": {"id": NAME}, "messages": []}, 400, "'model' must be a string"),
@@ -357,6 +365,35 @@ def test_sampling_follows_the_seed_the_temperature_and_top_p(client, oracle, mod
     expected = complete(oracle.model, TextCodec(oracle.tokenizer), oracle.ids("def f(x):"), params,
                         draft_table=load_draft_table(model_dir))
     assert first == expected.text != oracle.text("def f(x):")
+
+
+def test_seeds_are_used_whole_sixty_four_bits(client):
+    """torch's CPU generator keeps the low 32 bits of a seed: 0, 2^32 and -2^63 drew one stream."""
+    def sample(seed: int) -> str:
+        return client.completions.create(model=NAME, prompt="def f(x):", max_tokens=NEW, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    texts = [sample(seed) for seed in (0, 2**32, -(2**63), 2**63 - 1)]
+    assert len(set(texts)) == len(texts) and sample(2**32) == texts[1]
+
+
+def test_a_refused_request_is_one_line_in_the_servers_log(model_dir, tmp_path):
+    """At the default --log-level (info): a 400 and a 401 are one line each, with no traceback."""
+    port, log = free_port(), open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cllm.cli", "serve", "--model", str(model_dir), "--port", str(port),
+                             "--threads", "1", "--api-key", "k"], env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url, proc, log)
+        assert post(url, "/v1/completions", {"prompt": "x"}).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "n": True}, timeout=WAIT,
+                          headers={"Authorization": "Bearer k"}).status_code == 400
+    finally:
+        stop_server(proc, log)
+    said = (tmp_path / "server.log").read_text()
+    assert said.count("POST /v1/completions -> 401: invalid or missing API key") == 1, said
+    assert said.count("POST /v1/completions -> 400: 'n' must be an integer") == 1, said
+    assert "Traceback" not in said
 
 
 def test_stop_string_cuts_the_completion(client, oracle):
@@ -634,9 +671,10 @@ def test_head_works_where_get_does_and_there_is_no_docs_page_or_schema_unless_as
 
 def test_a_temperature_too_small_to_divide_by_samples_greedys_text(server, oracle):
     """3e-38 overflowed softmax to NaN and failed every request in flight; the engine now shifts
-    the logits before dividing, so a tiny temperature is a point mass on the argmax."""
-    bodies = [{"prompt": p, "max_tokens": NEW} for p in PROMPTS] + [{"prompt": "def f(x):", "max_tokens": NEW,
-                                                                       "temperature": 3e-38, "seed": 1}]
+    the logits before dividing, so a tiny temperature is a point mass on the argmax; below
+    float32's smallest normal number (1e-46 rounds to 0 in float32) it decodes greedily."""
+    bodies = [{"prompt": p, "max_tokens": NEW} for p in PROMPTS] + [
+        {"prompt": "def f(x):", "max_tokens": NEW, "temperature": t, "seed": 1} for t in (3e-38, 1e-46, 1e-300, 5e-324)]
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda b: post(server, "/v1/completions", b), bodies))
     assert [a.status_code for a in answers] == [200] * len(bodies)

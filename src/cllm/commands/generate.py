@@ -15,6 +15,7 @@ from cllm.bench.pictures import render_block_terminal, sources_summary, trajecto
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.decoding import IterationEvent, lean
+from cllm.decoding.sampling import is_greedy
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.serving.completion import TextCodec, complete
 from cllm.serving.options import DecodeOptions
@@ -34,7 +35,8 @@ class GenerateConfig(DecodeOptions):
         super().__post_init__()
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError("give either --prompt or --prompt-file, not both")
-        if self.show_trajectory and (self.method != "jacobi" or self.temperature > 0 or not is_off(self.medusa)):
+        if self.show_trajectory and (self.method != "jacobi" or not is_greedy(self.temperature)
+                                     or not is_off(self.medusa)):
             raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
 
 

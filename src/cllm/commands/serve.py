@@ -7,10 +7,12 @@ takes this process's place (`cllm.serving.vllm_serve`).
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
+from cllm.core.progress import echo_log
 from cllm.decoding import compiled, lean
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
@@ -38,7 +40,10 @@ def run(config: Config) -> int:
         said = (f"note: --compile: {note}; the eager runner decodes" if note
                 else f"forward: {lean.describe(bound.served.model)}")
         print(f"cllm serve: {said}", file=sys.stderr, flush=True)
-    serve_app(bound, config)
+    # what the server logs (each refused request, a failed decode) at --log-level and above
+    with echo_log("cllm.serving", "cllm serve: "):
+        logging.getLogger("cllm.serving").setLevel(config.log_level.upper() if config.log_level != "trace" else "DEBUG")
+        serve_app(bound, config)
     return 0
 
 

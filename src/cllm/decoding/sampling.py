@@ -28,6 +28,17 @@ from cllm.decoding.inputs import row_generators
 from cllm.decoding.kernels import argmax
 from cllm.decoding.stats import DecodeOutput
 
+# A temperature below float32's smallest normal number decodes greedily: the logits, divided by
+# it in float32, would overflow to -inf beside the maximum's 0 / t (or, below ~1.4e-45, t itself
+# rounds to 0 and the division is 0 / 0), and at any temperature this small the law is a point
+# mass on the most likely token anyway (but for exact ties, which greedy breaks to the first).
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a temperature decodes greedily: None, 0, or below `GREEDY_BELOW`."""
+    return temperature is None or 0 <= temperature < GREEDY_BELOW
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -39,8 +50,9 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 to sample, got {self.temperature!r}")
+        if not self.temperature >= GREEDY_BELOW:
+            raise ValueError(f"temperature must be >= {GREEDY_BELOW:.3g} to sample (below, decoding is greedy), got "
+                             f"{self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -67,8 +79,8 @@ class Sampling:
 
 
 def make_sampling(temperature: float, top_k: int | None, top_p: float | None) -> Sampling | None:
-    """None (greedy) for temperature 0, else the validated `Sampling`."""
-    if temperature is None or temperature == 0:
+    """None (greedy) for temperature 0 or below `GREEDY_BELOW`, else the validated `Sampling`."""
+    if is_greedy(temperature):
         return None
     return Sampling(float(temperature), top_k, top_p)
 

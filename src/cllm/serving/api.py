@@ -9,6 +9,7 @@ refused without being tokenized; then in tokens, after tokenizing (off the event
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 
@@ -87,11 +88,39 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(check_text(s, "stop") for s in stop)
 
 
+# OpenAI fields this server does not implement: (name, the types OpenAI gives it, its values that
+# ask for nothing). Each is checked for its type first (`n: true`, `n: 1.0` and `logprobs: "yes"`
+# are mistakes, never read as their defaults), then refused when it asks for something.
+_UNSUPPORTED = (
+    ("n", (int,), (1,)),
+    ("best_of", (int,), (1,)),
+    ("logprobs", (bool, int), (False,)),  # chat: a boolean; completions: how many alternatives (0: the token's own)
+    ("top_logprobs", (int,), ()),
+    ("echo", (bool,), (False,)),
+    ("suffix", (str,), ("",)),
+    ("presence_penalty", (int, float), (0,)),
+    ("frequency_penalty", (int, float), (0,)),
+    ("logit_bias", (dict,), ({},)),
+)
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+
+
 def _unsupported(body: dict) -> None:
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        raise ApiError(400, "only n = 1 (one choice per request) is supported", param="n")
-    if body.get("echo") or body.get("logprobs") or body.get("suffix"):
-        raise ApiError(400, "echo, logprobs and suffix are not supported", param="logprobs")
+    for name, types, default in _UNSUPPORTED:
+        value = body.get(name)
+        if value is None:
+            continue
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            kinds = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in types if not (t is float and int in types)))
+            raise ApiError(400, f"'{name}' must be {kinds}", param=name)
+        if not any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in default):  # 0 is not false
+            only = f" (only {name} = {json.dumps(default[0])} is)" if default else ""
+            raise ApiError(400, f"'{name}' = {json.dumps(value)} is not supported{only}", param=name)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or
+                                not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be an object whose 'include_usage' is a boolean",
+                       param="stream_options")
 
 
 def check_body(body, served_names: set[str], served_id: str) -> dict:

@@ -27,10 +27,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set
 from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
+from cllm.decoding.sampling import is_greedy
 from cllm.decoding.stats import DecodeStats
 
 METHODS = ("jacobi", "ar")
@@ -148,10 +150,14 @@ class DecodeParams:
     engine: JacobiConfig = JacobiConfig()  # Jacobi's settings (block size, recycling, ...)
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
-    temperature: float = 0.0  # > 0: lossless sampling
+    temperature: float = 0.0  # > 0: lossless sampling (below sampling.GREEDY_BELOW: greedy, and 0 here)
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
+
+    def __post_init__(self) -> None:
+        if self.temperature > 0 and is_greedy(self.temperature):  # one greedy setting, one batch group
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def label(self) -> str:
@@ -235,7 +241,7 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
     device = next(model.parameters()).device
     with torch.inference_mode():
         (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
-                             generator=torch.Generator(device=device).manual_seed(params.seed or 0))
+                             generator=seeded_generator(params.seed, device))
         decoder.raise_error([row])
         stream.feed(decoder.tokens(row))  # the prefill's token
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from cllm.core.config import is_off
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig, compiled
+from cllm.decoding.sampling import is_greedy
 from cllm.serving.completion import METHODS, DecodeParams
 from cllm.serving.loading import ServedModel, load_served
 
@@ -73,7 +74,7 @@ class DecodeOptions:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        if not is_off(self.medusa) and self.temperature > 0:
+        if not is_off(self.medusa) and not is_greedy(self.temperature):
             raise ValueError("--medusa decodes greedily: use --temperature 0 (or --medusa none)")
 
     def params(self) -> DecodeParams:

@@ -33,9 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from cllm.core.errors import first_line
+from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
 from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, decoder_kwargs
@@ -221,7 +220,7 @@ class Scheduler:
                                kwargs["config"].recycle_budget)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             try:
-                generators = [torch.Generator(device=self.device).manual_seed(j.params.seed or 0) for j in group_jobs]
+                generators = [seeded_generator(j.params.seed, self.device) for j in group_jobs]
                 rows = group.decoder.add(ids.to(self.device), mask.to(self.device), generator=generators,
                                          max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
             except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
