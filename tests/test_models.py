@@ -1,5 +1,6 @@
 """Model/tokenizer loading: local checkpoints, clear errors, fingerprints."""
 
+import json
 import re
 
 import pytest
@@ -200,6 +201,21 @@ def test_generate_and_serve_on_damaged_weights_exit_with_one_line_naming_the_fil
         assert main([*command, "--model", str(directory)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "model.safetensors is damaged" in err, err
+
+
+def test_a_config_transformers_cannot_use_is_blamed_on_the_config_not_the_tokenizer(tmp_path, capsys):
+    from cllm.cli import main
+    from tests.commands.test_generate import save_tiny_model
+
+    directory = save_tiny_model(tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "dtype": "float128"}))
+    capsys.readouterr()  # the save's progress bar
+    with pytest.raises(UserError, match="cannot use the model's config .*config.json: .*float128"):
+        load_tokenizer(directory)  # transformers' tokenizer loader reads the config too
+    assert main(["generate", "--model", str(directory), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "config.json" in err and "tokenizer" not in err, err
 
 
 def test_a_model_folder_without_a_tokenizer_is_one_line_naming_it(tmp_path, capsys):

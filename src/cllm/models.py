@@ -26,7 +26,7 @@ import transformers
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from safetensors import safe_open
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 from transformers.utils import logging as transformers_logging
 
@@ -145,11 +145,41 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     return text
 
 
+def model_config(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The model's config (transformers' `AutoConfig`), read alone. A config.json transformers
+    cannot use (an unknown dtype, a bad value) is a one-line `UserError` naming it: the
+    tokenizer's loader reads it too and would report it as a tokenizer problem."""
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - whatever a bad config makes transformers raise
+        where = Path(path) / "config.json" if Path(path).is_dir() else path
+        raise UserError(f"cannot use the model's config {where}: {first_line(exc)}") from None
+
+
+def vocab_size(name_or_path: str | os.PathLike) -> int | None:
+    """How many token ids the model has embeddings for, from its config alone (`vocab_size`, or
+    its text model's); None when the config does not say."""
+    path = Path(resolve_model_path(name_or_path))
+    if not (path / "config.json").is_file():  # a hub id
+        return int(model_config(path).get_text_config().vocab_size)
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UserError(f"cannot read {path / 'config.json'}: {first_line(exc)}") from None
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size")) \
+        if isinstance(config, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
     """The tokenizer saved with a model. A folder without one, or one without a vocabulary, is a
     one-line `UserError` naming the folder: transformers 5 would build an empty tokenizer, and
-    every prompt would then encode to nothing far from the cause."""
+    every prompt would then encode to nothing far from the cause. A config.json transformers
+    cannot use is said as such first (`model_config`)."""
     path = resolve_model_path(name_or_path)
+    if (Path(path) / "config.json").is_file():
+        model_config(path, trust_remote_code=trust_remote_code)
     if Path(path).is_dir() and not any(any(Path(path).glob(name)) for name in TOKENIZER_FILES):
         raise UserError(f"{path} has no tokenizer (no tokenizer.json, tokenizer.model or vocab files): save one "
                         f"there with tokenizer.save_pretrained({path!r})")
@@ -305,7 +335,9 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     """The draft table to decode `model` with (`cllm drafts`), or None.
 
     `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
-    A table built for another tokenizer is refused: its token ids would mean other tokens.
+    A table built for another tokenizer is refused (its token ids would mean other tokens), as is
+    one with ids outside the model's vocabulary or tensors other than a table's, in one line
+    naming the file, before anything decodes.
     """
     if spec is None or is_off(spec, ("none", "off", "")):
         return None
@@ -325,6 +357,9 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     built_for = table.meta.get("tokenizer")
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
+    if (vocab := vocab_size(model)) is not None and table.max_token_id >= vocab:
+        raise UserError(f"draft table {file} holds token id {table.max_token_id}, outside the model's vocabulary of "
+                        f"{vocab}: it was built for another model")
     return table
 
 

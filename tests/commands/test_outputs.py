@@ -64,14 +64,17 @@ def test_drafts_never_overwrites_a_file_that_is_not_its_table_and_its_own_only_w
                                                                                           tmp_path, capsys):
     before = digest(model)
     base = ["drafts", "--model", str(model), "--prompts", str(prompt_file), "--max-new-tokens", "8"]
-    for out, force, words in ((model / "model.safetensors", [], "--force"),
-                              (model / "model.safetensors", ["--force"], "not a draft table"),
+    notes = tmp_path / "notes.safetensors"
+    notes.write_text("mine")
+    for out, force, words in ((model / "model.safetensors", [], "lies inside the --model folder"),
+                              (model / "model.safetensors", ["--force"], "lies inside the --model folder"),
+                              (notes, [], "--force"), (notes, ["--force"], "not a draft table"),
                               (tmp_path, [], "is a folder")):
         capsys.readouterr()
         assert main([*base, "--out", str(out), *force]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and words in err, err
-    assert digest(model) == before and not list(tmp_path.glob("*.tmp"))
+    assert digest(model) == before and not list(tmp_path.glob("*.tmp")) and notes.read_text() == "mine"
     assert main(base) == 0  # the model's own table: a new file
     table = model / "drafts" / "ngram.safetensors"
     made = table.read_bytes()

@@ -11,9 +11,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm.cli import main
+from cllm.core import outputs
 from cllm.core.errors import UserError
 from cllm.decoding import RECOMMENDED
 from cllm.models import DECODE_DEFAULTS, tuned_defaults
+from cllm.profiling import tune as tune_module
 from cllm.profiling.tune import TuneConfig, tune
 
 KS = [1, 2, 4, 8, 16]
@@ -50,7 +52,7 @@ def test_tune_refuses_to_overwrite_without_force(checkpoint, capsys):
     capsys.readouterr()
     code = main(["tune", "--model", str(checkpoint), "--device", "cpu", "--repeats", "1", "--k", "1,2"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "exists (--force to overwrite it)" in err and "\n" not in err
+    assert code == 2 and "exists: choose another path, or --force to replace it" in err and "\n" not in err
     assert tune(quick(checkpoint, force=True))["measured"]["k"] == KS
 
 
@@ -77,3 +79,15 @@ def test_bad_tune_options_are_one_line_errors(args, expected, checkpoint, capsys
     code = main(["tune", "--model", str(checkpoint), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and expected in err and "\n" not in err
+
+
+def test_tune_never_writes_over_a_file_of_the_model_and_refuses_an_unwritable_out_before_timing(
+        checkpoint, tmp_path, monkeypatch):
+    config = (checkpoint / "config.json").read_bytes()
+    with pytest.raises(UserError, match="--model"):
+        tune(quick(checkpoint, out=str(checkpoint / "config.json"), force=True))
+    assert (checkpoint / "config.json").read_bytes() == config
+    monkeypatch.setattr(tune_module, "time_steps", lambda *a, **k: pytest.fail("timed before checking --out"))
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: False)  # a read-only place (root writes anywhere)
+    with pytest.raises(UserError, match="is not writable"):
+        tune(quick(checkpoint, out=str(tmp_path / "ro" / "defaults.json")))

@@ -8,6 +8,7 @@ module keeps equal to `gguf`'s, and `cllm export` itself (the output-file rule i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import sys
@@ -360,3 +361,43 @@ def test_the_draft_tables_two_token_contexts_become_llama_cpps_static_cache(gguf
     table = DraftTable.load(checkpoint / "drafts" / "ngram.safetensors")
     pairs = {ctx: token for ctx, token in table.next_token.items() if len(ctx) == 2}
     assert pairs and read_lookup_cache(cache) == {ctx: {token: 2} for ctx, token in pairs.items()}
+
+
+@pytest.mark.llamacpp
+def test_export_never_writes_over_the_model_it_reads_even_with_force(gguf, checkpoint, tmp_path, capsys):
+    def digests() -> dict[str, str]:
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in checkpoint.iterdir() if f.is_file()}
+
+    before = digests()
+    link = tmp_path / "link.gguf"
+    link.symlink_to(checkpoint / "model.safetensors")
+    for out in (checkpoint / "model.safetensors", checkpoint / "tokenizer.json", checkpoint / "config.json",
+                checkpoint / "model.gguf", link):
+        assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--model" in err and len(err.splitlines()) == 1, err
+    assert digests() == before and not (checkpoint / "model.gguf").exists()
+    both = tmp_path / "both"
+    assert main(["export", "--model", str(checkpoint), "--gguf", str(both), "--lookup-cache", str(both)]) == 2
+    assert "same path" in capsys.readouterr().err and not both.exists()
+
+
+@pytest.mark.llamacpp
+def test_export_keeps_a_users_files_of_temporary_names_and_names_the_file_a_full_disk_stopped(
+        gguf, checkpoint, tmp_path, capsys, monkeypatch):
+    out, cache = tmp_path / "m.gguf", tmp_path / "m.lookup"
+    mine = [tmp_path / "m.gguf.tmp", tmp_path / "m.lookup.tmp", tmp_path / "m.tmp"]
+    for file in mine:
+        file.write_text("mine")
+    assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--lookup-cache", str(cache)]) == 0
+    assert all(f.read_text() == "mine" for f in mine) and read_source(out) and cache.stat().st_size
+    capsys.readouterr()
+
+    def full_disk(table, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("cllm.serving.gguf.write_lookup_cache", full_disk)
+    assert main(["export", "--model", str(checkpoint), "--gguf", str(tmp_path / "n.gguf"), "--lookup-cache",
+                 str(tmp_path / "n.lookup")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'n.lookup'}: No space left on device" in err and "n.gguf:" not in err

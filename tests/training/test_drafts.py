@@ -5,10 +5,14 @@ one-line errors."""
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from cllm.cli import main
+from cllm.core.errors import UserError
+from cllm.decoding import jacobi_decode
 from cllm.decoding.draft_table import DraftTable
-from cllm.models import DRAFT_TABLE, fingerprint, load_draft_table
+from cllm.models import DRAFT_TABLE, fingerprint, load_draft_table, load_model
 from tests.commands.test_generate import PROMPTS, Oracle, save_tiny_model
 
 NEW = 24
@@ -98,3 +102,41 @@ def test_bad_drafts_settings_are_one_line_errors(drafted, capsys, args):
     directory, _ = drafted
     code, _, err = run(capsys, "drafts", "--model", directory, *args)
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_table_with_ids_outside_the_vocabulary_or_of_the_wrong_shape_is_refused_at_load(drafted, tmp_path, capsys):
+    directory, _ = drafted
+    meta = DraftTable.read_meta(directory / DRAFT_TABLE)
+    wide = DraftTable.build([[1, 2, 3, 4, 400] * 3], meta={k: meta[k] for k in ("tokenizer", "model")})
+    wide.save(tmp_path / "wide.safetensors")  # the model has 320 token ids
+    with pytest.raises(UserError, match="holds token id 400, outside the model's vocabulary of 320"):
+        load_draft_table(directory, str(tmp_path / "wide.safetensors"))
+    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", "--draft-table",
+                       tmp_path / "wide.safetensors")
+    assert code == 2 and "outside the model's vocabulary" in err and "Traceback" not in err
+    tensors = load_file(str(directory / DRAFT_TABLE))
+    tensors["contexts_4"] = tensors["contexts_4"][:, :3].contiguous()  # contexts of 3 where the table says 4
+    save_file(tensors, str(tmp_path / "bent.safetensors"), metadata={"cllm": json.dumps(meta)})
+    with pytest.raises(UserError, match="order-4 tensors are not"):
+        load_draft_table(directory, str(tmp_path / "bent.safetensors"))
+    model = load_model(directory)  # the Python API: refused before a wrong id reaches the embedding
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        jacobi_decode(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4, draft_table=wide)
+
+
+def test_drafts_never_writes_over_the_models_files_nor_a_users_temporary_names(drafted, prompt_file, tmp_path, capsys):
+    directory, _ = drafted
+    weights = (directory / "model.safetensors").read_bytes()
+    for out in (directory / "model.safetensors", directory / "config.json", directory / "ngram.safetensors"):
+        code, _, err = run(capsys, "drafts", "--model", directory, "--prompts", prompt_file, "--out", out, "--force")
+        assert code == 2 and err.count("\n") == 1 and "--model" in err, err
+    assert (directory / "model.safetensors").read_bytes() == weights and not (directory / "ngram.safetensors").exists()
+    out = tmp_path / "table.safetensors"
+    mine = [tmp_path / "table.tmp", tmp_path / "table.safetensors.tmp"]
+    for file in mine:
+        file.write_text("mine")
+    code, _, _ = run(capsys, "drafts", "--model", directory, "--prompts", prompt_file, "--out", out,
+                     "--max-new-tokens", "8", "--batch-size", "8")
+    assert code == 0 and DraftTable.load(out) and all(f.read_text() == "mine" for f in mine)
+    code, _, err = run(capsys, "drafts", "--model", directory, "--prompts", prompt_file, "--out", out)
+    assert code == 2 and "exists" in err and "--force" in err and "not a draft table" not in err

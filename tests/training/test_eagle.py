@@ -176,6 +176,7 @@ def test_bad_options_are_one_line_errors(trained, prompt_file, tmp_path, capsys,
                        "--max-new-tokens", "4", *args)
     last = err.strip().splitlines()[-1]  # after the progress bars, if any
     assert code == 2 and last.startswith("cllm eagle: error:") and message in last and "Traceback" not in err
+    assert not (tmp_path / "x").exists()  # a refused run leaves nothing: no folder, no marker
 
 
 def test_the_shipped_head_loads_and_decodes_greedys_text():

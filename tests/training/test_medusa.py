@@ -116,6 +116,7 @@ def test_bad_options_are_one_line_errors(trained, prompt_file, tmp_path, capsys,
                        "--max-new-tokens", "4", *args)
     last = err.strip().splitlines()[-1]  # after the progress bars, if any
     assert code == 2 and last.startswith("cllm medusa: error:") and message in last and "Traceback" not in err
+    assert not (tmp_path / "x").exists()  # a refused run leaves nothing: no folder, no marker
 
 
 def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tmp_path, capsys):
@@ -125,6 +126,13 @@ def test_an_out_folder_of_other_files_or_the_model_itself_is_refused(trained, tm
         code, _, err = run(capsys, "medusa", "--model", directory, "--out", out)
         assert code == 2 and err.count("\n") == 1 and why in err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    other = save_tiny_model(tmp_path / "other")  # --force never writes into a model, nor marks it
+    capsys.readouterr()
+    for out, why in ((other, "model checkpoint folder"), (directory, "is the --model folder"),
+                     (directory / "sub", "lies inside the --model folder")):
+        code, _, err = run(capsys, "medusa", "--model", directory, "--out", out, "--force")
+        assert code == 2 and err.count("\n") == 1 and why in err
+    assert not (other / MARKER).exists() and not (directory / MARKER).exists() and not (directory / "sub").exists()
 
 
 # ------------------------------------------------------------------ cllm generate --medusa

@@ -4,10 +4,12 @@ and DeepSpeed need GPUs, so their configs are parsed and checked here, not run; 
 tests/training/test_train.py and tests/training/test_collect.py (2 gloo CPU processes)."""
 
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DeepSpeedPlugin, DistributedType
@@ -18,6 +20,7 @@ from cllm.training import distributed as parallel
 from cllm.training.distributed import (
     Engine,
     check_engine,
+    check_state_files,
     engine_of,
     fill_deepspeed_config,
     load_accelerate_state,
@@ -169,3 +172,26 @@ def test_accelerate_state_resumes_only_with_its_folder_and_process_count(tmp_pat
         load_accelerate_state(SimpleNamespace(num_processes=4, load_state=loaded.append), tmp_path, meta)
     load_accelerate_state(accelerator, tmp_path, meta)
     assert loaded == [str(tmp_path / "state-00000005")]
+
+
+def test_an_accelerate_state_folder_is_read_with_no_code_run_before_accelerate_loads_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from tests.training.test_train import Planted
+
+    folder = tmp_path / "state-00000003"
+    folder.mkdir()
+    torch.save({"base_lrs": [0.1], "last_epoch": 3}, folder / "custom_checkpoint_0.pkl")
+    with pytest.warns(UserWarning):  # one process, no process group: dcp says it saves alone
+        dcp.save({"w": torch.ones(2, 3), "step": torch.tensor(3)}, checkpoint_id=str(folder / "model"))
+    check_state_files(folder)  # what accelerate and torch.distributed.checkpoint write
+    ran = tmp_path / "ran"
+    torch.save(Planted(ran), folder / "custom_checkpoint_0.pkl")
+    with pytest.raises(UserError, match="custom_checkpoint_0.pkl is not a checkpoint file"):
+        check_state_files(folder)
+    torch.save({"base_lrs": [0.1]}, folder / "custom_checkpoint_0.pkl")
+    with open(folder / "model" / ".metadata", "wb") as fh:  # a plain pickle, read by pickle.load
+        pickle.dump(Planted(ran), fh)
+    with pytest.raises(UserError, match="not part of a checkpoint's metadata"):
+        check_state_files(folder)
+    assert not ran.exists()

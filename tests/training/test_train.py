@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +35,7 @@ from transformers import (
 from cllm.cli import main as cli_main
 from cllm.core.config import build_config, config_to_dict
 from cllm.core.errors import UserError
-from cllm.data.trajectories import TrajectoryReader
+from cllm.data.trajectories import TrajectoryReader, read_meta, shard_name, write_shard
 from cllm.evaluation.heldout import decode_prompts, heldout_prompts
 from cllm.modeling import forwards as rows
 from cllm.modeling.forwards import checkpointed, enable_checkpointing
@@ -347,6 +348,59 @@ def test_accelerate_state_checkpoints_resume_exactly(world, tmp_path, monkeypatc
     lrs = [[r["lr"] for r in map(json.loads, (tmp_path / d / "train_log.jsonl").read_text().splitlines())]
            for d in ("resumed", "straight")]
     assert lrs[0] == lrs[1]  # the scheduler came back too
+
+
+class Planted:
+    """A pickle that runs code when it is loaded: it writes the file `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').write('ran')",)
+
+
+def test_a_planted_pickle_in_a_resume_folder_is_refused_and_never_runs(world, tmp_path, monkeypatch):
+    common = dict(max_steps=6, eval_count=0, checkpoint_interval=2)
+    train(config(world, tmp_path / "run", stop_at_step=2, **common))
+    ran = tmp_path / "ran"
+    torch.save({"step": Planted(ran), "trainable": {}}, tmp_path / "run" / CHECKPOINT)
+    with pytest.raises(UserError, match="objects other than tensors and plain data"):
+        train(config(world, tmp_path / "run", **common))
+    assert not ran.exists()
+    # accelerate's state folder (FSDP, DeepSpeed): its scheduler state is one more pickle
+    sharded = parallel.Engine("single", accelerate_checkpoints=True)
+    monkeypatch.setattr(parallel, "engine_of", lambda accelerator: sharded)
+    train(config(world, tmp_path / "state", stop_at_step=2, **common))
+    (planted,) = (tmp_path / "state" / "checkpoints").glob("state-*/custom_checkpoint_0.pkl")
+    torch.save(Planted(ran), planted)
+    with pytest.raises(UserError, match="refusing to load it"):
+        train(config(world, tmp_path / "state", **common))
+    assert not ran.exists()
+
+
+def test_trajectories_outside_the_vocabulary_or_from_another_collect_are_refused_before_any_output(world, tmp_path):
+    def data_with(name: str, records, **kwargs) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(world.data, folder)
+        write_shard(folder / shard_name(9, 0), records, completed_prompt_ids=[r.prompt_id for r in records],
+                    **kwargs)
+        return folder
+
+    meta = read_meta(world.data)
+    good = TrajectoryReader(world.data).records()[0]
+    foreign = dataclasses.replace(good, prompt_id="foreign", fixed_point=[len(VOCAB) + 5] * len(good.fixed_point),
+                                  states=[[len(VOCAB) + 5] * len(good.fixed_point)])
+    with pytest.raises(UserError, match="outside --model's vocabulary"):
+        train(config(world, tmp_path / "out1", data=str(data_with("ids", [foreign], meta=meta))))
+    short = dataclasses.replace(good, prompt_id="short", block_index=1,
+                                prefix_ids=good.prefix_ids + good.fixed_point[:4])  # blocks of 4, not 8
+    with pytest.raises(UserError, match="not 1 blocks of 8"):
+        train(config(world, tmp_path / "out2", data=str(data_with("blocks", [short]))))  # a shard of an older cllm
+    other = dataclasses.replace(meta, block_size=4)
+    with pytest.raises(UserError, match="written by a collect with other settings"):
+        train(config(world, tmp_path / "out3", data=str(data_with("meta", [good], meta=other))))
+    assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3))
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(world, tmp_path):

@@ -36,7 +36,7 @@ from cllm.bench.vllm import VLLM_METHODS, vllm_methods
 from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_warning, machine_info
-from cllm.core.outputs import check_folder, check_new_file, claim_folder
+from cllm.core.outputs import check_distinct, check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import Prompt, encode_prompts, load_prompts
 from cllm.decoding import compiled, lean
@@ -453,7 +453,9 @@ def check_out_is_bench_folder(config: BenchConfig) -> None:
                                  (config.draft_model, "--draft-model")) if name and not is_off(name)]
     check_folder(config.out, "bench", inputs=models)
     if config.json:
-        check_new_file(config.json, flag="--json", replaceable=is_bench_json, what="bench JSON")
+        check_distinct([("--json", config.json), ("--out's bench.json", Path(config.out) / "bench.json")])
+        check_new_file(config.json, flag="--json", replaceable=is_bench_json, what="bench JSON",
+                       inputs=[*models, ("--prompts", config.prompts)])
 
 
 def is_bench_json(path: Path) -> bool:

@@ -5,7 +5,7 @@ step loop of the drafter trainers (`cllm medusa`, `cllm medusa --joint`, `cllm e
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import signal
 import sys
 import time
@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from cllm.core.config import config_to_dict
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
+from cllm.core.outputs import replacing
 from cllm.core.progress import progress_bar
 
 
@@ -44,9 +45,27 @@ class Resumable:
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write-then-rename: a crash mid-write never leaves a broken checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint `save_checkpoint` wrote, read without running any of its code: torch's
+    weights-only unpickler builds tensors and plain data only, so a file that needs anything more
+    (one planted to run code, or not written by cllm) is refused in one line, before any of it
+    is used."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{path} holds objects other than tensors and plain data (not a checkpoint this cllm "
+                        "wrote): refusing to unpickle it; delete it to start the run over") from None
+    except Exception as exc:  # noqa: BLE001 - a truncated or damaged file: one line naming it
+        raise UserError(f"cannot read the checkpoint {path}: {first_line(exc)}; delete it to start the run "
+                        "over") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path} is not a checkpoint cllm wrote (a {type(state).__name__}); delete it to start "
+                        "the run over")
+    return state
 
 
 def check_same_run(saved: dict, config, *, free: frozenset[str] | set[str] = frozenset()) -> None:
@@ -120,7 +139,7 @@ def begin_or_resume(run: StepRun, log_path: Path, evaluate: Callable[[], dict], 
     checkpoint and rewinds its log to that step; a new one measures the untrained drafter
     (`evaluate`, step 0 of the log)."""
     if run.resuming:
-        state = torch.load(run.checkpoint, map_location="cpu", weights_only=False)
+        state = load_checkpoint(run.checkpoint)
         run.trainer.load_state_dict(state["trainer"])
         run.before, run.elapsed = state["before"], state["elapsed_s"]
         truncate_log(log_path, run.trainer.step_index)

@@ -38,6 +38,7 @@ This module knows nothing about models or decoding; it stores and serves token i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -50,6 +51,7 @@ import pyarrow.parquet as pq
 import torch
 
 from cllm.core.errors import UserError, first_line, json_problem
+from cllm.core.outputs import PARTIAL, replacing
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -68,7 +70,6 @@ SCHEMA = pa.schema(
     ]
 )
 _SHARD_RE = re.compile(r"^shard-r(\d{3,})-(\d{5,})\.parquet$")
-_TMP_SUFFIX = ".partial"
 
 
 class TrajectoryError(UserError):
@@ -98,6 +99,27 @@ class TrajectoryRecord:
             raise ValueError("the last state is not the fixed point")
         if self.block_index < 0 or not 0 < self.prompt_len <= len(self.prefix_ids):
             raise ValueError("bad block_index or prompt_len")
+        if any(t < 0 for row in self.token_rows() for t in row):
+            raise ValueError("a negative token id")
+
+    def fits(self, meta: TrajectoryMeta) -> None:
+        """Raise ValueError unless a collect with `meta`'s settings could have written the record:
+        its block at most `block_size` tokens, every earlier block of its prompt a whole one (only
+        a prompt's last block is cut short, by EOS or the budget)."""
+        if len(self.fixed_point) > meta.block_size:
+            raise ValueError(f"a block of {len(self.fixed_point)} tokens, more than the block size {meta.block_size}")
+        if len(self.prefix_ids) != self.prompt_len + self.block_index * meta.block_size:
+            raise ValueError(f"block {self.block_index} follows {len(self.prefix_ids) - self.prompt_len} generated "
+                             f"tokens, not {self.block_index} blocks of {meta.block_size}")
+
+    def token_rows(self) -> Iterator[list[int]]:
+        """Every list of token ids the record holds."""
+        yield self.prefix_ids
+        yield self.fixed_point
+        yield from self.states
+        yield from self.augmented_states
+        if self.labels is not None:
+            yield self.labels
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,12 @@ class TrajectoryMeta:
 
     INFORMATIONAL = ("model", "prompts")
 
+    def digest(self) -> str:
+        """A short hash of the settings (all but the informational fields): written into every
+        shard, so that a shard of another collect is never read as this one's."""
+        settings = {k: v for k, v in asdict(self).items() if k not in self.INFORMATIONAL}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
     def mismatches(self, other: TrajectoryMeta) -> list[str]:
         """`key: here != there` for every setting that differs."""
         out = []
@@ -136,12 +164,10 @@ class TrajectoryMeta:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
-    with open(tmp, "wb") as fh:
+    with replacing(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_meta(directory: str | Path, meta: TrajectoryMeta) -> Path:
@@ -197,7 +223,7 @@ def next_shard_seq(directory: str | Path, process_index: int) -> int:
 
 def remove_partial_files(directory: str | Path) -> int:
     """Delete temporary files left by a killed writer; returns how many."""
-    partial = [p for p in Path(directory).glob(f".*{_TMP_SUFFIX}") if p.is_file()]
+    partial = [p for p in Path(directory).glob(f".*{PARTIAL}") if p.is_file()]
     for p in partial:
         p.unlink()
     return len(partial)
@@ -209,9 +235,11 @@ def write_shard(
     *,
     completed_prompt_ids: Sequence[str],
     dropped: int = 0,
+    meta: TrajectoryMeta | None = None,
 ) -> Path:
     """Write records atomically (temp file + rename). The footer records which prompts this
-    shard completes, so resuming never needs to read record data."""
+    shard completes, so resuming never needs to read record data, and the digest of the
+    collect's settings (`meta`), so that no other collect's shard passes for one of its own."""
     path = Path(path)
     for r in records:
         r.check()
@@ -223,6 +251,7 @@ def write_shard(
             "cllm.completed_prompt_ids": json.dumps(list(completed_prompt_ids)),
             "cllm.num_records": str(len(records)),
             "cllm.dropped": str(dropped),
+            **({"cllm.meta_digest": meta.digest()} if meta is not None else {}),
         }
     )
     sink = pa.BufferOutputStream()
@@ -237,6 +266,7 @@ class ShardInfo:
     completed_prompt_ids: list[str]
     num_records: int
     dropped: int
+    meta_digest: str | None = None  # of the collect's settings (None: a shard of an older cllm)
 
 
 def _damaged(path: Path, why: object) -> TrajectoryError:
@@ -256,7 +286,8 @@ def read_shard_info(path: str | Path) -> ShardInfo:
         if int(meta["cllm.schema_version"]) != SCHEMA_VERSION:
             raise ValueError(f"schema version {meta['cllm.schema_version']}")
         ids = json.loads(meta["cllm.completed_prompt_ids"])
-        return ShardInfo(path, list(ids), int(meta["cllm.num_records"]), int(meta["cllm.dropped"]))
+        return ShardInfo(path, list(ids), int(meta["cllm.num_records"]), int(meta["cllm.dropped"]),
+                         meta.get("cllm.meta_digest"))
     except (KeyError, ValueError, TypeError) as exc:
         raise _damaged(path, f"bad footer metadata ({exc})") from None
 
@@ -281,10 +312,14 @@ def set_aside_damaged_shards(directory: str | Path) -> list[Path]:
     return moved
 
 
-def read_shard(path: str | Path) -> list[TrajectoryRecord]:
-    """All records of one shard, fully validated."""
+def read_shard(path: str | Path, meta: TrajectoryMeta | None = None) -> list[TrajectoryRecord]:
+    """All records of one shard, fully validated; with `meta` (its folder's meta.json), also that
+    the shard was written by that collect and each record fits its settings."""
     path = Path(path)
     info = read_shard_info(path)
+    if meta is not None and info.meta_digest not in (None, meta.digest()):
+        raise TrajectoryError(f"trajectory shard {path} was written by a collect with other settings than its "
+                              f"folder's {META_FILE}: move it to its own folder, or delete it")
     try:
         table = pq.read_table(path, page_checksum_verification=True)
     except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes pyarrow raise
@@ -298,6 +333,8 @@ def read_shard(path: str | Path) -> list[TrajectoryRecord]:
         try:
             record = TrajectoryRecord(**row)
             record.check()
+            if meta is not None:
+                record.fits(meta)
         except (TypeError, ValueError) as exc:
             raise _damaged(path, f"bad record {row.get('prompt_id')!r}/{row.get('block_index')}: {exc}") from None
         records.append(record)
@@ -329,7 +366,7 @@ class TrajectoryReader:
     def __iter__(self) -> Iterator[TrajectoryRecord]:
         """Records shard by shard (streaming; order depends on how the data was collected)."""
         for path in self.shards:
-            yield from read_shard(path)
+            yield from read_shard(path, self.meta)
 
     def records(self) -> list[TrajectoryRecord]:
         """All records in canonical order (prompt set order, then block), whatever the number

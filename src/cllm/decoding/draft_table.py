@@ -18,6 +18,7 @@ table knows nothing of tokenizers or models.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from cllm.core.outputs import replacing
 
 ORDERS = (4, 3, 2)  # context lengths, longest first: a longer context is right more often
 FORMAT = "cllm-ngram-drafts/1"
@@ -41,6 +44,12 @@ class DraftTable:
 
     def __len__(self) -> int:
         return len(self.next_token)
+
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id in the table (-1 when empty): a model whose vocabulary does not
+        reach it cannot decode with the table."""
+        return max((max(*ctx, nxt) for ctx, nxt in self.next_token.items()), default=-1)
 
     def continuation(self, history: Sequence[int], count: int) -> list[int]:
         """Up to `count` tokens after `history`: the table's next token for its longest known
@@ -82,13 +91,8 @@ class DraftTable:
             tensors[f"contexts_{o}"] = torch.tensor([c for c, _ in items], dtype=torch.int32).reshape(-1, o)
             tensors[f"next_{o}"] = torch.tensor([n for _, n in items], dtype=torch.int32)
         meta = {"format": FORMAT, "orders": list(self.orders), **self.meta}
-        tmp = path.with_suffix(".tmp")
-        try:
+        with replacing(path) as tmp:  # never a half-written table under the real name
             save_file(tensors, str(tmp), metadata={"cllm": json.dumps(meta)})
-            tmp.replace(path)  # never a half-written table under the real name
-        finally:
-            tmp.unlink(missing_ok=True)  # nothing left behind when the write or the rename fails
-        path.chmod(0o644)  # safetensors writes 0600; a table is as shareable as the checkpoint
         return path
 
     @staticmethod
@@ -105,13 +109,23 @@ class DraftTable:
 
     @classmethod
     def load(cls, path: str | Path) -> DraftTable:
+        """The table saved at `path`; a file whose tensors are not what `save` writes (shapes,
+        orders, negative ids) is a ValueError naming what is wrong."""
         meta = cls.read_meta(path)
         tensors = load_file(str(path))
-        orders = tuple(meta["orders"])
+        orders = meta.get("orders")
+        if not isinstance(orders, list) or not orders or not all(isinstance(o, int) and o >= 1 for o in orders):
+            raise ValueError(f"its orders are {orders!r}, not a list of ints >= 1")
         table: dict[tuple[int, ...], int] = {}
         for o in orders:
-            contexts, nexts = tensors[f"contexts_{o}"].tolist(), tensors[f"next_{o}"].tolist()
-            table.update(zip(map(tuple, contexts), nexts, strict=True))
+            contexts, nexts = tensors.get(f"contexts_{o}"), tensors.get(f"next_{o}")
+            if contexts is None or nexts is None or contexts.dim() != 2 or nexts.dim() != 1 or \
+                    contexts.shape != (len(nexts), o) or contexts.is_floating_point() or nexts.is_floating_point():
+                raise ValueError(f"its order-{o} tensors are not (N, {o}) contexts and (N,) next tokens of ids")
+            if len(nexts) and min(int(contexts.min()), int(nexts.min())) < 0:
+                raise ValueError("it holds negative token ids")
+            table.update(zip(map(tuple, contexts.tolist()), nexts.tolist(), strict=True))
+        orders = tuple(orders)
         meta = {k: v for k, v in meta.items() if k not in ("format", "orders")}
         return cls(orders, table, meta)
 

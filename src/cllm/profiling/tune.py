@@ -23,6 +23,7 @@ import torch
 
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
+from cllm.core.outputs import Input, check_new_file, replacing, write_failures
 from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
 from cllm.profiling.costs import (
     BLOCK_MAX_COST,
@@ -88,19 +89,21 @@ def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *,
 
 
 def defaults_file(config: TuneConfig) -> Path:
-    """Where `tune` writes: --out, else decode_defaults.json in the model's own folder."""
+    """Where `tune` writes: --out, else decode_defaults.json in the model's own folder; checked
+    before anything is timed (`cllm.core.outputs`: a new file, or any with --force, never one of
+    the model's own files nor a place that cannot be written)."""
     path = Path(resolve_model_path(config.model))
     if not path.is_dir():
         raise UserError(f"--model {config.model}: tune needs a local checkpoint folder to write beside")
-    return Path(config.out) if config.out else path / DECODE_DEFAULTS
+    out = Path(config.out) if config.out else path / DECODE_DEFAULTS
+    return check_new_file(out, force=config.force, what="defaults file",
+                          inputs=[Input("--model", path, owned=(DECODE_DEFAULTS,))])
 
 
 def tune(config: TuneConfig) -> dict[str, Any]:
     """Time the model's step at every k, choose the defaults, write them (`defaults_file`);
     returns the record written."""
     out = defaults_file(config)
-    if out.exists() and not config.force:
-        raise UserError(f"{out} exists (--force to overwrite it)")
     path = Path(resolve_model_path(config.model))
     device = resolve_device(config.device)
     if config.threads is not None:
@@ -119,5 +122,6 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     chosen = choose_defaults(config.k, [t / times_ms[0] for t in times_ms], **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
                              model=str(path), machine={**machine_info(device), "prefix": prefix})
-    write_json(record, out)
+    with write_failures(out), replacing(out) as tmp:
+        write_json(record, tmp)
     return record

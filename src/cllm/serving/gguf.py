@@ -39,8 +39,8 @@ import torch
 from packaging.version import Version
 
 from cllm.core import __version__
-from cllm.core.errors import UserError, first_line
-from cllm.core.outputs import check_new_file
+from cllm.core.errors import UserError
+from cllm.core.outputs import Input, check_distinct, check_new_file, replacing, write_failures
 from cllm.models import (
     fingerprint,
     load_draft_table,
@@ -333,24 +333,20 @@ def write_gguf(model: torch.nn.Module, tokenizer, path: str | os.PathLike, *, ou
     n_vocab = model.get_input_embeddings().weight.shape[0]
     vocab = gguf_vocab(tokenizer, n_vocab)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch.name)
-    source = {"exporter": f"cllm {__version__}", **(source or {})}
-    _write_metadata(writer, arch, vocab, out_type, name, source)
-    tensors = parameters = 0
-    for tensor_name, array in gguf_tensors(model, arch, out_type):
-        raw = gguf.GGMLQuantizationType.BF16 if array.dtype.name == "uint8" else None
-        writer.add_tensor(tensor_name, array, raw_dtype=raw)
-        tensors += 1
-        parameters += array.size // (2 if raw is not None else 1)
-    try:
+    with replacing(path) as tmp:  # never a half-written file under the real name
+        writer = gguf.GGUFWriter(str(tmp), arch.name)
+        source = {"exporter": f"cllm {__version__}", **(source or {})}
+        _write_metadata(writer, arch, vocab, out_type, name, source)
+        tensors = parameters = 0
+        for tensor_name, array in gguf_tensors(model, arch, out_type):
+            raw = gguf.GGMLQuantizationType.BF16 if array.dtype.name == "uint8" else None
+            writer.add_tensor(tensor_name, array, raw_dtype=raw)
+            tensors += 1
+            parameters += array.size // (2 if raw is not None else 1)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        tmp.replace(path)  # never a half-written file under the real name
-    finally:
-        tmp.unlink(missing_ok=True)
     return GgufSummary(path, arch.name, out_type, tensors, parameters, n_vocab, vocab.pre, path.stat().st_size)
 
 
@@ -390,11 +386,14 @@ class ExportConfig:
 def export_gguf(config: ExportConfig) -> GgufSummary:
     """Check the outputs and the inputs, then write the GGUF (and the lookup cache when asked)."""
     import_gguf()  # before anything loads: a missing package is the first thing said
-    out = check_new_file(config.gguf, force=config.force, flag="--gguf", what="GGUF file")
     path = resolve_model_path(config.model)
+    model_input = [Input("--model", path)]
+    check_distinct([("--gguf", config.gguf), ("--lookup-cache", config.lookup_cache)])
+    out = check_new_file(config.gguf, force=config.force, flag="--gguf", what="GGUF file", inputs=model_input)
     table = None
     if config.lookup_cache:
-        check_new_file(config.lookup_cache, force=config.force, flag="--lookup-cache", what="lookup cache")
+        check_new_file(config.lookup_cache, force=config.force, flag="--lookup-cache", what="lookup cache",
+                       inputs=model_input)
         table = load_draft_table(path, "auto")
         if table is None:
             raise UserError(f"--lookup-cache: {config.model} has no draft table (cllm drafts --model "
@@ -402,14 +401,14 @@ def export_gguf(config: ExportConfig) -> GgufSummary:
     model, tokenizer = load_model(path), load_tokenizer(path)
     source = {"model": str(config.model), "fingerprint": fingerprint(path),
               "tokenizer": tokenizer_fingerprint(path)}
-    try:
+    with write_failures(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         summary = write_gguf(model, tokenizer, out, out_type=config.out_type, name=Path(path).name, source=source)
-        if table is not None:
+    if table is not None:
+        with write_failures(Path(config.lookup_cache)):
+            Path(config.lookup_cache).parent.mkdir(parents=True, exist_ok=True)
             kept = write_lookup_cache(table, config.lookup_cache)
-            summary = replace(summary, lookup_cache=(
-                f"wrote {config.lookup_cache}: the draft table's {kept:,} two-token contexts of {len(table):,} as "
-                "llama.cpp's static n-gram cache (llama-lookup --lookup-cache-static)"))
-    except OSError as exc:
-        raise UserError(f"cannot write {exc.filename or out}: {exc.strerror or first_line(exc)}") from None
+        summary = replace(summary, lookup_cache=(
+            f"wrote {config.lookup_cache}: the draft table's {kept:,} two-token contexts of {len(table):,} as "
+            "llama.cpp's static n-gram cache (llama-lookup --lookup-cache-static)"))
     return summary

@@ -20,6 +20,7 @@ import os
 import struct
 from pathlib import Path
 
+from cllm.core.outputs import replacing
 from cllm.decoding.draft_table import DraftTable
 
 NGRAM_MAX = 4  # llama.cpp's LLAMA_NGRAM_MAX: every key is 4 ids wide
@@ -65,11 +66,6 @@ def write_lookup_cache(table: DraftTable, path: str | os.PathLike) -> int:
     """Write the table's 2-token contexts as llama.cpp's static cache; returns how many."""
     count = max(2, int(table.meta.get("min_count", 2)))
     entries = {ctx: {token: count} for ctx, token in static_entries(table).items()}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with replacing(path) as tmp:
         tmp.write_bytes(lookup_cache_bytes(entries))
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return len(entries)

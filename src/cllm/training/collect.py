@@ -428,7 +428,7 @@ def _decode_shards(model, encoded: list[tuple[int, Prompt]], config: CollectConf
         records.sort(key=lambda r: (r.prompt_index, r.block_index))
         done_ids = [p.id for _, p in sorted(chunk, key=lambda item: item[0])]
         tj.write_shard(out / tj.shard_name(state.process_index, seq), records,
-                       completed_prompt_ids=done_ids, dropped=dropped)
+                       completed_prompt_ids=done_ids, dropped=dropped, meta=meta)
         seq += 1
     bar.close()
     return totals, time.perf_counter() - start

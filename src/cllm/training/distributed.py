@@ -11,15 +11,18 @@ processes) and the `save_state` checkpoints (one process); FSDP and DeepSpeed ne
 
 from __future__ import annotations
 
+import pickle
 import shutil
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from accelerate.utils import DistributedType
+import torch
+from accelerate.utils import DistributedType, load
 
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
 from cllm.core.runs import save_checkpoint
 
 
@@ -134,4 +137,42 @@ def load_accelerate_state(accelerator, folder: Path, meta: dict) -> None:
     if meta["processes"] != accelerator.num_processes:
         raise UserError(f"{folder.parent} was checkpointed by {meta['processes']} processes: resume with as "
                         "many, or --resume false")
+    check_state_files(folder / name)
     accelerator.load_state(str(folder / name))
+
+
+# Where torch.distributed.checkpoint's `.metadata` (a plain pickle) may take its classes from:
+# its own metadata records, torch's dtypes and sizes, paths. Nothing that runs code when called.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if module in _DCP_MODULES or module == "torch" else None
+        if (module in _DCP_MODULES and isinstance(found, type)) or (module, name) in _DCP_GLOBALS or \
+                isinstance(found, torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def check_state_files(folder: Path) -> None:
+    """Read every pickled file of an accelerate state folder so that nothing in it can run code,
+    before accelerate loads it (accelerate unpickles the scheduler's state, and
+    torch.distributed.checkpoint its `.metadata`, with Python's unrestricted unpickler): torch's
+    weights-only unpickler, with the numpy types of accelerate's RNG state; for a `.metadata`,
+    only torch.distributed.checkpoint's own record classes. A file that needs more is refused in
+    one line. (DeepSpeed's engine reads its own files itself.)"""
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            if zipfile.is_zipfile(file):  # torch.save's format
+                load(file, map_location="cpu", weights_only=True, mmap=True)  # + numpy's RNG state
+            elif file.name.endswith(".metadata"):
+                with open(file, "rb") as fh:
+                    _MetadataUnpickler(fh).load()
+            elif file.suffix in (".pkl", ".bin", ".pt", ".pth"):
+                raise pickle.UnpicklingError("not in torch.save's format")
+        except Exception as exc:  # noqa: BLE001 - a refused or a damaged file: one line naming it
+            raise UserError(f"{file} is not a checkpoint file cllm's run wrote ({first_line(exc)}): refusing to "
+                            f"load it; delete {folder.parent} to start the run over") from None

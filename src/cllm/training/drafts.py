@@ -24,7 +24,7 @@ import torch
 from cllm.core import __version__
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_new_file
+from cllm.core.outputs import Input, check_distinct, check_new_file, check_not_input
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts, load_prompts
 from cllm.decoding.autoregressive import greedy_completions
@@ -103,13 +103,17 @@ def table_path(config: DraftsConfig) -> Path:
 def check_inputs(config: DraftsConfig) -> None:
     """The model (a local checkpoint, or --out given), the prompt set and where the table goes,
     before any model loads: an existing table is replaced only with --force, and never a file
-    that is not a draft table (a model's weights, say)."""
+    that is not a draft table, nor any input (`cllm.core.outputs.check_not_input`)."""
     out = table_path(config)
     load_prompts(config.prompts, limit=config.max_prompts)
-    check_new_file(out, force=config.force, what="draft table")
+    inputs = [Input("--model", resolve_model_path(config.model), owned=(DRAFT_TABLE.parent,)),
+              Input("--prompts", config.prompts)]
+    sidecar = out.with_suffix(".config.json")
+    check_distinct([("--out", out), ("the table's config", sidecar)])
+    check_new_file(out, force=config.force, what="draft table", inputs=inputs)
     if out.exists() and not _is_draft_table(out):
         raise UserError(f"--out {out} is not a draft table: refusing to replace it, even with --force")
-    sidecar = out.with_suffix(".config.json")
+    check_not_input(sidecar, inputs, flag="the table's config")
     if sidecar.is_dir() or (sidecar.exists() and not out.exists()):
         raise UserError(f"{sidecar} exists where the table's config goes: move it, or choose another --out")
 

@@ -35,7 +35,7 @@ from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
 from cllm.core.progress import progress_bar
-from cllm.core.runs import append_jsonl, check_same_run, save_checkpoint, sigint_flag, truncate_log
+from cllm.core.runs import append_jsonl, check_same_run, load_checkpoint, save_checkpoint, sigint_flag, truncate_log
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
     EOT,
@@ -244,7 +244,7 @@ def _open_run(config: PretrainConfig) -> _Run:
     torch.set_num_threads(config.threads)
     saved = None
     if config.resume and ckpt_path.exists():
-        saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        saved = load_checkpoint(ckpt_path)
         check_same_run(saved["config"], config, free=_RESUME_FREE)
     elif ckpt_path.exists():
         ckpt_path.unlink()

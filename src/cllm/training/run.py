@@ -23,7 +23,7 @@ from cllm.core.outputs import check_folder, share_like_siblings
 from cllm.core.runs import check_same_run
 from cllm.data.prompts import load_prompts
 from cllm.data.trajectories import TrajectoryMeta, TrajectoryReader, TrajectoryRecord
-from cllm.models import fingerprint, resolve_model_path, tokenizer_fingerprint
+from cllm.models import fingerprint, resolve_model_path, tokenizer_fingerprint, vocab_size
 from cllm.training.batches import check_text_source
 from cllm.training.config import NO_EVAL_PROMPTS, TrainConfig, default_eval_set, one_length, with_one_length
 
@@ -101,7 +101,7 @@ def open_data(config: TrainConfig, base_fingerprint: str) -> tuple[TrajectoryRea
             raise UserError(f"{path} has block size {meta.block_size}, {readers[0].directory} "
                             f"{readers[0].meta.block_size}: train on one block size at a time")
         readers.append(reader)
-        records += reader.records()
+        records += _within_vocabulary(reader.records(), path, vocab_size(config.model))
     batch_size = config.recipe.batch_size
     if len(records) < batch_size:
         raise UserError(f"{config.data} holds {len(records)} records, fewer than batch-size {batch_size}")
@@ -109,6 +109,17 @@ def open_data(config: TrainConfig, base_fingerprint: str) -> tuple[TrajectoryRea
         raise UserError(f"{config.data} has no ground-truth labels (its prompts had no references): "
                         "use --ar-target fixed_points or auto")
     return readers[0], records
+
+
+def _within_vocabulary(records: list[TrajectoryRecord], path: Path, vocab: int | None) -> list[TrajectoryRecord]:
+    """`records`, unless one holds a token id the model has no embedding for (a shard of
+    another model's collect, or a damaged one): then one UserError naming it."""
+    for r in records if vocab is not None else ():
+        top = max(max(row, default=0) for row in r.token_rows())
+        if top >= vocab:
+            raise UserError(f"{path}: prompt {r.prompt_id!r} block {r.block_index} holds token id {top}, outside "
+                            f"--model's vocabulary of {vocab}: not this model's trajectories")
+    return records
 
 
 def resolve_ar_target(config: TrainConfig, records: Sequence[TrajectoryRecord]) -> TrainConfig:

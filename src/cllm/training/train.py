@@ -61,7 +61,7 @@ from accelerate.utils import parse_flag_from_env
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import claim_folder
-from cllm.core.runs import append_jsonl, truncate_log
+from cllm.core.runs import append_jsonl, load_checkpoint, truncate_log
 from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.decoding.inputs import position_limit
 from cllm.evaluation.heldout import heldout_prompts
@@ -189,7 +189,7 @@ def _find_checkpoint(run: RunState) -> None:
     config = run.config
     if not (run.ckpt_path.exists() and config.resume):
         return
-    run.saved = torch.load(run.ckpt_path, map_location="cpu", weights_only=False)
+    run.saved = load_checkpoint(run.ckpt_path)
     check_resumable(run.saved, config, run.digest)
     if not run.engine.accelerate_checkpoints and "trainable" not in run.saved:
         raise UserError(f"{run.out} was checkpointed by FSDP / DeepSpeed: resume it under the same engine, "
@@ -292,7 +292,7 @@ def _finish(run: RunState) -> TrainSummary:
                            eval_after=(chosen["eval"] if chosen else run.eval_last) if finished else None,
                            selected_step=chosen["step"] if chosen and finished else None)
     if finished and chosen and run.is_main:  # the gated choice's weights (the run's own state stays in last.pt)
-        saved = torch.load(out / BEST, map_location="cpu", weights_only=False)
+        saved = load_checkpoint(out / BEST)
         load_trainable_state(accelerator.unwrap_model(run.model), saved["trainable"])
     if finished:
         export(accelerator, run.model, run.tokenizer, out, lora=config.recipe.lora)

@@ -188,6 +188,9 @@ class BatchDecoder:
         self.stats.forward_passes += 1
         if not cfg.vocab_size:
             cfg = self.cfg = replace(cfg, vocab_size=logits.shape[-1])
+            if cfg.draft_table is not None and cfg.draft_table.max_token_id >= cfg.vocab_size:
+                raise ValueError(f"the draft table holds token id {cfg.draft_table.max_token_id}, outside the "
+                                 f"model's vocabulary of {cfg.vocab_size}")
         rows = [
             Row(index=self._next_id + r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
                 max_new_tokens=budgets[r], prompt_list=prompt.row_tokens(r).tolist())

@@ -30,12 +30,12 @@ import torch
 
 from cllm.core import __version__, runs
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_folder
+from cllm.core.outputs import Input, check_folder
 from cllm.core.progress import progress_bar
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.rivals.eagle import eagle_decode
-from cllm.modeling.eagle import WEIGHTS_FILE, EagleHead
+from cllm.modeling.eagle import EAGLE_DIR, WEIGHTS_FILE, EagleHead
 from cllm.models import load_model, load_tokenizer, pad_token_id, tokenizer_fingerprint
 from cllm.training.eagle.config import (
     CHECKPOINT,
@@ -48,8 +48,8 @@ from cllm.training.eagle.config import (
     EagleConfig,
 )
 from cllm.training.eagle.trainer import EagleTrainer, FeatureRun, feature_runs, new_head, save_eagle
-from cllm.training.medusa.run import evaluation_prompts, open_folder, split_holdout
-from cllm.training.medusa.texts import Text, training_texts
+from cllm.training.medusa.run import claim_run, evaluation_prompts, open_folder, split_holdout
+from cllm.training.medusa.texts import Text, check_texts_source, training_texts
 from cllm.training.medusa.trainer import base_model_meta
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class _Run:
 def check_out_dir(out: Path, model_dir: Path, config: EagleConfig) -> None:
     """Refuse (touching nothing) what `cllm.core.outputs.check_folder` refuses, and a finished
     head without --force."""
-    check_folder(out, "eagle", force=config.force, inputs=[("--model", model_dir)])
+    check_folder(out, "eagle", force=config.force, inputs=[Input("--model", model_dir, owned=(EAGLE_DIR,))])
     if (out / WEIGHTS_FILE).exists() and not config.force:
         raise UserError(f"{out} already holds an EAGLE head; --force replaces it")
 
@@ -120,10 +120,12 @@ def _open_run(config: EagleConfig) -> _Run:
     """The head folder (checked before anything is loaded), whether an unfinished run is there
     to resume, and the frozen model with its tokenizer."""
     model_dir, out, resuming = open_folder(config, "eagle", "the head", check_out_dir, files=(
-        CHECKPOINT, TRAIN_CONFIG, RUN_FILES, RESUME_FREE))
+        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))
     run = _Run(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
+    check_texts_source(config, out / TEXTS)
+    claim_run(config, "eagle", out, resuming, train_config=TRAIN_CONFIG, run_files=RUN_FILES)
     return run
 
 

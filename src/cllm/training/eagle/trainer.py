@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
-from cllm.core.outputs import share_like_siblings
+from cllm.core.outputs import replacing, share_like_siblings
 from cllm.core.runs import Resumable
 from cllm.modeling.eagle import CONFIG_FILE, DRAFT_CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, EagleHead
 from cllm.training.eagle.loss import eagle_loss
@@ -153,9 +153,8 @@ def save_eagle(head: EagleHead, directory: str | os.PathLike) -> Path:
     one-layer Llama `config.json` to a folder; returns it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{WEIGHTS_FILE}.partial"
-    save_file(head.saved_state(), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS_FILE)
+    with replacing(directory / WEIGHTS_FILE) as tmp:
+        save_file(head.saved_state(), str(tmp), metadata={"format": "pt"})
     record = {**head.meta, "format_version": FORMAT_VERSION, "sizes": head.sizes,
               "parameters_added": head.parameters_added(), "tree": head.tree}
     (directory / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")

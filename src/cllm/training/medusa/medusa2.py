@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from cllm.core import __version__, runs
-from cllm.core.config import config_to_dict, write_config
+from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
+from cllm.core.outputs import check_folder, share_like_siblings
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import Prompt
 from cllm.decoding.inputs import position_limit
@@ -64,8 +64,15 @@ from cllm.training.medusa.config import (
     MedusaConfig,
 )
 from cllm.training.medusa.joint import JointTrainer, frozen_copy
-from cllm.training.medusa.run import HeadsRun, MedusaResult, evaluate_heads, evaluation_prompts, read_texts
-from cllm.training.medusa.texts import hidden_states
+from cllm.training.medusa.run import (
+    HeadsRun,
+    MedusaResult,
+    claim_run,
+    evaluate_heads,
+    evaluation_prompts,
+    read_texts,
+)
+from cllm.training.medusa.texts import check_texts_source, hidden_states, probe_lm_head
 from cllm.training.medusa.trainer import measure_accuracies, save_heads
 
 log = logging.getLogger(__name__)
@@ -116,19 +123,17 @@ def _open_run(config: MedusaConfig) -> JointRun:
                 and (out / TRAIN_CONFIG).exists())
     if resuming:
         runs.check_same_run(json.loads((out / TRAIN_CONFIG).read_text()), config, free=RESUME_FREE)
-    else:
-        for name in (*JOINT_RUN_FILES, MODEL_WEIGHTS):
-            (out / name).unlink(missing_ok=True)
-        for name in RUN_FILES:
-            (out / HEADS_DIR / name).unlink(missing_ok=True)
-    claim_folder(out, "medusa")
-    write_config(config, out / TRAIN_CONFIG)
     if config.threads:
         torch.set_num_threads(config.threads)
     run = JointRun(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
     run.heads = _initial_heads(run)  # checked now, before the long steps
+    check_texts_source(config, out / TEXTS)
+    probe_lm_head(run.model)
+    # every input checked: only now is the folder cleared of an earlier run and claimed
+    run_files = [*JOINT_RUN_FILES, MODEL_WEIGHTS, *(Path(HEADS_DIR) / name for name in RUN_FILES)]
+    claim_run(config, "medusa", out, resuming, train_config=TRAIN_CONFIG, run_files=run_files)
     return run
 
 

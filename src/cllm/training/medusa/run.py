@@ -33,13 +33,13 @@ import torch
 from cllm.core import __version__, runs
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_folder, claim_folder
+from cllm.core.outputs import Input, check_folder, claim_folder
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import model_device, position_limit
 from cllm.decoding.rivals.medusa import build_tree, medusa_decode
-from cllm.modeling.heads import WEIGHTS_FILE, MedusaHeads
+from cllm.modeling.heads import HEADS_DIR, WEIGHTS_FILE, MedusaHeads
 from cllm.models import (
     EMBEDDED_TARGET,
     SHIPPED,
@@ -60,7 +60,7 @@ from cllm.training.medusa.config import (
     TRAIN_CONFIG,
     MedusaConfig,
 )
-from cllm.training.medusa.texts import Text, hidden_states, training_texts
+from cllm.training.medusa.texts import Text, check_texts_source, hidden_states, probe_lm_head, training_texts
 from cllm.training.medusa.trainer import HeadsTrainer, base_model_meta, measure_accuracies, save_heads
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ class HeadsRun:
 
 def check_out_dir(out: Path, model_dir: Path, config: MedusaConfig) -> None:
     """Refuse (touching nothing) what `cllm.core.outputs.check_folder` refuses (a file, the
-    model's own folder, a folder this command did not mark as its own), and finished heads
-    without --force."""
-    check_folder(out, "medusa", force=config.force, inputs=[("--model", model_dir)])
+    model's own folder or a place inside it other than its heads folder, a folder this command
+    did not mark as its own), and finished heads without --force."""
+    check_folder(out, "medusa", force=config.force, inputs=[Input("--model", model_dir, owned=(HEADS_DIR,))])
     if (out / WEIGHTS_FILE).exists() and not config.force:
         raise UserError(f"{out} already holds Medusa heads; --force replaces them")
 
@@ -135,24 +135,27 @@ def medusa(config: MedusaConfig) -> MedusaResult:
 
 def _open_run(config: MedusaConfig) -> HeadsRun:
     """Where the heads go (checked), whether an unfinished run is there to resume, and the
-    frozen model with its tokenizer."""
+    frozen model with its tokenizer; the folder claimed once every input has been checked."""
     model_dir, out, resuming = open_folder(config, "medusa", "the heads", check_out_dir, files=(
-        CHECKPOINT, TRAIN_CONFIG, RUN_FILES, RESUME_FREE))
+        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))
     run = HeadsRun(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
+    check_texts_source(config, out / TEXTS)
+    probe_lm_head(run.model)
+    claim_run(config, "medusa", out, resuming, train_config=TRAIN_CONFIG, run_files=RUN_FILES)
     return run
 
 
 def open_folder(config, command: str, what: str, check: Callable[[Path, Path, Any], None], *,
-                files: tuple[str, str, set[str], set[str]]) -> tuple[Path, Path, bool]:
+                files: tuple[str, str, set[str]]) -> tuple[Path, Path, bool]:
     """A drafter trainer's folder (`cllm medusa`, `cllm eagle`): --out, by default the model's
     `command` subfolder, checked by `check` before anything is loaded; whether an unfinished run
-    is there to resume (its options then must match but for the resume-free ones), else the
-    files of an earlier run removed; claimed, the config written, the threads set.
-    `files`: the command's checkpoint and config file names, the files a run writes, the options
-    free to change on resume. Returns the model's folder, --out and whether it resumes."""
-    checkpoint, train_config, run_files, resume_free = files
+    is there to resume (its options then must match but for the resume-free ones); the threads
+    set. Writes nothing: `claim_run` does, once every input has been checked. `files`: the
+    command's checkpoint and config file names, the options free to change on resume. Returns
+    the model's folder, --out and whether it resumes."""
+    checkpoint, train_config, resume_free = files
     model_dir = Path(resolve_model_path(config.model))
     if not model_dir.is_dir() and config.out is None:
         raise UserError(f"{config.model!r} is not a local checkpoint: give --out for {what}")
@@ -162,14 +165,21 @@ def open_folder(config, command: str, what: str, check: Callable[[Path, Path, An
     resuming = config.resume and not config.force and (out / checkpoint).exists() and (out / train_config).exists()
     if resuming:
         runs.check_same_run(json.loads((out / train_config).read_text()), config, free=resume_free)
-    else:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return model_dir, out, resuming
+
+
+def claim_run(config, command: str, out: Path, resuming: bool, *, train_config: str,
+              run_files: Iterable[str | Path]) -> None:
+    """Once every input of a run has been checked: the files of an earlier run removed (unless
+    this one resumes it), the folder claimed, the config written. A run refused before this
+    leaves nothing behind."""
+    if not resuming:
         for name in run_files:
             (out / name).unlink(missing_ok=True)
     claim_folder(out, command)
     write_config(config, out / train_config)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    return model_dir, out, resuming
 
 
 def split_holdout(texts: Sequence[Text], holdout: int) -> tuple[list[Text], list[Text]]:

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from cllm.core.errors import UserError
+from cllm.core.outputs import replacing
 from cllm.core.progress import progress_bar
-from cllm.data.prompts import encode_prompts
+from cllm.data.prompts import encode_prompts, load_prompts
 from cllm.data.trajectories import read_meta, read_records
 from cllm.decoding import cache as kv
 from cllm.decoding.autoregressive import greedy_completions
@@ -78,10 +79,30 @@ def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path
                                  batch_size=config.decode_batch_size,
                                  eos_token_id=tokenizer.eos_token_id, pad_id=pad_token_id(tokenizer),
                                  progress=bar.update)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text("".join(json.dumps({"prompt": t.prompt, "completion": t.completion}) + "\n" for t in texts))
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        tmp.write_text("".join(json.dumps({"prompt": t.prompt, "completion": t.completion}) + "\n" for t in texts))
     return texts
+
+
+def check_texts_source(config: MedusaConfig, path: Path) -> None:
+    """What `training_texts` will read, checked before the run's folder is claimed: the
+    trajectories (collected with this model) or the prompt set, and that it holds more texts than
+    --holdout keeps back. A resumed run reads its own texts (`path`)."""
+    if path.exists():
+        return
+    count = len(_trajectory_texts(config)) if config.data else \
+        len(load_prompts(config.prompts, limit=config.max_prompts))
+    if count <= config.holdout:
+        raise UserError(f"{count} texts leave none to train on after --holdout {config.holdout}")
+
+
+@torch.no_grad()
+def probe_lm_head(model: torch.nn.Module) -> None:
+    """`hidden_states`' check that the model's logits are its LM head applied to its last hidden
+    state, on a few tokens, before anything long (or written) starts."""
+    ids = torch.arange(min(8, model.config.vocab_size), device=model_device(model))[None]  # (1, T)
+    fwd = kv.forward_hidden(model, ids, torch.ones_like(ids))
+    _check_lm_head(model.get_output_embeddings(), fwd, torch.ones_like(ids, dtype=torch.bool))
 
 
 def _trajectory_texts(config: MedusaConfig) -> list[Text]:

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
-from cllm.core.outputs import share_like_siblings
+from cllm.core.outputs import replacing, share_like_siblings
 from cllm.core.runs import Resumable
 from cllm.modeling.heads import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, MedusaHeads
 from cllm.modeling.losses import Distance
@@ -161,9 +161,8 @@ def save_heads(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-    tmp = directory / f".{WEIGHTS_FILE}.partial"
-    save_file(state, str(tmp))
-    os.replace(tmp, directory / WEIGHTS_FILE)
+    with replacing(directory / WEIGHTS_FILE) as tmp:
+        save_file(state, str(tmp))
     # what the heads are now wins over `meta` (heads loaded from an older file carry its fields there)
     record = {**heads.meta, "format_version": FORMAT_VERSION, "num_heads": heads.num_heads,
               "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size, "own_projection": heads.own_projection,
