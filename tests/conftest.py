@@ -10,7 +10,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the compiled forwards of this session (`cllm.decoding.compiled.cache_dir`), subprocesses included
+# the compiled forwards of this session (`cllm.runtime.lean.compiled.cache_dir`), subprocesses included
 os.environ["CLLM_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="cllm-test-compiled-")
 atexit.register(shutil.rmtree, os.environ["CLLM_COMPILE_CACHE"], ignore_errors=True)
 

@@ -19,15 +19,16 @@ TESTS = Path(__file__).resolve().parent
 RANKS = {
     "core": 0,  # errors, config <-> flags, seeds, machine, progress, run folders
     "data": 1,  # corpus, tokenizer, prompt sets, trajectory records
-    "decoding": 2,  # the engine: token ids in, token ids out
-    "modeling": 3,  # losses, training forwards, heads
-    "models": 4,  # loading checkpoints, tokenizers, draft tables, heads
-    "evaluation": 5, "profiling": 5, "serving": 5,
-    "training": 6,  # collect, train, distill, pretrain, heads
-    "bench": 7,
-    "commands": 8,  # one thin module per CLI command
-    "cli": 9,
-    "": 10,  # `cllm` itself: the public API, loaded lazily
+    "runtime": 2,  # the forwards the engine runs on, each behind one protocol
+    "decoding": 3,  # the engine: token ids in, token ids out
+    "modeling": 4,  # losses, training forwards, heads
+    "models": 5,  # loading checkpoints, tokenizers, draft tables, heads
+    "evaluation": 6, "profiling": 6, "serving": 6,
+    "training": 7,  # collect, train, distill, pretrain, heads
+    "bench": 8,
+    "commands": 9,  # one thin module per CLI command
+    "cli": 10,
+    "": 11,  # `cllm` itself: the public API, loaded lazily
 }
 # Pairs that the ranks allow but the design does not.
 FORBIDDEN = {("decoding", "data"): "the engine knows nothing of tokenizers or prompt files"}
@@ -82,7 +83,7 @@ def test_no_module_imports_a_higher_or_sideways_layer():
         pa, pb = package(a), package(b)
         if pa != pb and (RANKS[pb] >= RANKS[pa] or (pa, pb) in FORBIDDEN):
             bad.append(f"  {a} -> {b}" + (f" ({FORBIDDEN[pa, pb]})" if (pa, pb) in FORBIDDEN else ""))
-    assert not bad, "imports against the layer order (core < data < decoding < modeling < models < " \
+    assert not bad, "imports against the layer order (core < data < runtime < decoding < modeling < models < " \
                     "evaluation / profiling / serving < training < bench < commands < cli):\n" + "\n".join(bad)
 
 

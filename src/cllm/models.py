@@ -33,12 +33,14 @@ from transformers.utils import logging as transformers_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
-from cllm.decoding import RECOMMENDED, compiled, lean
+from cllm.decoding import RECOMMENDED
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
 from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
+from cllm.runtime.lean import compiled
+from cllm.runtime.lean import runner as lean
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +392,7 @@ def load_for_decoding(
 
     Args:
         draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
-        compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`:
+        compile: compile the lean runner's forward now (`cllm.runtime.lean.compiled.compile_runner`:
             float32 on a CPU with a C++ compiler; about a minute the first time for these
             weights, then loaded from the compile cache in seconds), for one prompt at a time
             (a batch of prompts decodes on the eager runner); `not_compiled` says why not.

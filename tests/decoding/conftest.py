@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers as tf
 
-from cllm.decoding import cpu_paths, graphs, lean
+from cllm.runtime.lean import cpu_paths, graphs
+from cllm.runtime.lean import runner as lean
 
 VOCAB = 256
 MAX_POSITIONS = 256
@@ -40,7 +41,7 @@ def _config(arch: str):
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
-# llama and qwen2 decode through the lean runner (`cllm.decoding.lean`), in float32 on its packed
+# llama and qwen2 decode through the lean runner (`cllm.runtime.lean.runner`), in float32 on its packed
 # weights; "@unpacked" runs the same tests on its feature-major MKL path, "@rows" on its token-major
 # one (`cpu_paths`: which of the three a machine runs fastest is measured at load), "@graphs" on
 # its CUDA-graph path (every forward of a few tokens through the static buffers and the index

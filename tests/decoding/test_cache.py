@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cllm.decoding import cache
+from cllm.runtime import hf_cache as cache
 
 
 def _filled(valid: list[list[int]]) -> cache.RowCache:

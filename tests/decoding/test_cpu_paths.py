@@ -1,4 +1,4 @@
-"""The choice among the lean runner's float32 CPU forwards (`cllm.decoding.cpu_paths`): the plan
+"""The choice among the lean runner's float32 CPU forwards (`cllm.runtime.lean.cpu_paths`): the plan
 made from timings, the timing itself (on a clock that charges each path a known cost), and
 decoding exactly when a plan switches path from one width to the next."""
 
@@ -7,8 +7,9 @@ import torch
 import transformers as tf
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding import cpu_paths, lean
-from cllm.decoding.cpu_paths import Plan
+from cllm.runtime.lean import cpu_paths
+from cllm.runtime.lean import runner as lean
+from cllm.runtime.lean.cpu_paths import Plan
 from tests.decoding.conftest import VOCAB, random_prompt
 
 WIDTHS = (1, 2, 4, 8)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cllm import eagle_decode, greedy_decode
-from cllm.decoding import cache
 from cllm.decoding.rivals.eagle import draft_tree, eagle_steps
 from cllm.decoding.stats import DecodeStats
 from cllm.modeling.eagle import EagleHead
+from cllm.runtime import hf_cache as cache
 from tests.decoding.conftest import (
     MAX_POSITIONS,
     VOCAB,

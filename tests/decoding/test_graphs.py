@@ -1,4 +1,4 @@
-"""The lean runner's CUDA-graph path (`cllm.decoding.graphs`): which forwards it takes, what it
+"""The lean runner's CUDA-graph path (`cllm.runtime.lean.graphs`): which forwards it takes, what it
 keeps per cache, and that its output is the eager forward's.
 
 On the CPU `graphs.EagerGraph` stands in for a CUDA graph: it runs the same static forward (the
@@ -16,8 +16,10 @@ import pytest
 import torch
 import transformers as tf
 
-from cllm.decoding import cache as kv
-from cllm.decoding import graphs, greedy_decode, jacobi_decode, lean
+from cllm.decoding import greedy_decode, jacobi_decode
+from cllm.runtime import hf_cache as kv
+from cllm.runtime.lean import graphs
+from cllm.runtime.lean import runner as lean
 from tests.decoding.conftest import graphs_standing_in
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real CUDA graphs)")

@@ -109,7 +109,7 @@ def test_left_padded_batch_rows_equal_rows_decoded_alone(arch, block_size):
 
 
 def test_batch_stays_exact_when_the_cache_is_compacted_at_every_step(arch, monkeypatch):
-    from cllm.decoding import cache
+    from cllm.runtime import hf_cache as cache
 
     monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
     monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)

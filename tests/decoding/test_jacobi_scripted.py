@@ -128,7 +128,7 @@ def test_batch_rows_with_different_acceptance_match_each_row_alone():
 
 def test_compaction_keeps_rows_exact(monkeypatch):
     # compact at every opportunity: holes are gathered away many times during the run
-    from cllm.decoding import cache
+    from cllm.runtime import hf_cache as cache
 
     monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
     monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)

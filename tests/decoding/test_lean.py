@@ -9,8 +9,9 @@ import torch
 import transformers as tf
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding import cache as kv
-from cllm.decoding import cpu_paths, lean, packed
+from cllm.runtime import hf_cache as kv
+from cllm.runtime.lean import cpu_paths, packed
+from cllm.runtime.lean import runner as lean
 from tests.decoding.conftest import MAX_POSITIONS, VOCAB, random_prompt
 
 LEAN_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding import cache as kv
-from cllm.decoding import compiled, lean
+from cllm.runtime import hf_cache as kv
+from cllm.runtime.lean import compiled
+from cllm.runtime.lean import runner as lean
 from tests.decoding.conftest import random_prompt
 from tests.decoding.test_lean import LEAN_ARCHS, SETTINGS, assert_same_logits, feeds, lean_model, padded_batch
 

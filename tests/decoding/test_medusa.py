@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from cllm import greedy_decode
-from cllm.decoding import cache
 from cllm.decoding.rivals.medusa import (
     TreeLayout,
     accepted_nodes,
@@ -24,6 +23,7 @@ from cllm.decoding.rivals.medusa import (
     resolve_tree,
 )
 from cllm.modeling.heads import MedusaHeads
+from cllm.runtime import hf_cache as cache
 from tests.decoding.conftest import (
     MAX_POSITIONS,
     VOCAB,

@@ -167,7 +167,7 @@ def test_left_padded_batch_rows_equal_rows_decoded_alone(arch, k, schedule):
 
 
 def test_batch_rows_finish_at_their_own_eos_and_the_cache_is_compacted_at_every_step(arch, monkeypatch):
-    from cllm.decoding import cache
+    from cllm.runtime import hf_cache as cache
 
     monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
     monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)

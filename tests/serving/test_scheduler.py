@@ -11,8 +11,8 @@ import time
 import pytest
 
 from cllm.decoding import BatchDecoder, JacobiConfig
-from cllm.decoding.lean_kv import LeanKV
 from cllm.models import load_model
+from cllm.runtime.lean.kv import LeanKV
 from cllm.serving.completion import DecodeParams, TextCodec, complete
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
 from tests.commands.test_generate import PROMPTS, Oracle, save_tiny_model

@@ -133,7 +133,8 @@ class BenchConfig:
         "none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
     compile: bool = field(default=False, metadata={"help": "compile the target's and the CLLM's runner forward "
-        "before timing (float32 on a CPU; `cllm.decoding.compiled.compile_runner`); forward_cost then times it too"})
+        "before timing (float32 on a CPU; `cllm.runtime.lean.compiled.compile_runner`); forward_cost then times it "
+        "too"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})

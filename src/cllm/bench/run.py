@@ -39,13 +39,14 @@ from cllm.core.machine import load_warning, machine_info
 from cllm.core.outputs import check_distinct, check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
 from cllm.data.prompts import Prompt, encode_prompts, load_prompts
-from cllm.decoding import compiled, lean
 from cllm.decoding.inputs import position_limit
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.evaluation.heldout import heldout_prompts, reference_loss
 from cllm.evaluation.humaneval import STOP, completion_text, run_tests
 from cllm.models import SHIPPED
 from cllm.profiling.steptime import forward_ms, time_forwards
+from cllm.runtime.lean import compiled
+from cllm.runtime.lean import runner as lean
 
 COUNTING = ("docs/method.md#counting: forward passes = every model call (prefill included; the target's or CLLM's "
             "calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over "

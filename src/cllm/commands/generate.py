@@ -14,9 +14,10 @@ from rich.console import Console
 from cllm.bench.pictures import render_block_terminal, sources_summary, trajectory_legend
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
-from cllm.decoding import IterationEvent, lean
+from cllm.decoding import IterationEvent
 from cllm.decoding.sampling import is_greedy
 from cllm.decoding.trajectory import TrajectoryRecorder
+from cllm.runtime.lean import runner as lean
 from cllm.serving.completion import TextCodec, complete
 from cllm.serving.options import DecodeOptions
 

@@ -13,7 +13,8 @@ import sys
 import torch
 
 from cllm.core.progress import echo_log
-from cllm.decoding import compiled, lean
+from cllm.runtime.lean import compiled
+from cllm.runtime.lean import runner as lean
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
 from cllm.serving.vllm_serve import replace_process, vllm_server

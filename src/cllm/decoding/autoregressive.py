@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-import cllm.decoding.cache as kv
+import cllm.runtime.hf_cache as kv
 from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
-from cllm.decoding.kernels import argmax
 from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.runtime.lean.kernels import argmax
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ The layer is a transformers `LlamaModel` with one layer (EAGLE uses a Llama laye
 target), built from the target's sizes, with EAGLE-1's two omissions: no input norm before the
 layer (the fused input is not normalised) and no final norm (the layer's output is the
 feature, read by the LM head as is). Embeddings and LM head are the target's, shared, never
-trained or saved here. Every call of the layer goes through `cllm.decoding.cache.feed_embeds`.
+trained or saved here. Every call of the layer goes through `cllm.runtime.hf_cache.feed_embeds`.
 `cllm.decoding.rivals.eagle` decodes with a head (exactly greedy); `cllm.training.eagle`
 trains and saves it (`cllm eagle`); `cllm.models.load_eagle` loads it.
 
@@ -33,7 +33,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from cllm.core.errors import UserError
-from cllm.decoding import cache as kv
+from cllm.runtime import hf_cache as kv
 
 EAGLE_DIR = Path("eagle")  # relative to a checkpoint directory
 CONFIG_FILE = "eagle_config.json"

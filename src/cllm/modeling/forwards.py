@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cllm.decoding import cache as kv
-from cllm.decoding.cache import custom_mask
 from cllm.modeling import losses
+from cllm.runtime import hf_cache as kv
+from cllm.runtime.hf_cache import custom_mask
 
 
 @dataclass

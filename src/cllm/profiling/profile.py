@@ -27,7 +27,7 @@ from cllm.core.config import config_to_dict, is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
 from cllm.core.outputs import check_folder, claim_folder
-from cllm.decoding import RECOMMENDED, lean
+from cllm.decoding import RECOMMENDED
 from cllm.models import resolve_dtype
 from cllm.profiling.costs import speedup_vs_ar, tokens_per_second
 from cllm.profiling.steptime import (
@@ -44,6 +44,7 @@ from cllm.profiling.steptime import (
     time_steps,
     write_json,
 )
+from cllm.runtime.lean import runner as lean
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import sync
-from cllm.decoding import cache as kv
-from cllm.decoding import graphs, greedy_decode, jacobi_decode, lean
+from cllm.decoding import greedy_decode, jacobi_decode
 from cllm.decoding.jacobi import TokenTrie
 from cllm.modeling.shapes import LLAMA_SHAPES
 from cllm.models import resolve_dtype
+from cllm.runtime import hf_cache as kv
+from cllm.runtime.lean import graphs
+from cllm.runtime.lean import runner as lean
 
 SHAPES = LLAMA_SHAPES  # named shapes: cllm.modeling.shapes
 POSITIONS = 4096  # max_position_embeddings of the named shapes
@@ -194,7 +196,7 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
                   rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
     cached tokens, on each forward the model can take: {"compiled" (the lean runner's compiled
-    forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.decoding.lean`'s eager
+    forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.runtime.lean.runner`'s eager
     forward, when it runs the model; on a GPU replayed from CUDA graphs), "lean-mkl" (the same on
     MKL's GEMM and the plain weights, where "lean" runs on packed ones), "lean-eager" (the same
     without CUDA graphs, where "lean" runs on them), "transformers": {B: {k: [seconds per round]}}}. Rounds

@@ -17,10 +17,11 @@ from transformers.utils import logging as hf_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.core.machine import load_average_1min, threads_for_load
-from cllm.decoding import compiled, lean
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import MedusaHeads
 from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
+from cllm.runtime.lean import compiled
+from cllm.runtime.lean import runner as lean
 from cllm.serving.completion import TextCodec
 
 
@@ -45,7 +46,7 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         threads: torch CPU threads to set (0: leave torch's setting).
         draft_table: "auto" (the one saved beside the checkpoint, if any), "none", or a file.
         medusa: "auto" (the heads in MODEL/medusa, if any), "none", or a heads folder.
-        compile: compile the lean runner's forward now (`cllm.decoding.compiled.compile_runner`);
+        compile: compile the lean runner's forward now (`cllm.runtime.lean.compiled.compile_runner`);
             where it cannot be, `not_compiled` says why and the eager runner decodes.
         batches: with `compile`, compile the graph for batches of two rows or more too (a
             server's); one prompt at a time needs only the one-row graph (less than half the

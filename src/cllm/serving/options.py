@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cllm.core.config import is_off
-from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig, compiled
+from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.sampling import is_greedy
+from cllm.runtime.lean import compiled
 from cllm.serving.completion import METHODS, DecodeParams
 from cllm.serving.loading import ServedModel, load_served
 

@@ -62,11 +62,11 @@ from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import claim_folder
 from cllm.core.runs import append_jsonl, load_checkpoint, truncate_log
-from cllm.decoding.cache import accepts_logits_to_keep
 from cllm.decoding.inputs import position_limit
 from cllm.evaluation.heldout import heldout_prompts
 from cllm.modeling.forwards import enable_checkpointing
 from cllm.models import fingerprint, load_model, load_tokenizer
+from cllm.runtime.hf_cache import accepts_logits_to_keep
 from cllm.training import distributed
 from cllm.training.batches import load_text_stream, prompt_chains, rollout_prompts
 from cllm.training.cards import cllm_card, fmt

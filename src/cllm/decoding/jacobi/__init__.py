@@ -10,7 +10,7 @@ lossless sampling (docs/method.md). One job per module:
   sampling, the token trie of recycling);
 - `decoder`: the loop (`BatchDecoder`, its `steps()` generator, `jacobi_decode`).
 
-The cache itself (feed, commit, rollback) is `cllm.decoding.cache`; token ids only, no tokenizers.
+The cache itself (feed, commit, rollback) is `cllm.runtime.hf_cache`; token ids only, no tokenizers.
 """
 
 from cllm.decoding.jacobi.decoder import BatchDecoder, StepEvent, jacobi_decode

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-import cllm.decoding.cache as kv
+import cllm.runtime.hf_cache as kv
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
 from cllm.decoding.jacobi.verifiers import choose_verifier
-from cllm.decoding.kernels import argmax
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.runtime.lean.kernels import argmax
 
 
 @dataclass(frozen=True)

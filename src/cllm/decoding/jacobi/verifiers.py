@@ -20,12 +20,12 @@ from typing import Protocol
 
 import torch
 
-import cllm.decoding.cache as kv
-from cllm.decoding import lean
+import cllm.runtime.hf_cache as kv
 from cllm.decoding.jacobi.drafters import branches
 from cllm.decoding.jacobi.state import Row, Settings, advance, isolated, last_token, set_drafts, swap_in_draft, tail
 from cllm.decoding.sampling import verify_drafts
 from cllm.decoding.stats import DecodeStats
+from cllm.runtime.lean import runner as lean
 
 
 class Verifier(Protocol):

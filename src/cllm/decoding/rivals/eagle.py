@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-import cllm.decoding.cache as kv
+import cllm.runtime.hf_cache as kv
 from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
 from cllm.decoding.rivals.medusa import TreeLayout, verify_tree
 from cllm.decoding.stats import DecodeOutput, DecodeStats

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import cllm.decoding.cache as kv
+import cllm.runtime.hf_cache as kv
 from cllm.decoding.inputs import cut_final, eos_set, left_pad, model_device, prepare_prompt, row_generators
 from cllm.decoding.sampling import Sampling, draw, make_sampling, pick_tokens, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats

@@ -5,7 +5,7 @@ teacher of both terms: its last hidden states on the text are computed once
 (`cllm.training.medusa.texts.hidden_states`) and a frozen copy of its LM head turns them into
 its distributions per batch (V-sized logits are never stored; the model's own LM head may be
 tied to its embeddings and moves with them). A joint step runs the model with gradients over
-prompt + text (`cllm.decoding.cache.forward_hidden`, the one adapter for model calls) and takes
+prompt + text (`cllm.runtime.hf_cache.forward_hidden`, the one adapter for model calls) and takes
 `cllm.training.medusa.loss.joint_loss`: the model's KL to the original at every counted position
 + lambda x the heads' loss on the model's current hidden states.
 
@@ -25,10 +25,10 @@ from torch import nn
 
 from cllm.core.errors import UserError
 from cllm.core.runs import Resumable
-from cllm.decoding import cache as kv
 from cllm.decoding.inputs import left_pad, model_device
 from cllm.modeling.heads import MedusaHeads
 from cllm.modeling.losses import Distance
+from cllm.runtime import hf_cache as kv
 from cllm.training.medusa.loss import agreement, joint_loss
 from cllm.training.medusa.texts import Text
 from cllm.training.medusa.trainer import pad_batch

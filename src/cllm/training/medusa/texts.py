@@ -22,10 +22,10 @@ from cllm.core.outputs import replacing
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts, load_prompts
 from cllm.data.trajectories import read_meta, read_records
-from cllm.decoding import cache as kv
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.inputs import eos_set, left_pad, model_device, position_limit
 from cllm.models import fingerprint, pad_token_id
+from cllm.runtime import hf_cache as kv
 from cllm.training.medusa.config import MedusaConfig
 
 

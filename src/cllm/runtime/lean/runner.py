@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cllm.decoding import cpu_paths, graphs
-from cllm.decoding.kernels import (  # noqa: F401 (re-exported: lean.argmax, lean.packed_rows, ...)
+from cllm.runtime.lean import cpu_paths, graphs
+from cllm.runtime.lean.kernels import (  # noqa: F401 (re-exported: lean.argmax, lean.packed_rows, ...)
     ARGMAX_BLOCK,
     ARGMAX_MIN_TOKENS,
     GEMM_WIDTH,
@@ -54,8 +54,8 @@ from cllm.decoding.kernels import (  # noqa: F401 (re-exported: lean.argmax, lea
     padded_width,
     rotate_half,
 )
-from cllm.decoding.lean_kv import GROWTH, LeanKV
-from cllm.decoding.packed import PackedWeights, packed_linear
+from cllm.runtime.lean.kv import GROWTH, LeanKV
+from cllm.runtime.lean.packed import PackedWeights, packed_linear
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTIONS = ("sdpa", "eager")

@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from cllm.decoding import lean
+from cllm.runtime.lean import runner as lean
 
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 

@@ -1,6 +1,6 @@
-"""The lean runner's KV cache (`cllm.decoding.lean`): one keys and one values buffer per layer,
+"""The lean runner's KV cache (`cllm.runtime.lean.runner`): one keys and one values buffer per layer,
 preallocated and grown geometrically, with the surface of transformers' `DynamicCache` that
-`cllm.decoding.cache` uses (`get_seq_length`, `crop`, `layers[i].keys` / `.values`,
+`cllm.runtime.hf_cache` uses (`get_seq_length`, `crop`, `layers[i].keys` / `.values`,
 `batch_select_indices`), so every commit, rollback, hole and compaction there works unchanged.
 """
 

@@ -40,8 +40,8 @@ import torch
 import torch._inductor  # AOTInductor's package builder and loader
 import torch.nn.functional as F
 
-from cllm.decoding import lean
-from cllm.decoding.lean import rotate_half, runner_for, why_not
+from cllm.runtime.lean import runner as lean
+from cllm.runtime.lean.runner import rotate_half, runner_for, why_not
 
 COMPILE_MIN_TORCH = (2, 6)  # AOTInductor's packages, and Inductor's CPU GEMM template with a dynamic token count
 CACHE_ENV = "CLLM_COMPILE_CACHE"

@@ -1,4 +1,4 @@
-"""The small tensor routines of the lean runner's forwards (`cllm.decoding.lean`): projections
+"""The small tensor routines of the lean runner's forwards (`cllm.runtime.lean.runner`): projections
 in the feature-major and token-major layouts, the Llama-family RMSNorm, masks, rotary helpers,
 the widths packed and padded forwards run on, and the greedy argmax every decoder takes on CPU
 logits."""

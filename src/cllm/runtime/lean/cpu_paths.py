@@ -1,6 +1,6 @@
 """Which of the lean runner's float32 CPU forwards is fastest at each width, on this machine.
 
-The runner (`cllm.decoding.lean`) computes a float32 CPU forward three ways, each exact (token
+The runner (`cllm.runtime.lean.runner`) computes a float32 CPU forward three ways, each exact (token
 for token transformers' greedy output, its logits equal to float32 rounding):
 
 - "packed": on oneDNN-packed copies of the weights (`packed.PackedWeights`), token-major;
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cllm.decoding.packed import PackedWeights, packed_linear
+from cllm.runtime.lean.packed import PackedWeights, packed_linear
 
 PATHS = ("packed", "gemm", "rows")
 HEAD_PATHS = ("packed", "rows")  # the LM head of a "rows" forward: its packed copy, or F.linear on its weight

@@ -1,4 +1,4 @@
-"""oneDNN-packed weights for the lean runner's float32 CPU forward (`cllm.decoding.lean`):
+"""oneDNN-packed weights for the lean runner's float32 CPU forward (`cllm.runtime.lean.runner`):
 `PackedWeights` holds the copies, `packed_linear` computes a projection from one (its bias and a
 residual, SiLU or product in the same call). The kernels are torch's own oneDNN inner products
 (the ones Inductor uses for frozen linears); `packing_available` checks once that this torch has

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from cllm.decoding.lean_kv import LeanKV
+from cllm.runtime.lean.kv import LeanKV
 
 # the runner these graphs replay (`lean.LeanRunner`, which imports this module: named, not imported)
 LeanRunner = Any
