@@ -26,7 +26,7 @@ from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "load_test.py"]
+PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "load_test.py", "soak.py"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ["def f(x):", "class A:", "import re"]
@@ -149,6 +149,28 @@ def test_load_test_against_a_tiny_server_reports_every_level_without_mismatches(
     assert levels == [("jacobi", 1), ("jacobi", 2), ("ar", 1), ("ar", 2)]
     assert all(r["completed"] == r["requests"] == 2 and r["errors"] == r["mismatches"] == 0 for r in result["levels"])
     assert set(result["throughput_vs_one_client"]) == {"jacobi", "ar"}
+
+
+def test_soak_refuses_a_host_off_this_machine():
+    done = run(sys.executable, SCRIPTS / "soak.py", "--host", "10.0.0.1")
+    assert done.returncode == 2 and "loopback" in done.stderr
+
+
+@pytest.mark.slow
+def test_soak_against_a_tiny_server_samples_rss_and_replays_greedy_requests_unchanged(tiny, tmp_path):
+    out = tmp_path / "soak.json"
+    done = run(sys.executable, SCRIPTS / "soak.py", "--model", tiny["target"], "--threads", "1", "--minutes", "0.1",
+               "--clients", "2", "--sample", "1", "--replay", "3", "--request-timeout", "60", "--json", out,
+               timeout=240)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert len(result["rss"]) >= 2 and all(row["rss_mib"] > 0 for row in [*result["rss"], result["drained"]])
+    assert [row["t"] for row in result["rss"]] == sorted(row["t"] for row in result["rss"])
+    totals = result["totals"]
+    assert totals["errors"] == totals["exceptions"] == totals["mismatches"] == 0, result["failures"]
+    assert totals["requests"] == totals["completed"] + totals["disconnects"] > 0
+    assert totals["greedy_replayed"] == min(3, totals["greedy_recorded"]) > 0
+    assert "| t (s) | RSS (MiB) | requests |" in done.stdout
 
 
 def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
