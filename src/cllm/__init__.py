@@ -9,6 +9,7 @@ Public API (loaded lazily, so that `import cllm` and `cllm --help` stay fast wit
     from cllm import medusa_decode  # with Medusa heads: cllm.models.load_heads (cllm medusa)
     from cllm import eagle_decode  # with an EAGLE head: cllm.models.load_eagle (cllm eagle)
     from cllm.models import load_for_decoding   # model, tokenizer, draft table, RECOMMENDED
+    from cllm.runtime import open_runtime   # a model on the runtime asked for (decoders take either)
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
 from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
-from cllm.runtime.lean import compiled
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import Runtime, open_runtime
 
 log = logging.getLogger(__name__)
 
@@ -370,12 +369,13 @@ class DecodingModel:
     """A model ready for the fast path: `jacobi_decode(m.model, ids, **m.settings)` decodes as
     `cllm generate` does by default (greedy: the same tokens as greedy decoding)."""
 
-    model: torch.nn.Module
+    model: Runtime  # what the decoders run on (`cllm.runtime`): `m.model.describe()` says which and why
     tokenizer: Any
     draft_table: Any  # its DraftTable (`cllm drafts`), or None when its folder has none
     settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
     name: str
-    not_compiled: str | None = None  # why the runner's forward was not compiled, when asked
+    module: torch.nn.Module | None = None  # the transformers model the runtime runs
+    not_compiled: str | None = None  # why the runtime's forward was not compiled, when asked
 
 
 def load_for_decoding(
@@ -386,16 +386,20 @@ def load_for_decoding(
     draft_table: str | None = "auto",
     trust_remote_code: bool = False,
     compile: bool = False,
+    runtime: str = "auto",
 ) -> DecodingModel:
     """One call for the fast path: the model (a shipped name, a local folder or a hub id
-    `owner/name`), its tokenizer, its draft table and the decode setting of the CLI.
+    `owner/name`) on its runtime, its tokenizer, its draft table and the decode setting of the CLI.
 
     Args:
         draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
-        compile: compile the lean runner's forward now (`cllm.runtime.lean.compiled.compile_runner`:
-            float32 on a CPU with a C++ compiler; about a minute the first time for these
-            weights, then loaded from the compile cache in seconds), for one prompt at a time
-            (a batch of prompts decodes on the eager runner); `not_compiled` says why not.
+        compile: compile the lean runtime's forward now (`cllm.runtime.lean.compiled`: float32
+            on a CPU with a C++ compiler; minutes the first time for these weights, then loaded
+            from the compile cache), for one prompt at a time (a batch of
+            prompts decodes on the eager forward); `not_compiled` says why not.
+        runtime: "auto" (the lean runtime where it runs the model, else transformers'),
+            "transformers" or "lean" (`cllm.runtime.open_runtime`); `model.describe()` says
+            which and why.
 
     Example:
         fast = load_for_decoding("stdlib-coder-cllm")
@@ -405,11 +409,15 @@ def load_for_decoding(
     """
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     table = load_draft_table(name_or_path, draft_table)
-    model = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    module = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    try:
+        decoding = open_runtime(module, runtime)
+    except ValueError as exc:
+        raise UserError(f"--runtime {runtime}: {first_line(exc)}") from None
     settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
-    not_compiled = compiled.compile_runner(model, batches=False) if compile else None
-    lean.prepare(model)
-    return DecodingModel(model, tokenizer, table, settings, str(name_or_path), not_compiled)
+    not_compiled = decoding.compile(batches=False) if compile else None
+    decoding.prepare()
+    return DecodingModel(decoding, tokenizer, table, settings, str(name_or_path), module, not_compiled)
 
 
 def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Any]:
@@ -476,12 +484,6 @@ def _load_weights(found: Path, weights_file: str, load: Callable[[dict[str, torc
         raise UserError(f"cannot load {found / weights_file}: {first_line(exc)}") from None
 
 
-def heads_dir(source: str | os.PathLike) -> Path | None:
-    """The heads folder `source` names: itself when it holds a `medusa_config.json`, else its
-    `medusa/` subfolder when that does (a checkpoint with heads); None otherwise."""
-    return _drafter_dir(source, HEADS_DIR, CONFIG_FILE)
-
-
 def load_heads(source: str | os.PathLike, model: torch.nn.Module, *,
                model_path: str | os.PathLike | None = None) -> MedusaHeads | None:
     """The heads saved in `source` (a heads folder, or a checkpoint whose `medusa/` holds them)
@@ -528,12 +530,6 @@ def _check_heads_fingerprint(record: dict, found: Path, model: torch.nn.Module, 
     if saved != have:
         raise UserError(f"{kind} in {found} were trained on another model (fingerprint {saved}, "
                         f"this one is {have}); retrain with {command}")
-
-
-def eagle_dir(source: str | os.PathLike) -> Path | None:
-    """The EAGLE head folder `source` names: itself when it holds an `eagle_config.json`, else
-    its `eagle/` subfolder when that does (a checkpoint with a head); None otherwise."""
-    return _drafter_dir(source, EAGLE_DIR, EAGLE_CONFIG_FILE)
 
 
 def load_eagle(source: str | os.PathLike, model: torch.nn.Module, model_path: str | os.PathLike | None = None

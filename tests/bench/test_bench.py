@@ -26,8 +26,9 @@ from cllm.core.errors import UserError
 from cllm.core.machine import load_warning, threads_for_load
 from cllm.data.prompts import Prompt
 from cllm.data.tokenizer import train_tokenizer
-from cllm.decoding import greedy_decode
+from cllm.decoding import greedy_decode, jacobi_decode
 from cllm.models import SHIPPED
+from cllm.runtime import open_runtime
 from tests.tiny import CODE_TEXTS
 
 TEXTS = CODE_TEXTS
@@ -195,8 +196,11 @@ def test_counts_follow_the_reference_definitions(report):
     for name in ("target_ar", "cllm_ar", "hf_generate"):
         assert data["methods"][name]["tokens_per_forward"] == 1.0
     for name in ("target_jacobi", "cllm_jacobi", "cllm_jacobi_plain", "target_lookahead"):
-        assert data["methods"][name]["mean_fast_forwarded"] >= 1.0
-        assert data["methods"][name]["stationary_tokens"] >= 0
+        m = data["methods"][name]
+        assert m["mean_fast_forwarded"] >= 1.0
+        # a stationary token is one a forward did not have to make final: at most the tokens
+        # past the one each forward makes final for sure
+        assert 0 <= m["stationary_tokens"] <= m["new_tokens"] - m["forward_passes"] + m["n_prompts"], name
     for name in ("assisted", "speculative", "cllm_speculative"):  # target forwards counted, the draft's apart
         assert data["methods"][name]["draft_forward_passes"] > 0, name
     for name in ("speculative", "cllm_speculative"):  # one verify forward makes 1 .. k + 1 tokens final
@@ -260,13 +264,29 @@ def test_a_mismatch_is_excused_only_as_a_near_tie(tiny):
 
 def test_forward_counter_reads_tokens_made_final_per_call(tiny):
     model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
-    counter = ForwardCounter(model)
-    out = greedy_decode(model, torch.tensor([[5, 6, 7]]), max_new_tokens=6)
-    assert counter.calls == out.forward_passes == 6
+    counter = ForwardCounter(model, open_runtime(model, "transformers"))
+    out = greedy_decode(counter.runtime, torch.tensor([[5, 6, 7]]), max_new_tokens=6)
+    assert counter.calls == counter.runtime_forwards == out.forward_passes == 6
     assert counter.accepted(3, 6) == [1] * 6
+    counter.check(6)
+    with pytest.raises(RuntimeError, match="forward count mismatch: decoder 5, runtime 6, hook 6"):
+        counter.check(5)
     counter.remove()
-    greedy_decode(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
-    assert counter.calls == 6  # removed: no longer counting
+    greedy_decode(counter.runtime, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+    assert counter.calls == 6 and counter.runtime_forwards == 8  # removed: the hook no longer counts
+
+
+def test_forward_counter_checks_a_lean_decoder_against_the_runtimes_own_count(tiny):
+    """The lean runtime never calls the transformers model: its own count is what checks ours."""
+    model = LlamaForCausalLM.from_pretrained(tiny["target"]).eval()
+    counter = ForwardCounter(model, open_runtime(model, "lean"))
+    out = jacobi_decode(counter.runtime, torch.tensor([[5, 6, 7]]), block_size=3, max_new_tokens=9)
+    assert counter.calls == 0 and counter.runtime_forwards == out.forward_passes
+    counter.check(out.forward_passes)
+    with pytest.raises(RuntimeError, match="forward count mismatch"):
+        counter.check(out.forward_passes + 1)
+    counter.reset()
+    assert counter.runtime_forwards == 0
 
 
 def test_a_missing_shipped_cllm_is_skipped_with_a_note(tiny, tmp_path, monkeypatch):

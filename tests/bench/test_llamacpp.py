@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cllm.bench.llamacpp as llamacpp_module
 from cllm.bench.config import LLAMACPP_METHODS, BenchConfig
-from cllm.bench.methods import build_methods
+from cllm.bench.methods import ForwardCounter, build_methods
 from cllm.bench.models import BenchModels, load_models
 from cllm.bench.run import run_bench
 from cllm.cli import main
@@ -76,9 +76,10 @@ def test_without_llama_cpp_the_methods_are_skipped_with_a_note_or_refused_by_nam
                                          num_attention_heads=4, max_position_embeddings=64)).eval()
     models = BenchModels(model, train_tokenizer(CODE_TEXTS, vocab_size=320, min_frequency=1))
     config = BenchConfig(cllm="none", draft_model="none", medusa="none", max_new_tokens=4)
-    built = build_methods(config, models, {"target": None})
+    counters = {"target": ForwardCounter(model)}
+    built = build_methods(config, models, counters)
     assert built and not any(m.name in LLAMACPP_METHODS for m in built)
     assert llamacpp_module.skipped_note([]) == [reason] == llamacpp_module.skipped_note(["llamacpp_ar"])
     assert llamacpp_module.skipped_note(["target_ar"]) == []  # not asked for: nothing to say
     with pytest.raises(UserError, match="llama-cpp-python"):
-        build_methods(config, models, {"target": None}, ["target_ar", "llamacpp_ar"])
+        build_methods(config, models, counters, ["target_ar", "llamacpp_ar"])

@@ -16,6 +16,7 @@ from cllm.cli import main
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from cllm.decoding import JacobiConfig, greedy_decode
 from cllm.models import load_model, load_tokenizer
+from cllm.runtime import open_runtime
 from cllm.serving.completion import DecodeParams, TextCodec, TextStream, complete
 from tests.tiny import CODE_TEXTS
 
@@ -49,7 +50,8 @@ class Oracle:
     """Greedy decoding of text, computed here independently of cllm.commands.generate."""
 
     def __init__(self, directory):
-        self.model, self.tokenizer = load_model(directory), load_tokenizer(directory)
+        self.model = open_runtime(load_model(directory), "transformers")  # the model's own forward
+        self.tokenizer = load_tokenizer(directory)
 
     def ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
@@ -98,12 +100,22 @@ def test_generate_streams_jacobi_text_equal_to_greedy_decoding(plain, oracle, ca
         assert "tokens/forward" in err and "tokens/s" in err
 
 
+@pytest.mark.parametrize("runtime, said", [("auto", "forward: lean (llama, float32; "),
+                                           ("lean", "forward: lean (llama, float32; "),
+                                           ("transformers", "forward: transformers' forward (asked for)")])
+def test_generate_says_which_runtime_decodes_and_each_gives_greedy_text(plain, oracle, capsys, runtime, said):
+    code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[1], "--max-new-tokens", NEW,
+                         "--runtime", runtime, "-v")
+    assert code == 0 and out == oracle.text(PROMPTS[1]) + "\n"
+    assert said in err and ("auto: a llama model" in err) == (runtime == "auto")
+
+
 def test_generate_compiled_says_so_and_is_still_greedy_and_a_model_it_cannot_compile_gets_a_note(
         plain, oracle, capsys):
     code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", NEW,
                          "--compile", "-v")
     assert code == 0 and out == oracle.text(PROMPTS[0]) + "\n"
-    assert "forward: lean runner (llama, float32; compiled forward" in err
+    assert "forward: lean (llama, float32; compiled forward" in err
     assert f"--compile: the compiled forward is loaded from {os.environ['CLLM_COMPILE_CACHE']}, or built" in err
     code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[0], "--max-new-tokens", 8,
                          "--compile", "--dtype", "bfloat16")

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers as tf
 
-from cllm.runtime.lean import cpu_paths, graphs
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import Runtime, as_runtime, open_runtime
+from cllm.runtime.lean import graphs
 
 VOCAB = 256
 MAX_POSITIONS = 256
@@ -41,31 +41,58 @@ def _config(arch: str):
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
-# llama and qwen2 decode through the lean runner (`cllm.runtime.lean.runner`), in float32 on its packed
-# weights; "@unpacked" runs the same tests on its feature-major MKL path, "@rows" on its token-major
-# one (`cpu_paths`: which of the three a machine runs fastest is measured at load), "@graphs" on
-# its CUDA-graph path (every forward of a few tokens through the static buffers and the index
-# writes, the graph stood in by `graphs.EagerGraph` on the CPU), "@transformers" on transformers'
-# own forward, so every path passes every exactness test
-PATHS = ARCHS + ["llama@unpacked", "qwen2@rows", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
+# A plain name decodes on the model's "auto" runtime: llama and qwen2 on the lean runtime
+# (`cllm.runtime.lean`, float32 on its packed weights), the others on transformers'. The same
+# tests run on the lean runtime's feature-major MKL layout ("@gemm"), its token-major one
+# ("@rows"; which of the three a machine runs fastest is measured at load), its CUDA-graph path
+# ("@graphs": every forward of a few tokens through the static buffers and the index writes, the
+# graph stood in by `graphs.EagerGraph` on the CPU) and on the transformers runtime
+# ("@transformers"), so every runtime and path passes every exactness test
+PATHS = ARCHS + ["llama@gemm", "qwen2@rows", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
 _MODELS: dict[str, torch.nn.Module] = {}
+_RUNTIMES: dict[str, Runtime] = {}
 
 
-def tiny_model(arch: str) -> torch.nn.Module:
-    """A 2-layer random model (float32, eval), the same object for the whole session."""
-    if arch not in _MODELS:
+def tiny_module(arch: str) -> torch.nn.Module:
+    """A 2-layer random transformers model (float32, eval) of the architecture `arch` names (its
+    "@path" ignored), the same object for the whole session."""
+    name = arch.partition("@")[0]
+    if name not in _MODELS:
         torch.manual_seed(1234)
-        _MODELS[arch] = tf.AutoModelForCausalLM.from_config(_config(arch)).float().eval()
-    return _MODELS[arch]
+        _MODELS[name] = tf.AutoModelForCausalLM.from_config(_config(name)).float().eval()
+    return _MODELS[name]
+
+
+def tiny_model(arch: str) -> torch.nn.Module | Runtime:
+    """What the decoders are tested on: the model (on its "auto" runtime) for a plain name, the
+    runtime "@path" names otherwise (made once per session)."""
+    if "@" not in arch:
+        return tiny_module(arch)
+    if arch not in _RUNTIMES:
+        _RUNTIMES[arch] = on_path(arch, tiny_module(arch))
+    return _RUNTIMES[arch]
+
+
+def module_of(model: torch.nn.Module | Runtime) -> torch.nn.Module:
+    """The transformers model a runtime runs (a model itself as it is)."""
+    return model if isinstance(model, torch.nn.Module) else model.model
+
+
+def on_path(arch: str, model: torch.nn.Module) -> torch.nn.Module | Runtime:
+    """`model` on the runtime `arch`'s "@path" names (itself, on its "auto" one, for none)."""
+    path = arch.partition("@")[2]
+    if not path:
+        return model
+    runtime, options = {"transformers": ("transformers", {}), "gemm": ("lean", {"path": "gemm"}),
+                        "rows": ("lean", {"path": "rows"}), "graphs": ("lean", {})}[path]
+    return open_runtime(model, runtime, **options)
 
 
 @pytest.fixture(params=PATHS)
 def arch(request):
-    """An architecture's name, with the decoding forward it is tested on switched on."""
-    name, _, path = request.param.partition("@")
-    with lean.runner_enabled(path != "transformers"), lean.packed_enabled(path != "unpacked"), \
-            cpu_paths.forced("rows" if path == "rows" else None), graphs_standing_in(path == "graphs"):
-        yield name
+    """An architecture's name and the runtime it is tested on ("llama", "qwen2@rows", ...)."""
+    with graphs_standing_in(request.param.endswith("@graphs")):
+        yield request.param
 
 
 @contextmanager
@@ -82,16 +109,42 @@ def graphs_standing_in(on: bool) -> Iterator[None]:
         yield
 
 
+class Spied:
+    """A runtime whose sessions note the logits' dtype of every forward they run (`seen`), and
+    that answers everything else as the runtime it wraps."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime, self.seen = runtime, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+    def session(self):
+        session, seen = self.runtime.session(), self.seen
+
+        def noting(call):
+            def noted(*args, **kwargs):
+                out = call(*args, **kwargs)
+                seen.append((out[1] if isinstance(out, tuple) else out).logits.dtype)
+                return out
+            return noted
+
+        session.open, session.feed = noting(session.open), noting(session.feed)
+        return session
+
+
 def random_prompt(seed: int, length: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB, (1, length), generator=g)
 
 
 @torch.inference_mode()
-def top2_margin(model: torch.nn.Module, context: list[int]) -> float:
-    """Gap between the two largest next-token logits after `context` (plain full forward)."""
-    logits = model(input_ids=torch.tensor([context])).logits[0, -1]
-    top = logits.topk(2).values
+def top2_margin(model: torch.nn.Module | Runtime, context: list[int]) -> float:
+    """Gap between the two largest next-token logits after `context` (one forward of the runtime)."""
+    session = as_runtime(model).session()
+    rows, out = session.open([context])
+    session.close(rows)
+    top = out.logits[0, -1].topk(2).values
     return float(top[0] - top[1])
 
 

@@ -8,7 +8,8 @@ import torch
 
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding.sampling import sample_decode
-from tests.decoding.conftest import VOCAB, left_padded, random_prompt, tiny_model
+from cllm.runtime import open_runtime
+from tests.decoding.conftest import VOCAB, Spied, left_padded, random_prompt, tiny_model
 
 
 def test_greedy_counts_one_forward_per_token_prefill_included():
@@ -43,16 +44,14 @@ def test_decoders_run_in_the_models_dtype(dtype):
     and the model stays in it; the budget is decoded. (Tokens: test_jacobi_exact.py compares
     Jacobi with same-dtype greedy in both dtypes.)"""
     model = copy.deepcopy(tiny_model("llama")).to(dtype)
-    seen = []
-    hook = model.register_forward_hook(lambda module, args, out: seen.append(out.logits.dtype))
-    prompt, g = random_prompt(47, 4), torch.Generator().manual_seed(0)
-    outs = [greedy_decode(model, prompt, max_new_tokens=9),
-            jacobi_decode(model, prompt, block_size=4, max_new_tokens=9),
-            jacobi_decode(model, prompt, block_size=4, max_new_tokens=9, temperature=0.8,
-                          generator=g),
-            sample_decode(model, prompt, max_new_tokens=9, temperature=0.8, generator=g)]
-    hook.remove()
-    assert seen == [dtype] * sum(out.forward_passes for out in outs)
+    for runtime in (Spied(open_runtime(model, "lean")), Spied(open_runtime(model, "transformers"))):
+        prompt, g = random_prompt(47, 4), torch.Generator().manual_seed(0)
+        outs = [greedy_decode(runtime, prompt, max_new_tokens=9),
+                jacobi_decode(runtime, prompt, block_size=4, max_new_tokens=9),
+                jacobi_decode(runtime, prompt, block_size=4, max_new_tokens=9, temperature=0.8,
+                              generator=g),
+                sample_decode(runtime, prompt, max_new_tokens=9, temperature=0.8, generator=g)]
+        assert runtime.seen == [dtype] * sum(out.forward_passes for out in outs) == [dtype] * runtime.forwards
     assert all(p.dtype == dtype for p in model.parameters())
     for out in outs:
         assert len(out.new_tokens[0]) == 9 and all(0 <= t < VOCAB for t in out.new_tokens[0])

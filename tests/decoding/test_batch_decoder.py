@@ -104,7 +104,7 @@ def test_a_removed_row_stops_and_leaves_the_others_unchanged():
         pass
     for row, seed in ((a, 51), (c, 53)):
         assert decoder.tokens(row) == greedy_decode(model, random_prompt(seed, 6), max_new_tokens=30).new_tokens[0]
-    assert decoder._rc is None and decoder.running == 0  # nothing running: the cache is gone
+    assert decoder.session.rows() == [] and decoder.running == 0  # nothing running: the session holds nothing
 
 
 def test_the_decoder_is_reused_after_its_batch_emptied_and_finish_collects_rows():

@@ -16,11 +16,12 @@ from cllm import eagle_decode, greedy_decode
 from cllm.decoding.rivals.eagle import draft_tree, eagle_steps
 from cllm.decoding.stats import DecodeStats
 from cllm.modeling.eagle import EagleHead
-from cllm.runtime import hf_cache as cache
+from cllm.runtime import as_runtime, hf
 from tests.decoding.conftest import (
     MAX_POSITIONS,
     VOCAB,
     assert_same_tokens,
+    module_of,
     random_prompt,
     tiny_model,
 )
@@ -37,7 +38,7 @@ def greedy(arch: str, seed: int, length: int, max_new: int = MAX_NEW, eos: int |
 
 def untrained_head(model, seed: int = 0) -> EagleHead:
     torch.manual_seed(seed)
-    return EagleHead.for_model(model).eval()
+    return EagleHead.for_model(module_of(model)).eval()
 
 
 class OracleHead:
@@ -52,7 +53,7 @@ class OracleHead:
 
     def __init__(self, model, prompt: list[int], text: list[int]) -> None:
         self.full = prompt + text
-        self.states = cache.forward_hidden(model, torch.tensor([self.full])).hidden[0].detach()  # (T, H)
+        self.states = hf.forward_hidden(module_of(model), torch.tensor([self.full])).hidden[0].detach()  # (T, H)
         self.body = untrained_head(model)
         self.H = self.states.shape[1]
         self.kept_feeds = 0
@@ -62,12 +63,15 @@ class OracleHead:
         code[0], code[1] = i, float(ok)
         return code
 
+    def new_cache(self):
+        return self.body.new_cache()
+
     def step(self, rc, features, next_tokens, position_ids, allowed=None):
         L = features.shape[1]
         positions = position_ids[0].tolist()
         out = []
         if allowed is None:  # entries the cache keeps: true features at consecutive positions
-            assert positions == list(range(rc.lengths[0], rc.lengths[0] + L)), "kept entries out of place"
+            assert positions == list(range(rc.length, rc.length + L)), "kept entries out of place"
             self.kept_feeds += 1
             for j, i in enumerate(positions):
                 f = features[0, j]
@@ -139,13 +143,13 @@ def test_the_head_cache_holds_exactly_the_accepted_positions_after_each_step():
     prompt = random_prompt(seed, length)
     expected = greedy("llama", seed, length)
     head = OracleHead(model, prompt[0].tolist(), expected)
-    hc = cache.empty_cache()
+    hc = head.new_cache()
     written = 0
     with torch.inference_mode():
         for new in eagle_steps(model, head, prompt, None, nodes=8, depth=3, top_k=2, max_new_tokens=MAX_NEW,
                                eos=frozenset(), stats=DecodeStats(), head_cache=hc):
             if written:  # after the prefill's token the head has not been fed yet
-                assert hc.lengths[0] == hc.physical_length == length + written - 1  # the step's root position
+                assert hc.length == hc.cache.get_seq_length() == length + written - 1  # the step's root position
             written += len(new)
     assert written == MAX_NEW
 
@@ -220,30 +224,31 @@ def test_draft_tree_is_ancestor_closed_and_in_depth_order():
     head = untrained_head(model, seed=3)
     ids = random_prompt(11, 8)
     with torch.inference_mode():
-        rc, out = cache.prefill_features(model, ids, torch.ones_like(ids))
-        hc = cache.empty_cache()
+        session = as_runtime(model).session()
+        _, out = session.open([ids[0].tolist()], hidden=True, every=True)
+        hc = head.new_cache()
         nexts = torch.cat([ids[:, 1:], out.logits[:, -1:].argmax(-1)], dim=1)
         g = head.step(hc, out.hidden, nexts, torch.arange(8)[None])[:, -1]
         for nodes, depth, top_k in ((1, 3, 2), (6, 3, 3), (16, 5, 4), (40, 3, 3)):
             tree, forwards = draft_tree(head, hc, 5, g, nodes=nodes, depth=depth, top_k=top_k)
-            layout = tree.layout
-            assert forwards == depth - 1 and tree.tokens.shape[0] == layout.depth.shape[0]
-            assert tree.tokens.shape[0] == 1 + min(nodes, top_k + (depth - 1) * top_k * top_k)
-            assert bool((layout.depth[layout.parent[1:]] == layout.depth[1:] - 1).all())
-            assert bool((layout.parent[1:] < torch.arange(1, layout.depth.shape[0])).all())
-            cache.rollback(hc, [hc.lengths[0] - 8])
-            assert hc.lengths[0] == hc.physical_length == 8
+            assert forwards == depth - 1 and len(tree.tokens) == len(tree.depth) == len(tree.parent)
+            assert len(tree.tokens) == 1 + min(nodes, top_k + (depth - 1) * top_k * top_k)
+            assert all(tree.depth[p] == d - 1 for p, d in zip(tree.parent[1:], tree.depth[1:], strict=True))
+            assert all(p < i for i, p in enumerate(tree.parent))
+            hc.rewind(8)
+            assert hc.length == hc.cache.get_seq_length() == 8
 
 
 def test_the_cached_head_forward_equals_the_uncached_one():
-    """`cache.feed_embeds` with a cache, chunk by chunk, computes what one causal forward does."""
+    """The head's layer with a cache (`hf.EmbedsCache`), chunk by chunk, computes what one causal
+    forward does."""
     model = tiny_model("gpt-neox")
     head = untrained_head(model, seed=1)
     ids = random_prompt(12, 14)
     with torch.inference_mode():
-        features = cache.forward_hidden(model, ids).hidden  # (1, 14, H)
+        features = hf.forward_hidden(module_of(model), ids).hidden  # (1, 14, H)
         whole = head(features[:, :-1], ids[:, 1:])
-        hc = cache.empty_cache()
+        hc = head.new_cache()
         parts = [head.step(hc, features[:, a:b], ids[:, a + 1 : b + 1], torch.arange(a, b)[None])
                  for a, b in ((0, 5), (5, 6), (6, 13))]
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-4)

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import assert_same_tokens, left_padded, random_prompt, tiny_model
+from cllm.runtime import as_runtime
+from tests.decoding.conftest import (
+    assert_same_tokens,
+    left_padded,
+    on_path,
+    random_prompt,
+    tiny_model,
+    tiny_module,
+)
 
 BLOCK_SIZES = [1, 2, 7, 16, 32]
 MAX_NEW = 37  # a multiple of none of the block sizes above 1
@@ -109,10 +117,10 @@ def test_left_padded_batch_rows_equal_rows_decoded_alone(arch, block_size):
 
 
 def test_batch_stays_exact_when_the_cache_is_compacted_at_every_step(arch, monkeypatch):
-    from cllm.runtime import hf_cache as cache
+    from cllm.runtime import rows as batched
 
-    monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
-    monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)
+    monkeypatch.setattr(batched, "COMPACT_MIN_WASTE", 1)
+    monkeypatch.setattr(batched, "COMPACT_WASTE_FRACTION", 0.0)
     model = tiny_model(arch)
     shapes = [(21, 3), (22, 10), (23, 6)]
     ids, mask = left_padded([random_prompt(s, n) for s, n in shapes])
@@ -156,17 +164,19 @@ TIE_ULPS = 4  # a top-2 margin within 4 units in the last place of the top logit
 
 
 @functools.cache
-def half_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
-    return copy.deepcopy(tiny_model(arch)).to(dtype)
+def half_model(arch: str, dtype: torch.dtype):
+    return on_path(arch, copy.deepcopy(tiny_module(arch)).to(dtype))
 
 
 @torch.inference_mode()
-def near_tie(model, context: list[int]) -> tuple[bool, float]:
-    """Whether the next-token top-2 margin after `context` (plain forward, the model's dtype) is
+def near_tie(model, context: list[int], dtype: torch.dtype) -> tuple[bool, float]:
+    """Whether the next-token top-2 margin after `context` (one forward, the model's dtype) is
     within TIE_ULPS units in the last place of the top logit; and the margin in those units."""
-    ids = torch.tensor([context])
-    top = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].topk(2).values
-    ulp = torch.finfo(model.dtype).eps * 2 ** math.floor(math.log2(abs(float(top[0]))))
+    session = as_runtime(model).session()
+    rows, out = session.open([context])
+    session.close(rows)
+    top = out.logits[0, -1].topk(2).values
+    ulp = torch.finfo(dtype).eps * 2 ** math.floor(math.log2(abs(float(top[0]))))
     margin = float(top[0] - top[1])
     return margin <= TIE_ULPS * ulp, margin / ulp
 
@@ -178,32 +188,29 @@ def test_jacobi_equals_same_dtype_greedy_away_from_near_ties(arch, dtype):
     within one unit in the last place. The test fails if a decode parts anywhere else, or if
     near-ties leave under half of the tokens compared."""
     model = half_model(arch, dtype)
-    seen = set()
-    hook = model.register_forward_hook(lambda module, args, out: seen.add(out.logits.dtype))
+    session = as_runtime(model).session()  # the forwards compute in the half dtype
+    rows, out = session.open([[5, 6, 7]])
+    session.close(rows)
+    assert out.logits.dtype == dtype, f"forwards returned logits in {out.logits.dtype}, not {dtype}"
     compared = total = 0
     ties = []  # margins (in units in the last place) where a decode parted from greedy
-    try:
-        for seed, length in HALF_PROMPTS:
-            prompt = random_prompt(seed, length)
-            context = prompt[0].tolist()
-            expected = greedy_decode(model, prompt, max_new_tokens=MAX_NEW).new_tokens[0]
-            for block_size in (5, 16):
-                got = jacobi_decode(model, prompt, block_size=block_size, max_new_tokens=MAX_NEW,
-                                    generator=torch.Generator().manual_seed(seed)).new_tokens[0]
-                total += len(expected)
-                k = next((i for i, (e, g) in enumerate(zip(expected, got)) if e != g), None)
-                tie, margin = (False, 0.0) if k is None else near_tie(model, context + expected[:k])
-                if tie:
-                    ties.append(margin)  # the tokens before the tie were compared
-                    compared += k
-                else:
-                    what = f"{arch} {dtype} n={block_size}"
-                    assert_same_tokens(model, context, expected, got, what)
-                    compared += len(expected)
-    finally:
-        hook.remove()
+    for seed, length in HALF_PROMPTS:
+        prompt = random_prompt(seed, length)
+        context = prompt[0].tolist()
+        expected = greedy_decode(model, prompt, max_new_tokens=MAX_NEW).new_tokens[0]
+        for block_size in (5, 16):
+            got = jacobi_decode(model, prompt, block_size=block_size, max_new_tokens=MAX_NEW,
+                                generator=torch.Generator().manual_seed(seed)).new_tokens[0]
+            total += len(expected)
+            k = next((i for i, (e, g) in enumerate(zip(expected, got)) if e != g), None)
+            tie, margin = (False, 0.0) if k is None else near_tie(model, context + expected[:k], dtype)
+            if tie:
+                ties.append(margin)  # the tokens before the tie were compared
+                compared += k
+            else:
+                what = f"{arch} {dtype} n={block_size}"
+                assert_same_tokens(model, context, expected, got, what)
+                compared += len(expected)
     print(f"{arch} {dtype}: {len(ties)} of {2 * len(HALF_PROMPTS)} decodes parted at a near-tie "
           f"(margins {ties} units in the last place); {compared} of {total} tokens compared")
-    assert seen == {dtype}, f"forwards returned logits in {seen}, not only {dtype}"
-    assert all(p.dtype == dtype for p in model.parameters())
     assert compared >= total / 2

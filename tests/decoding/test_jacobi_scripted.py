@@ -128,10 +128,10 @@ def test_batch_rows_with_different_acceptance_match_each_row_alone():
 
 def test_compaction_keeps_rows_exact(monkeypatch):
     # compact at every opportunity: holes are gathered away many times during the run
-    from cllm.runtime import hf_cache as cache
+    from cllm.runtime import rows as batched
 
-    monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
-    monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)
+    monkeypatch.setattr(batched, "COMPACT_MIN_WASTE", 1)
+    monkeypatch.setattr(batched, "COMPACT_WASTE_FRACTION", 0.0)
     rows = [ROW_A, ROW_B, SAME]
     together, _ = decode(rows, block_size=5, max_new_tokens=21, guess="repeat")
     assert together.new_tokens == [list(s.continuation[:21]) for s in rows]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.decoding.jacobi import TokenTrie, lookup_continuation, pool_candidates
+from cllm.decoding.jacobi import lookup_continuation, pool_candidates
 from tests.decoding.conftest import left_padded, tiny_model
 from tests.decoding.scripted import Script, ScriptedLM, scripted_rule
 
@@ -94,40 +94,6 @@ def test_pool_candidates_find_what_a_plain_scan_finds_in_its_order():
     # the n-gram (0, 0) also matches the bytes of 0, 256 one byte later: not a match, and the
     # one a byte before it still is
     assert pool_candidates([0, 0, 256, 7, 0, 0], [], 2, 1) == [[256, 7]]
-
-
-def test_trie_feeds_shared_prefixes_once_and_verifies_the_longest_path():
-    # tail 5 | 1 2 3; drafts 1 2 9 (shares "1 2") and 4 4 (a new branch from the root)
-    trie = TokenTrie.build([5, 1, 2, 3], [[1, 2, 9], [4, 4]])
-    assert trie.tokens == [5, 1, 2, 3, 9, 4, 4]
-    assert trie.parent == [-1, 0, 1, 2, 2, 0, 5]
-    assert trie.depth == [0, 1, 2, 3, 3, 1, 2]
-    assert trie.leaves == [3, 4, 6] and trie.path(4) == [0, 1, 2, 4]
-    # predictions per node: after 5 comes 1, after 5 1 comes 2, after 5 1 2 comes 9, after 9 comes 7
-    outputs = [1, 2, 9, 0, 7, 0, 0]
-    assert trie.accepted_path(outputs) == [0, 1, 2, 4]
-    assert trie.accepted_path([4, 0, 0, 0, 0, 4, 8]) == [0, 5, 6]  # the second draft, whole
-    assert trie.accepted_path([8, 0, 0, 0, 0, 0, 0]) == [0]  # nothing matches: the root only
-    assert TokenTrie.build([5, 1, 2], [[1, 2]]).tokens == [5, 1, 2]  # a draft inside the tail adds nothing
-
-
-def test_trie_mask_rows_are_ancestors_and_padding_rows_are_empty():
-    trie = TokenTrie.build([5, 1, 2], [[7]])  # nodes 0:5, 1:1, 2:2 (tail), 3:7 (draft under the root)
-    T, F = True, False
-    assert trie.ancestor_rows(5) == [[T, F, F, F, F],
-                                     [T, T, F, F, F],
-                                     [T, T, T, F, F],
-                                     [T, F, F, T, F],
-                                     [F, F, F, F, F]]  # a padding row: feed_tree adds its diagonal
-
-
-def test_trie_budget_cuts_drafts_but_never_the_tail():
-    tail, drafts = [5, 1, 2, 3], [[1, 2, 9, 9], [4, 4, 4]]
-    assert TokenTrie.build(tail, drafts).tokens == [5, 1, 2, 3, 9, 9, 4, 4, 4]
-    trie = TokenTrie.build(tail, drafts, budget=6)  # the first draft shares 1, 2 and adds 9, 9
-    assert trie.tokens == [5, 1, 2, 3, 9, 9] and trie.leaves == [3, 5, 0]  # the second: cut whole
-    assert TokenTrie.build(tail, drafts, budget=5).tokens == [5, 1, 2, 3, 9]  # a draft cut inside
-    assert TokenTrie.build(tail, drafts, budget=2).tokens == [5, 1, 2, 3]  # the tail is fed whole
 
 
 @pytest.mark.parametrize("min_ngram", [1, 2])

@@ -15,19 +15,20 @@ import torch
 from cllm import greedy_decode
 from cllm.decoding.rivals.medusa import (
     TreeLayout,
-    accepted_nodes,
     build_tree,
     check_tree,
     medusa_decode,
     prior_accuracies,
     resolve_tree,
 )
+from cllm.decoding.tree import Tree
 from cllm.modeling.heads import MedusaHeads
-from cllm.runtime import hf_cache as cache
+from cllm.runtime import hf
 from tests.decoding.conftest import (
     MAX_POSITIONS,
     VOCAB,
     assert_same_tokens,
+    module_of,
     random_prompt,
     tiny_model,
 )
@@ -44,7 +45,7 @@ def greedy(arch: str, seed: int, length: int, max_new: int = MAX_NEW, eos: int |
 
 def random_heads(model, num_heads: int, seed: int) -> MedusaHeads:
     """Heads whose residual blocks are random: they guess wrong tokens, sometimes right ones."""
-    heads = MedusaHeads.for_model(model, num_heads=num_heads)
+    heads = MedusaHeads.for_model(module_of(model), num_heads=num_heads)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for block in heads.blocks:
@@ -63,7 +64,7 @@ class OracleHeads:
                  miss: float = 0.0, seed: int = 0) -> None:
         self.num_heads, self.ranks, self.miss = num_heads, ranks, miss
         self.full = prompt + text
-        self.states = cache.forward_hidden(model, torch.tensor([self.full])).hidden[0].detach()  # (T, H)
+        self.states = hf.forward_hidden(module_of(model), torch.tensor([self.full])).hidden[0].detach()  # (T, H)
         self.g = torch.Generator().manual_seed(seed)
         self.calls = 0
 
@@ -96,7 +97,7 @@ def test_untrained_and_random_heads_are_exact(arch, tree):
     for seed, length in PROMPTS:
         prompt = random_prompt(seed, length)
         expected = greedy(arch, seed, length)
-        for name, heads in (("untrained", MedusaHeads.for_model(model, num_heads=3)),
+        for name, heads in (("untrained", MedusaHeads.for_model(module_of(model), num_heads=3)),
                             ("random", random_heads(model, 4, seed))):
             out = medusa_decode(model, heads, prompt, tree=tree, max_new_tokens=MAX_NEW)
             assert_same_tokens(model, prompt[0].tolist(), expected, out.new_tokens[0], f"{arch} {name} tree={tree}")
@@ -184,7 +185,7 @@ def test_a_left_padded_prompt_decodes_as_the_bare_prompt():
 
 def test_bad_inputs_and_an_empty_budget():
     model = tiny_model("llama")
-    heads = MedusaHeads.for_model(model, num_heads=2)
+    heads = MedusaHeads.for_model(module_of(model), num_heads=2)
     with pytest.raises(ValueError, match="batch 1"):
         medusa_decode(model, heads, torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="1 to 2 ranks"):
@@ -215,7 +216,7 @@ def test_check_tree_adds_prefixes_and_refuses_bad_paths():
 
 def test_a_trained_heads_tree_and_accuracies_shape_the_default():
     model = tiny_model("llama")
-    heads = MedusaHeads.for_model(model, num_heads=2)
+    heads = MedusaHeads.for_model(module_of(model), num_heads=2)
     assert len(resolve_tree(heads, None).paths) == 20
     heads.accuracies = [[0.9, 0.5], [0.5, 0.0]]  # chances 0.9 (0), 0.5 (1), 0.45 (0,0), 0.25 (1,0)
     assert resolve_tree(heads, 3, top_k=2).paths == ((0,), (1,), (0, 0))
@@ -223,13 +224,13 @@ def test_a_trained_heads_tree_and_accuracies_shape_the_default():
     assert resolve_tree(heads, None).paths == ((0,), (0, 0))
 
 
-def test_accepted_nodes_walks_the_matching_path():
+def test_a_layouts_tree_accepts_the_matching_path():
     layout = TreeLayout.from_paths(((0,), (1,), (0, 0), (1, 0), (1, 1)))  # nodes 1..5
-    tokens = torch.tensor([7, 3, 4, 9, 5, 6])  # root 7; depth 1: 3 | 4; depth 2: 9 under 3, 5 | 6 under 4
+    assert layout.parent == [-1, 0, 0, 1, 2, 2]
+    tree = Tree.from_parents([7, 3, 4, 9, 5, 6], layout.parent)  # depth 1: 3 | 4; depth 2: 9 under 3, 5 | 6 under 4
     # the root predicts 4 (node 2), node 2 predicts 6 (node 5): path 0 -> 2 -> 5
-    outputs = torch.tensor([4, 0, 6, 0, 0, 0])
-    assert accepted_nodes(tokens, outputs, layout) == [0, 2, 5]
-    assert accepted_nodes(tokens, torch.tensor([8, 0, 6, 0, 0, 0]), layout) == [0]  # nothing under the root
-    assert accepted_nodes(tokens, torch.tensor([3, 9, 0, 0, 0, 0]), layout) == [0, 1, 3]
+    assert tree.accept([4, 0, 6, 0, 0, 0]) == [0, 2, 5]
+    assert tree.accept([8, 0, 6, 0, 0, 0]) == [0]  # nothing under the root
+    assert tree.accept([3, 9, 0, 0, 0, 0]) == [0, 1, 3]
     # a node whose token matches but whose parent did not is not accepted
-    assert accepted_nodes(tokens, torch.tensor([3, 1, 6, 0, 0, 0]), layout) == [0, 1]
+    assert tree.accept([3, 1, 6, 0, 0, 0]) == [0, 1]

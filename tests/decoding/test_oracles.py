@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from cllm import greedy_decode, jacobi_decode
-from tests.decoding.conftest import assert_same_tokens, left_padded, random_prompt, tiny_model
+from tests.decoding.conftest import assert_same_tokens, left_padded, module_of, random_prompt, tiny_model
 
 MAX_NEW = 37
 PROMPTS = [(51, 1), (52, 6), (53, 17)]  # (seed, length)
@@ -38,7 +38,7 @@ def test_greedy_and_jacobi_equal_a_no_cache_argmax_loop(arch):
     model = tiny_model(arch)
     for seed, length in PROMPTS:
         prompt = random_prompt(seed, length)
-        expected = argmax_loop(model, prompt[0].tolist(), MAX_NEW)
+        expected = argmax_loop(module_of(model), prompt[0].tolist(), MAX_NEW)
         got = {"greedy": greedy_decode(model, prompt, max_new_tokens=MAX_NEW).new_tokens[0]}
         for name, fast in FAST.items():
             out = jacobi_decode(model, prompt, max_new_tokens=MAX_NEW, **fast,
@@ -63,11 +63,11 @@ def test_a_padded_batch_with_eos_inside_a_block_equals_hf_generate(arch, name):
     ids, mask = left_padded(prompts)
     # EOS: a token row 0 writes inside one of its blocks; the other rows decode past it or stop
     block_size = FAST.get(name, {}).get("block_size", 7)
-    eos = _eos_inside_a_block(argmax_loop(model, prompts[0][0].tolist(), MAX_NEW), block_size)
+    eos = _eos_inside_a_block(argmax_loop(module_of(model), prompts[0][0].tolist(), MAX_NEW), block_size)
     config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,
                               eos_token_id=eos, pad_token_id=0)
     with torch.inference_mode():
-        hf = model.generate(ids, attention_mask=mask, generation_config=config)
+        hf = module_of(model).generate(ids, attention_mask=mask, generation_config=config)
     if name == "greedy":
         out = greedy_decode(model, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos)
     else:

@@ -23,8 +23,10 @@ from tests.decoding.conftest import (
     VOCAB,
     assert_same_tokens,
     left_padded,
+    on_path,
     random_prompt,
     tiny_model,
+    tiny_module,
 )
 from tests.decoding.law import exact_joint_law
 from tests.decoding.test_sampling import resample_from_p
@@ -41,22 +43,23 @@ def greedy(arch: str, seed: int, length: int, max_new: int = MAX_NEW, eos: int |
 
 
 @functools.cache
-def noisy_draft(arch: str, scale: float = 0.01) -> torch.nn.Module:
-    """The target with every weight nudged: it agrees with the target on some tokens, not all
-    (measured when written: 1 to 5 tokens made final per target forward at k = 4)."""
-    draft = copy.deepcopy(tiny_model(arch))
+def noisy_draft(arch: str, scale: float = 0.01):
+    """The target with every weight nudged (on the target's runtime): it agrees with the target
+    on some tokens, not all (measured when written: 1 to 5 tokens made final per target forward at
+    k = 4)."""
+    draft = copy.deepcopy(tiny_module(arch))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
-    return draft
+    return on_path(arch, draft)
 
 
 @functools.cache
-def unrelated_draft(arch: str) -> torch.nn.Module:
+def unrelated_draft(arch: str):
     """Another random model of the same shape: its drafts are (almost) never accepted."""
     torch.manual_seed(99)
-    return type(tiny_model(arch))(tiny_model(arch).config).float().eval()
+    return on_path(arch, type(tiny_module(arch))(tiny_module(arch).config).float().eval())
 
 
 @pytest.mark.parametrize("k", DRAFT_TOKENS)
@@ -167,10 +170,10 @@ def test_left_padded_batch_rows_equal_rows_decoded_alone(arch, k, schedule):
 
 
 def test_batch_rows_finish_at_their_own_eos_and_the_cache_is_compacted_at_every_step(arch, monkeypatch):
-    from cllm.runtime import hf_cache as cache
+    from cllm.runtime import rows as batched
 
-    monkeypatch.setattr(cache, "COMPACT_MIN_WASTE", 1)
-    monkeypatch.setattr(cache, "COMPACT_WASTE_FRACTION", 0.0)
+    monkeypatch.setattr(batched, "COMPACT_MIN_WASTE", 1)
+    monkeypatch.setattr(batched, "COMPACT_WASTE_FRACTION", 0.0)
     model = tiny_model(arch)
     shapes = [(21, 3), (22, 10), (23, 6), (24, 2)]
     ids, mask = left_padded([random_prompt(s, n) for s, n in shapes])

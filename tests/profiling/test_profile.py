@@ -45,8 +45,19 @@ def test_the_table_has_every_k_with_positive_times_and_ratios(measured):
         assert row.host_jacobi_ms is not None and row.host_engine_ms is not None
 
 
-def test_the_ratio_at_k_1_is_1(measured):
-    assert measured[0].rows[0].ratio == 1.0 and measured[0].rows[0].ratio_median == 1.0
+def test_the_steps_are_timed_on_the_runtime_asked_for(tiny_config, monkeypatch):
+    import cllm.profiling.profile as profile_module
+
+    timed = []
+    real = profile_module.time_steps
+    monkeypatch.setattr(profile_module, "time_steps", lambda runtime, *a, **k: timed.append(runtime.name)
+                        or real(runtime, *a, **k))
+    for runtime, name, forward in (("transformers", "transformers", "transformers' forward (asked for)"),
+                                   ("auto", "lean", "lean (llama")):
+        result = profile(ProfileConfig(shape=str(tiny_config), device="cpu", prefix=8, k=[2], repeats=1,
+                                       host_tokens=0, tree=False, forward_batches=[], decode_tokens=0,
+                                       runtime=runtime, out=None))
+        assert timed.pop() == name and result.model["forward"].startswith(forward)
 
 
 def test_predicted_speedup_is_tpf_times_t1_over_tk(measured):
@@ -104,9 +115,9 @@ def test_the_forward_table_and_the_decode_can_be_skipped(tiny_config, tmp_path):
 
 def test_the_tree_step_feeds_exactly_k_tokens_through_the_engines_trie():
     for k in range(1, 65):
-        tokens, depth, mask = steptime.tree_layout(k)
-        assert len(tokens) == len(depth) == len(mask) == k
-        assert all(mask[i][i] for i in range(k)) and all(mask[i][0] for i in range(k))
+        tokens, parents = steptime.tree_layout(k)
+        assert len(tokens) == len(parents) == k and len(set(tokens)) == k
+        assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, k))  # one root, parents first
 
 
 def test_the_named_shapes_have_their_nominal_sizes():

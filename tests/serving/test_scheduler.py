@@ -1,7 +1,7 @@
 """The continuous-batching scheduler (`cllm.serving.scheduler`) on a tiny random model: concurrent jobs
 decode in one batch and each gets its single-request output (greedy: `greedy_decode`'s text;
 seeded sampling: what `complete` samples alone); the batch respects its size and token bounds;
-cancelled and timed-out jobs leave it; stopping fails what is left. A forward pre-hook (`Gate`)
+cancelled and timed-out jobs leave it; stopping fails what is left. A gated runtime (`Gate`)
 holds the decode thread at a chosen forward so that what happens between steps is exact."""
 
 import gc
@@ -12,6 +12,7 @@ import pytest
 
 from cllm.decoding import BatchDecoder, JacobiConfig
 from cllm.models import load_model
+from cllm.runtime import as_runtime
 from cllm.runtime.lean.kv import LeanKV
 from cllm.serving.completion import DecodeParams, TextCodec, complete
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
@@ -33,7 +34,7 @@ def oracle(model_dir):
 
 @pytest.fixture
 def model(model_dir):
-    return load_model(model_dir)  # its own copy: the tests hook its forward
+    return load_model(model_dir)  # its own copy: the tests gate its runtime
 
 
 class Collector:
@@ -57,18 +58,31 @@ class Collector:
 
 
 class Gate:
-    """Counts the model's forwards; from forward `hold_at` on, each waits until `opened`."""
+    """A model's "auto" runtime whose forwards (every session's `open` and `feed`) are counted;
+    from forward `hold_at` on, each waits until `opened`. Decoders take it as the runtime."""
 
     def __init__(self, model, hold_at: int) -> None:
+        self.runtime = as_runtime(model)
         self.count, self.hold_at = 0, hold_at
         self.opened, self.reached = threading.Event(), threading.Event()
-        self.handle = model.register_forward_pre_hook(self)
 
-    def __call__(self, module, args) -> None:
-        self.count += 1
-        if self.count >= self.hold_at and not self.opened.is_set():
-            self.reached.set()
-            self.opened.wait(WAIT)
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+    def session(self):
+        session = self.runtime.session()
+
+        def gated(call):
+            def forward(*args, **kwargs):
+                self.count += 1
+                if self.count >= self.hold_at and not self.opened.is_set():
+                    self.reached.set()
+                    self.opened.wait(WAIT)
+                return call(*args, **kwargs)
+            return forward
+
+        session.open, session.feed = gated(session.open), gated(session.feed)
+        return session
 
 
 def job(prompt_ids, max_new_tokens=24, *, stream=False, **params) -> tuple[Job, Collector]:
@@ -148,8 +162,8 @@ def test_the_batch_respects_its_size_and_token_bounds_and_serves_in_order(model,
 
 
 def test_a_cancelled_job_leaves_the_batch_before_the_next_forward(model, oracle):
-    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
     gate = Gate(model, hold_at=4)  # the prefill, two steps, then the decode thread waits
+    scheduler = Scheduler(gate, TextCodec(oracle.tokenizer))
     gone, stays = job(oracle.ids("def f(x):"), 60), job(oracle.ids("class A:"), 60)
     submit_together(scheduler, [gone, stays])
     assert gate.reached.wait(WAIT)
@@ -162,8 +176,8 @@ def test_a_cancelled_job_leaves_the_batch_before_the_next_forward(model, oracle)
 
 
 def test_an_abandoned_job_alone_stops_decoding_at_once(model, oracle):
-    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
     gate = Gate(model, hold_at=3)
+    scheduler = Scheduler(gate, TextCodec(oracle.tokenizer))
     gone = job(oracle.ids("def f(x):"), 100, method="ar")
     scheduler.submit(gone[0])
     assert gate.reached.wait(WAIT)
@@ -203,8 +217,8 @@ def test_a_batchs_cache_is_freed_when_it_leaves_not_at_the_next_cycle_collection
 
 
 def test_a_job_past_its_deadline_gets_a_timeout_waiting_or_running(model, oracle):
-    scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
     gate = Gate(model, hold_at=2)
+    scheduler = Scheduler(gate, TextCodec(oracle.tokenizer))
     running, waiting = job(oracle.ids("def f(x):"), 60), job(oracle.ids("class A:"), 10)
     scheduler.submit(running[0])
     assert gate.reached.wait(WAIT)
@@ -218,8 +232,8 @@ def test_a_job_past_its_deadline_gets_a_timeout_waiting_or_running(model, oracle
 
 
 def test_a_full_queue_refuses_and_stopping_fails_what_is_left(model, oracle):
-    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), queue_size=2, max_batch_size=1)
     gate = Gate(model, hold_at=2)
+    scheduler = Scheduler(gate, TextCodec(oracle.tokenizer), queue_size=2, max_batch_size=1)
     first = job(oracle.ids("def f(x):"), 60)
     scheduler.submit(first[0])
     assert gate.reached.wait(WAIT)

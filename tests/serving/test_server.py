@@ -92,7 +92,7 @@ def test_the_server_compiles_its_runner_forward_when_asked_and_says_so(server):
     log = SERVER_LOGS[server]
     log.seek(0)
     said = log.read()
-    assert "cllm serve: forward: lean runner (llama, float32; compiled forward up to 24 fed tokens" in said
+    assert "cllm serve: forward: lean (llama, float32; compiled forward up to 24 fed tokens" in said
     assert f"cllm serve: --compile: the compiled forward is loaded from {ENV['CLLM_COMPILE_CACHE']}" in said
 
 
@@ -572,9 +572,9 @@ def test_chat_whose_messages_encode_to_nothing_is_a_400(tmp_path):
 
 
 def test_an_abandoned_non_streamed_request_stops_decoding(model_dir, oracle):
-    model = load_model(model_dir)  # its own copy: the gate hooks its forward
+    model = load_model(model_dir)  # its own copy: the gate holds its runtime
     gate = Gate(model, hold_at=4)  # the prefill and two steps pass, then the decode thread waits
-    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar"))
+    app = create_app(gate, oracle.tokenizer, _settings(model_dir, method="ar"))
     scheduler = app.state.service.scheduler
     with live(app) as (url, _, _):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
@@ -597,7 +597,7 @@ def test_shutdown_waits_for_running_requests_only_the_grace_period(model_dir, or
     request failed or cut, instead of waiting for the decode to end."""
     model = load_model(model_dir)
     gate = Gate(model, hold_at=3)
-    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar"))
+    app = create_app(gate, oracle.tokenizer, _settings(model_dir, method="ar"))
     outcome = {}
 
     def request(url):
@@ -721,7 +721,7 @@ def test_past_the_shutdown_grace_a_request_gets_503_json_and_a_stream_an_error_e
 
     model = load_model(model_dir)
     gate = Gate(model, hold_at=3)  # the decode is held until the test ends
-    app = create_app(model, oracle.tokenizer, _settings(model_dir, method="ar", shutdown_grace=1.0))
+    app = create_app(gate, oracle.tokenizer, _settings(model_dir, method="ar", shutdown_grace=1.0))
     outcome: dict = {}
 
     def plain(url):

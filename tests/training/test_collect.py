@@ -36,6 +36,7 @@ from cllm.decoding import IterationEvent, greedy_decode
 from cllm.decoding.trajectory import TrajectoryRecorder, block_states
 from cllm.evaluation.text import ends_in_loop as _ends_in_loop
 from cllm.evaluation.text import is_degenerate
+from cllm.runtime import open_runtime
 from cllm.training.collect import (
     LOOP_WINDOW,
     CollectConfig,
@@ -107,7 +108,7 @@ def snapshot(directory: Path) -> dict:
 
 
 def greedy(setup, ids, eos=None):
-    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
+    model = open_runtime(LlamaForCausalLM.from_pretrained(setup[1]).eval(), "transformers")  # the reference
     return greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW, eos_token_id=eos).new_tokens[0]
 
 
@@ -118,7 +119,7 @@ def greedy(setup, ids, eos=None):
 def greedy_blocks(setup):
     """Per prompt: its index, token ids, greedy continuation (to EOS) and that cut into blocks."""
     tokenizer = setup[3]
-    model = LlamaForCausalLM.from_pretrained(setup[1]).eval()
+    model = open_runtime(LlamaForCausalLM.from_pretrained(setup[1]).eval(), "transformers")  # the reference
     for i, text in enumerate(PROMPTS):
         ids = tokenizer(text)["input_ids"]
         want = greedy_decode(model, torch.tensor([ids]), max_new_tokens=NEW,
@@ -332,6 +333,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_runtime_changes_nothing_in_the_records(setup, reference, tmp_path):
+    """--runtime auto decoded on the lean runtime; transformers' forward writes the same records."""
+    summary = collect(config(setup, tmp_path / "hf", runtime="transformers"))
+    assert summary.records == reference[1].records and read_records(tmp_path / "hf") == reference[2]
+
+
 @pytest.mark.slow
 def test_two_processes_give_the_same_records_as_one(setup, reference, tmp_path):
     out = tmp_path / "out"
@@ -387,7 +394,7 @@ def test_augmented_states_are_new_and_closer_to_the_fixed_point():
 
 
 @pytest.mark.parametrize("bad", [{"block_size": 0}, {"batch_size": -1}, {"guess": "zeros"},
-                                 {"dtype": "float8"}, {"max_prompts": 0}])
+                                 {"dtype": "float8"}, {"max_prompts": 0}, {"runtime": "onnx"}])
 def test_bad_options_are_user_errors(bad):
     with pytest.raises(UserError):
         CollectConfig(**bad)

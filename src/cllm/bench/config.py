@@ -132,9 +132,11 @@ class BenchConfig:
         "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
         "none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
-    compile: bool = field(default=False, metadata={"help": "compile the target's and the CLLM's runner forward "
-        "before timing (float32 on a CPU; `cllm.runtime.lean.compiled.compile_runner`); forward_cost then times it "
-        "too"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": "the runtime our "
+        "decoders run on (transformers' generate runs on transformers' forward whatever this says): auto (the lean "
+        "runtime where it runs the model, the Llama family; else transformers'), transformers or lean"})
+    compile: bool = field(default=False, metadata={"help": "compile the target's and the CLLM's lean forward "
+        "before timing (float32 on a CPU; `cllm.runtime.lean.compiled`); forward_cost then times it too"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})
@@ -192,6 +194,8 @@ class BenchConfig:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.draft_tables not in ("auto", "none"):
             raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
+        if self.runtime not in ("auto", "transformers", "lean"):
+            raise ValueError(f"--runtime must be auto, transformers or lean, got {self.runtime!r}")
         if self.quality not in QUALITIES:
             raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
         if self.quality == "humaneval-exec" and self.prompts != "humaneval":

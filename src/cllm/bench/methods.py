@@ -2,12 +2,12 @@
 
 A `Method` holds a name, the model whose greedy output is its own AR, and `run(prompt) ->
 Decoded`: the new tokens, the forward passes (docs/method.md#counting: every model call, prefill
-included) and the tokens each forward made final. Our decoders count their own forwards and
-`ForwardCounter` (a forward pre-hook) checks them; for transformers' `generate` (plain, prompt
-lookup, assisted) the hook is the only count, and the cache length each call starts from says
-how many tokens it made final. The adapters: `engine_decoder` (our greedy, Jacobi and sampling
-decoders), `hf_generate`, `speculative`, `medusa` (Medusa-1 and -2), `eagle`; `build_methods` makes
-those a run asks for.
+included) and the tokens each forward made final. Our decoders run on a role's runtime and count
+their own forwards, which `ForwardCounter` checks against the runtime's count; for transformers'
+`generate` (plain, prompt lookup, assisted) its forward pre-hook is the only count, and the cache
+length each call starts from says how many tokens it made final. The adapters: `engine_decoder`
+(our greedy, Jacobi and sampling decoders), `hf_generate`, `speculative`, `medusa` (Medusa-1 and
+-2), `eagle`; `build_methods` makes those a run asks for.
 """
 
 from __future__ import annotations
@@ -28,19 +28,26 @@ from cllm.data.prompts import Prompt
 from cllm.decoding import DecodeStats, eagle_decode, greedy_decode, jacobi_decode, medusa_decode, speculative_decode
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import pad_token_id
+from cllm.runtime import Runtime, as_runtime
 
 
 class ForwardCounter:
-    """A forward pre-hook that notes, for every call of a model, the cache length it starts at.
+    """One role's forwards, counted where they happen, since a reset.
 
-    calls = forward passes. With a cache that is cropped to the accepted tokens before the next
-    call (ours, and transformers' candidate verification), a call starting at cache length s
-    means the sequence was s + 1 tokens long: so consecutive starts say how many tokens each
-    call made final.
+    `runtime` is what our decoders run on (by default the model's "auto" runtime), and its own
+    count (`Runtime.forwards`: every session open and feed) checks theirs (`check`). A forward
+    pre-hook on `model` sees every call of the transformers model with the cache length it starts
+    at: transformers' `generate` (plain, prompt lookup, assisted) is counted only so (`calls`).
+    With a cache cropped to the accepted tokens before the next call, a call starting at cache
+    length s means the sequence was s + 1 tokens long, so consecutive starts say how many tokens
+    each call made final (`accepted`).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, runtime: Runtime | None = None) -> None:
+        self.model = model
+        self.runtime = runtime if runtime is not None else as_runtime(model)
         self.starts: list[int] = []
+        self._since = self.runtime.forwards
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs) -> None:
@@ -49,10 +56,26 @@ class ForwardCounter:
 
     def reset(self) -> None:
         self.starts = []
+        self._since = self.runtime.forwards
 
     @property
     def calls(self) -> int:
+        """Calls of the transformers model."""
         return len(self.starts)
+
+    @property
+    def runtime_forwards(self) -> int:
+        """Forwards of the runtime."""
+        return self.runtime.forwards - self._since
+
+    def check(self, counted: int) -> None:
+        """A decoder's own forward count must be its runtime's; on transformers' runtime, also the
+        model's calls (else one of them misses forwards)."""
+        seen = {"runtime": self.runtime_forwards, **({"hook": self.calls} if self.runtime.name == "transformers"
+                                                      else {})}
+        if any(n != counted for n in seen.values()):
+            raise RuntimeError(f"forward count mismatch: decoder {counted}, "
+                               + ", ".join(f"{k} {n}" for k, n in seen.items()))
 
     def accepted(self, prompt_len: int, new_tokens: int) -> list[int] | None:
         """Tokens made final per call; None if the calls do not read as one growing sequence."""
@@ -95,16 +118,18 @@ def added_memory(module: torch.nn.Module | None = None, table: DraftTable | None
     return {"added_parameters": params, "added_mb": size / 2**20}
 
 
-def _ids(prompt: Prompt, model) -> torch.Tensor:
-    return torch.tensor([prompt.ids], device=next(model.parameters()).device)  # (1, T)
+def _ids(prompt: Prompt, model: torch.nn.Module | Runtime) -> torch.Tensor:
+    return torch.tensor([prompt.ids], device=model.device)  # (1, T): a transformers model or a runtime
 
 
-def engine_decoder(model, counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
+def engine_decoder(counter: ForwardCounter, *, jacobi: bool, block_size: int, max_new_tokens: int, eos,
                    guess: str = "prompt", seed: int = 0, on_iteration=None, temperature: float = 0.0,
                    **engine) -> Callable[[Prompt], Decoded]:
     """Our greedy or Jacobi decoder (sampling when `temperature` > 0: AR sampling is Jacobi with
     n = 1); guesses and draws seeded per prompt id (the same in every round). `engine`: the
-    recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent)."""
+    recycling options of `jacobi_decode` (its defaults, i.e. plain Jacobi, when absent). Decodes on
+    the counter's runtime."""
+    model = counter.runtime
 
     def run(prompt: Prompt, hook=on_iteration) -> Decoded:
         if jacobi or temperature > 0:
@@ -115,22 +140,18 @@ def engine_decoder(model, counter: ForwardCounter, *, jacobi: bool, block_size: 
                                 **engine)
         else:
             out = greedy_decode(model, _ids(prompt, model), max_new_tokens=max_new_tokens, eos_token_id=eos)
-        _check_count(counter, out.forward_passes)
+        counter.check(out.forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
 
     return run
 
 
-def _check_count(counter: ForwardCounter, counted: int) -> None:
-    """A decoder's own forward count and the hook's must agree (else the hook misses calls)."""
-    if counter.calls != counted:
-        raise RuntimeError(f"forward count mismatch: decoder {counted}, hook {counter.calls}")
-
-
-def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
-                draft=None, draft_counter: ForwardCounter | None = None,
+def hf_generate(counter: ForwardCounter, *, max_new_tokens: int, eos, pad_id: int,
+                draft_counter: ForwardCounter | None = None,
                 prompt_lookup_tokens: int | None = None) -> Callable[[Prompt], Decoded]:
-    """transformers' `generate`: greedy, our cap and EOS, nothing else from the model's defaults."""
+    """transformers' `generate` of the counter's model: greedy, our cap and EOS, nothing else from
+    the model's defaults."""
+    model = counter.model
     extra = {"prompt_lookup_num_tokens": prompt_lookup_tokens} if prompt_lookup_tokens else {}
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                   eos_token_id=eos, pad_token_id=pad_id, **extra)
@@ -138,7 +159,7 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
     def run(prompt: Prompt) -> Decoded:
         ids = _ids(prompt, model)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
-                             assistant_model=draft)
+                             assistant_model=draft_counter.model if draft_counter else None)
         tokens = out[0, ids.shape[1]:].tolist()
         return Decoded(tokens, counter.calls, counter.accepted(len(prompt.ids), len(tokens)),
                        draft_forward_passes=draft_counter.calls if draft_counter else 0)
@@ -146,45 +167,50 @@ def hf_generate(model, counter: ForwardCounter, *, max_new_tokens: int, eos, pad
     return run
 
 
-def speculative(model, draft, counter: ForwardCounter, draft_counter: ForwardCounter, *, draft_tokens: int,
+def speculative(counter: ForwardCounter, draft_counter: ForwardCounter, *, draft_tokens: int,
                 max_new_tokens: int, eos) -> Callable[[Prompt], Decoded]:
-    """Our speculative decoding, greedy: `draft` proposes `draft_tokens` tokens per step, `model`
-    verifies them in one forward; its forwards are the model's, the draft's are reported apart."""
+    """Our speculative decoding, greedy: the draft proposes `draft_tokens` tokens per step, the
+    model verifies them in one forward (each on its counter's runtime); its forwards are the
+    model's, the draft's are reported apart."""
+    model, draft = counter.runtime, draft_counter.runtime
 
     def run(prompt: Prompt) -> Decoded:
         out = speculative_decode(model, draft, _ids(prompt, model), draft_tokens=draft_tokens,
                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
-        _check_count(counter, out.forward_passes)
-        _check_count(draft_counter, out.stats.draft_forward_passes)
+        counter.check(out.forward_passes)
+        draft_counter.check(out.stats.draft_forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
                        draft_forward_passes=out.stats.draft_forward_passes)
 
     return run
 
 
-def medusa(model, heads, counter: ForwardCounter, *, tree: int | None, max_new_tokens: int,
+def medusa(counter: ForwardCounter, heads, *, tree: int | None, max_new_tokens: int,
            eos) -> Callable[[Prompt], Decoded]:
     """Greedy Medusa decoding: the heads' candidate tree (`tree` nodes, or their saved tree when
-    None) verified by `model` in one forward per step."""
+    None) verified by the counter's runtime in one forward per step."""
+    model = counter.runtime
 
     def run(prompt: Prompt) -> Decoded:
         out = medusa_decode(model, heads, _ids(prompt, model), tree=tree, max_new_tokens=max_new_tokens,
                             eos_token_id=eos)
-        _check_count(counter, out.forward_passes)
+        counter.check(out.forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats)
 
     return run
 
 
-def eagle(model, head, counter: ForwardCounter, *, nodes: int | None, max_new_tokens: int,
+def eagle(counter: ForwardCounter, head, *, nodes: int | None, max_new_tokens: int,
           eos) -> Callable[[Prompt], Decoded]:
     """Greedy EAGLE decoding: the head drafts a token tree (`nodes` nodes, or its saved default when
-    None), `model` verifies it in one forward per step; the head's own forwards are reported apart."""
+    None), the counter's runtime verifies it in one forward per step; the head's own forwards are
+    reported apart."""
+    model = counter.runtime
 
     def run(prompt: Prompt) -> Decoded:
         out = eagle_decode(model, head, _ids(prompt, model), nodes=nodes, max_new_tokens=max_new_tokens,
                            eos_token_id=eos)
-        _check_count(counter, out.forward_passes)
+        counter.check(out.forward_passes)
         return Decoded(out.new_tokens[0], out.forward_passes, list(out.stats.accepted), out.stats,
                        draft_forward_passes=out.stats.draft_forward_passes)
 
@@ -204,18 +230,17 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     ct = counters["target"]
     if models.heads is not None:
         candidates["medusa"] = Method("medusa", models.target, medusa(
-            models.target, models.heads, ct, tree=config.medusa_tree or None, **settings.common), [ct],
+            ct, models.heads, tree=config.medusa_tree or None, **settings.common), [ct],
             added_memory(models.heads))
     if models.medusa2 is not None:
         cm = counters["medusa2"]
-        candidates["medusa2_ar"] = Method("medusa2_ar", models.medusa2, engine_decoder(models.medusa2, cm,
-                                                                                      **settings.ar), [cm])
+        candidates["medusa2_ar"] = Method("medusa2_ar", models.medusa2, engine_decoder(cm, **settings.ar), [cm])
         candidates["medusa2"] = Method("medusa2", models.medusa2, medusa(
-            models.medusa2, models.medusa2_heads, cm, tree=config.medusa_tree or None, **settings.common), [cm],
+            cm, models.medusa2_heads, tree=config.medusa_tree or None, **settings.common), [cm],
             added_memory(models.medusa2_heads))
     if models.eagle is not None:
         candidates["eagle"] = Method("eagle", models.target, eagle(
-            models.target, models.eagle, ct, nodes=config.eagle_nodes or None, **settings.common), [ct],
+            ct, models.eagle, nodes=config.eagle_nodes or None, **settings.common), [ct],
             added_memory(models.eagle))
     candidates |= _llamacpp_methods(config, models, wanted)
     wanted = list(wanted) or [m for m in METHODS if m in candidates]
@@ -244,13 +269,13 @@ class _Settings:
 def _target_methods(s: _Settings, models: BenchModels, ct: ForwardCounter) -> dict[str, Method]:
     target, table = models.target, models.tables.get("target")
     return {
-        "target_ar": Method("target_ar", target, engine_decoder(target, ct, **s.ar), [ct]),
-        "target_jacobi": Method("target_jacobi", target, engine_decoder(target, ct, **s.plain), [ct]),
-        "hf_generate": Method("hf_generate", target, hf_generate(target, ct, pad_id=s.pad_id, **s.common), [ct]),
+        "target_ar": Method("target_ar", target, engine_decoder(ct, **s.ar), [ct]),
+        "target_jacobi": Method("target_jacobi", target, engine_decoder(ct, **s.plain), [ct]),
+        "hf_generate": Method("hf_generate", target, hf_generate(ct, pad_id=s.pad_id, **s.common), [ct]),
         "prompt_lookup": Method("prompt_lookup", target, hf_generate(
-            target, ct, pad_id=s.pad_id, prompt_lookup_tokens=s.config.prompt_lookup_tokens, **s.common), [ct]),
+            ct, pad_id=s.pad_id, prompt_lookup_tokens=s.config.prompt_lookup_tokens, **s.common), [ct]),
         "target_lookahead": Method("target_lookahead", target, engine_decoder(
-            target, ct, **s.fast, draft_table=table), [ct], added_memory(table=table)),
+            ct, **s.fast, draft_table=table), [ct], added_memory(table=table)),
     }
 
 
@@ -258,14 +283,14 @@ def _cllm_methods(s: _Settings, models: BenchModels, cc: ForwardCounter) -> dict
     cllm, table = models.cllm, models.tables.get("cllm")
     hot = dict(temperature=s.config.temperature, **s.common)
     return {
-        "cllm_ar": Method("cllm_ar", cllm, engine_decoder(cllm, cc, **s.ar), [cc]),
-        "cllm_jacobi": Method("cllm_jacobi", cllm, engine_decoder(cllm, cc, **s.fast, draft_table=table), [cc],
+        "cllm_ar": Method("cllm_ar", cllm, engine_decoder(cc, **s.ar), [cc]),
+        "cllm_jacobi": Method("cllm_jacobi", cllm, engine_decoder(cc, **s.fast, draft_table=table), [cc],
                               added_memory(table=table)),
-        "cllm_jacobi_plain": Method("cllm_jacobi_plain", cllm, engine_decoder(cllm, cc, **s.plain), [cc]),
+        "cllm_jacobi_plain": Method("cllm_jacobi_plain", cllm, engine_decoder(cc, **s.plain), [cc]),
         "cllm_ar_sampling": Method("cllm_ar_sampling", cllm, engine_decoder(
-            cllm, cc, jacobi=False, block_size=1, seed=s.config.seed, **hot), [cc]),
+            cc, jacobi=False, block_size=1, seed=s.config.seed, **hot), [cc]),
         "cllm_jacobi_sampling": Method("cllm_jacobi_sampling", cllm, engine_decoder(
-            cllm, cc, **{**s.plain, **hot}), [cc]),
+            cc, **{**s.plain, **hot}), [cc]),
     }
 
 
@@ -275,13 +300,13 @@ def _draft_methods(s: _Settings, models: BenchModels, counters: dict[str, Forwar
     spec = dict(draft_tokens=s.config.draft_tokens, **s.common)
     methods = {
         "assisted": Method("assisted", target, hf_generate(
-            target, ct, pad_id=s.pad_id, draft=draft, draft_counter=cd, **s.common), [ct, cd], drafted),
-        "speculative": Method("speculative", target, speculative(target, draft, ct, cd, **spec), [ct, cd], drafted),
+            ct, pad_id=s.pad_id, draft_counter=cd, **s.common), [ct, cd], drafted),
+        "speculative": Method("speculative", target, speculative(ct, cd, **spec), [ct, cd], drafted),
     }
     if models.cllm is not None:
         cc = counters["cllm"]
-        methods["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(
-            models.cllm, draft, cc, cd, **spec), [cc, cd], drafted)
+        methods["cllm_speculative"] = Method("cllm_speculative", models.cllm, speculative(cc, cd, **spec), [cc, cd],
+                                             drafted)
     return methods
 
 

@@ -34,7 +34,7 @@ from cllm.bench.pictures import write_trajectory_html
 from cllm.bench.timing import measure
 from cllm.bench.vllm import VLLM_METHODS, vllm_methods
 from cllm.core.config import config_to_dict, is_off
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
 from cllm.core.machine import load_warning, machine_info
 from cllm.core.outputs import check_distinct, check_folder, check_new_file, claim_folder
 from cllm.core.progress import Progress
@@ -45,8 +45,7 @@ from cllm.evaluation.heldout import heldout_prompts, reference_loss
 from cllm.evaluation.humaneval import STOP, completion_text, run_tests
 from cllm.models import SHIPPED
 from cllm.profiling.steptime import forward_ms, time_forwards
-from cllm.runtime.lean import compiled
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import Runtime, open_runtime
 
 COUNTING = ("docs/method.md#counting: forward passes = every model call (prefill included; the target's or CLLM's "
             "calls for the draft methods); tokens/s = new tokens / sum over prompts of the median seconds over "
@@ -77,6 +76,8 @@ class _Run:
     prompts: list[Prompt]
     prints: dict[str, str]  # role -> fingerprint
     val_set: str | None  # the set whose references give the validation loss (None: none)
+    runtimes: dict[str, Runtime]  # role -> what our decoders run its model on
+    compiled: bool  # whether the target's runtime runs a compiled forward (--compile)
     methods: list[Method] = field(default_factory=list)
     decoded: dict[str, list[Decoded]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -103,25 +104,26 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | 
         log: a `BenchLog` to record into and resume from; True: open config.out's (the CLI's
             way: a crash or Ctrl-C keeps what was measured); None: nothing is recorded.
     """
-    run = _start(config, models, prompts, progress or Progress.off(), log)  # 1. machine, methods, prompts, record
-    with _counting(models) as counters, _transformers_quiet():
+    run = _start(config, models, prompts, progress or Progress.off(), log)  # 1. machine, runtimes, methods, ...
+    with _counting(models, run.runtimes) as counters, _transformers_quiet():
         _time_methods(run, counters)  # 2. every method on every prompt, interleaved and timed
         _check_outputs(run)  # 3. the exactness promises, every prompt; the HumanEval tests when asked
         _sweep(run, counters)  # 4. tokens per forward against block size (counts only)
         run.trajectories = record_trajectories(models, config, counters, run.trajectory_prompt)  # 5. the picture's
         run.val = validation_losses(models, config, run.val_set, run.progress, run.log)  # 6. each model's
-    run.forward_cost = forward_cost(models.target, config, run.progress)  # 7. one forward, on each path
+    run.forward_cost = forward_cost(run.runtimes["target"], config, run.progress, run.compiled)  # 7. one forward
     return _result(run)  # 8. the bench JSON
 
 
 def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | None, progress: Progress,
            log: BenchLog | bool | None) -> _Run:
-    """Threads and seed; the machine (its load read before any work of ours); the methods with
-    the references they need; the prompts; the validation set; the record to resume from."""
+    """Threads and seed; each model's runtime (--runtime), readied; the machine (its load read
+    before any work of ours); the methods with the references they need; the prompts; the
+    validation set; the record to resume from."""
     torch.set_num_threads(config.threads)
-    for model in (models.target, models.cllm, models.draft, models.medusa2):
-        if model is not None:
-            lean.prepare(model)  # as `load_for_decoding` readies it, at the bench's threads
+    runtimes = open_runtimes(models, config.runtime)
+    for runtime in runtimes.values():
+        runtime.prepare()  # as `load_for_decoding` readies it, at the bench's threads
     torch.manual_seed(config.seed)
     device = next(models.target.parameters()).device
     machine = {**machine_info(device), "dtype": config.dtype, "seed": config.seed}
@@ -130,8 +132,10 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     if machine["load_warning"]:
         progress.warn(machine["load_warning"])
         notes.append(machine["load_warning"])
+    compiled = False
     if config.compile:
-        notes += compile_models(models, progress)
+        compiled, compile_notes = compile_models(runtimes, progress)
+        notes += compile_notes
     wanted, added = with_references(config.methods)
     val_set, val_note = validation_set(config)
     for note in [*added, *([val_note] if val_note else [])]:
@@ -145,7 +149,8 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
         log = BenchLog.open(config.out, key, resume=config.resume)
         if log.note:
             progress.line(log.note)
-    return _Run(config, models, progress, log or None, device, machine, notes, wanted, prompts, prints, val_set)
+    return _Run(config, models, progress, log or None, device, machine, notes, wanted, prompts, prints, val_set,
+                runtimes, compiled)
 
 
 def bench_prompts(config: BenchConfig, models: BenchModels) -> list[Prompt]:
@@ -177,10 +182,23 @@ def validation_set(config: BenchConfig) -> tuple[str | None, str | None]:
     return None, note if scored else None
 
 
+def open_runtimes(models: BenchModels, runtime: str) -> dict[str, Runtime]:
+    """role -> its model on the runtime `runtime` names ("auto": each model's own choice)."""
+    out = {}
+    for role in ROLES:
+        model = getattr(models, role)
+        if model is not None:
+            try:
+                out[role] = open_runtime(model, runtime)
+            except ValueError as e:
+                raise UserError(f"--runtime {runtime}: the {role}: {first_line(e)}") from None
+    return out
+
+
 @contextmanager
-def _counting(models: BenchModels) -> Iterator[dict[str, ForwardCounter]]:
-    """role -> a ForwardCounter on its model, removed when the run ends."""
-    counters = {r: ForwardCounter(getattr(models, r)) for r in ROLES if getattr(models, r) is not None}
+def _counting(models: BenchModels, runtimes: dict[str, Runtime]) -> Iterator[dict[str, ForwardCounter]]:
+    """role -> a ForwardCounter on its model and runtime, removed when the run ends."""
+    counters = {r: ForwardCounter(getattr(models, r), runtimes[r]) for r in ROLES if getattr(models, r) is not None}
     try:
         yield counters
     finally:
@@ -263,34 +281,39 @@ def _result(run: _Run) -> BenchResult:
 FORWARD_PREFIX = 128  # cached tokens before a timed forward (a typical position in a completion)
 
 
-def compile_models(models: BenchModels, progress: Progress) -> list[str]:
-    """--compile: the target's and the CLLM's runner forward compiled before anything is timed
-    (at the run's thread count); a note per model says how long it took, or why it was not."""
-    notes = []
-    for role, model in (("target", models.target), ("CLLM", models.cllm)):
-        if model is None:
+def compile_models(runtimes: dict[str, Runtime], progress: Progress) -> tuple[bool, list[str]]:
+    """--compile: the target's and the CLLM's forward compiled before anything is timed (at the
+    run's thread count); whether the target's was, and a note per model that says which forward
+    it runs now, or why it was not compiled."""
+    notes, target = [], False
+    for role, name in (("target", "target"), ("cllm", "CLLM")):
+        if role not in runtimes:
             continue
-        progress.line(f"compiling the {role}'s runner forward")
-        reason = compiled.compile_runner(model)
-        notes.append(f"{role}: runner forward not compiled: {reason}" if reason else
-                     f"{role}: runner forward {lean.compiled(model).origin} (before timing)")
+        progress.line(f"compiling the {name}'s forward")
+        reason = runtimes[role].compile()
+        target = target or (role == "target" and reason is None)
+        notes.append(f"{name}: forward not compiled: {reason}" if reason else
+                     f"{name}: {runtimes[role].describe()} (compiled before timing)")
         progress.line(notes[-1])
-    return notes
+    return target, notes
 
 
-def forward_cost(model: torch.nn.Module, config: BenchConfig, progress: Progress) -> dict[str, Any]:
-    """Milliseconds of one causal forward of the target at each --forward-tokens and
-    --forward-batches, on the lean runner (where it runs the model) and on transformers' forward:
-    the min over --repeats interleaved rounds (`cllm.profiling.steptime.time_forwards`)."""
+def forward_cost(runtime: Runtime, config: BenchConfig, progress: Progress, compiled: bool = False) -> dict[str, Any]:
+    """Milliseconds of one causal forward of the target (`runtime`, what its decoders run on) at
+    each --forward-tokens and --forward-batches, on each runtime that runs it (the lean one where
+    it can; `runtime` too when `compiled`, its forward compiled) and on transformers' forward: the
+    min over --repeats interleaved rounds (`cllm.profiling.steptime.time_forwards`)."""
+    model = runtime.model
     ks, batches = config.forward_tokens, config.forward_batches
     if not ks or not batches:
         return {}
     limit = position_limit(model) or FORWARD_PREFIX + max(ks) + 1
     prefix = max(1, min(FORWARD_PREFIX, limit - max(ks)))
     with progress.stage("forward cost", 1, detail=f"k = {ks}, batch = {batches}, {prefix} cached tokens") as stage:
-        times = time_forwards(model, ks, batches, prefix=prefix, rounds=config.repeats, seed=config.seed)
+        times = time_forwards(model, ks, batches, prefix=prefix, rounds=config.repeats, seed=config.seed,
+                              compiled=runtime if compiled else None)
         stage.advance()
-    return {"prefix": prefix, "forward": lean.describe(model), "ms": forward_ms(times)}
+    return {"prefix": prefix, "forward": runtime.describe(), "ms": forward_ms(times)}
 
 
 def humaneval_quality(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],
@@ -342,7 +365,7 @@ def _sweep_point(models: BenchModels, config: BenchConfig, prompts: list[Prompt]
                  counter: ForwardCounter, role: str, n: int, stage) -> dict[str, Any]:
     """One model's plain Jacobi at block size n over every prompt: its counts and violations."""
     model = getattr(models, role)
-    run = engine_decoder(model, counter, jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
+    run = engine_decoder(counter, jacobi=True, block_size=n, max_new_tokens=config.max_new_tokens,
                          eos=models.tokenizer.eos_token_id, guess=config.engine.guess, seed=config.seed)
     decoded = []
     for p in prompts:
@@ -399,7 +422,7 @@ def record_trajectories(models: BenchModels, config: BenchConfig, counters: dict
             continue
         recorders[role] = TrajectoryRecorder()
         counters[role].reset()
-        engine_decoder(model, counters[role], jacobi=True, max_new_tokens=config.max_new_tokens,
+        engine_decoder(counters[role], jacobi=True, max_new_tokens=config.max_new_tokens,
                        eos=models.tokenizer.eos_token_id, guess=config.engine.guess, seed=config.seed,
                        on_iteration=recorders[role], draft_table=models.tables.get(role),
                        **config.jacobi_kwargs())(prompt)

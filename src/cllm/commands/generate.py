@@ -17,7 +17,6 @@ from cllm.core.errors import UserError
 from cllm.decoding import IterationEvent
 from cllm.decoding.sampling import is_greedy
 from cllm.decoding.trajectory import TrajectoryRecorder
-from cllm.runtime.lean import runner as lean
 from cllm.serving.completion import TextCodec, complete
 from cllm.serving.options import DecodeOptions
 
@@ -29,8 +28,8 @@ class GenerateConfig(DecodeOptions):
     prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
     show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
         "(final / correct / wrong)"})
-    verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which forward decodes "
-        "the model (the lean runner, or transformers' forward and why) and the engine's settings"})
+    verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which runtime decodes "
+        "the model and why (the lean runtime, or transformers' forward) and the engine's settings"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,7 +89,7 @@ def run(config: Config) -> int:
     prompt = read_prompt(config)
     served = config.load()
     if config.verbose:
-        print(f"forward: {lean.describe(served.model)}", file=sys.stderr)
+        print(f"forward: {served.model.describe()}", file=sys.stderr)
         print(f"decoding: {config.params().label}, {config.engine}", file=sys.stderr)
     prompt_ids = served.codec.encode(prompt)
     if not prompt_ids:

@@ -14,7 +14,6 @@ import torch
 
 from cllm.core.progress import echo_log
 from cllm.runtime.lean import compiled
-from cllm.runtime.lean import runner as lean
 from cllm.serving.app import open_app, serve_app
 from cllm.serving.config import ServeConfig, api_key, exposure_warning
 from cllm.serving.vllm_serve import replace_process, vllm_server
@@ -36,11 +35,10 @@ def run(config: Config) -> int:
           f"(greedy: {config.method}, n = {config.jacobi.block_size}{drafts}; batches up to {config.max_batch_size} "
           f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
           file=sys.stderr, flush=True)
-    if config.compile:
-        note = bound.served.not_compiled
-        said = (f"note: --compile: {note}; the eager runner decodes" if note
-                else f"forward: {lean.describe(bound.served.model)}")
-        print(f"cllm serve: {said}", file=sys.stderr, flush=True)
+    if bound.served.not_compiled:
+        print(f"cllm serve: note: --compile: {bound.served.not_compiled}; the eager forward decodes", file=sys.stderr,
+              flush=True)
+    print(f"cllm serve: forward: {bound.served.model.describe()}", file=sys.stderr, flush=True)
     # what the server logs (each refused request, a failed decode) at --log-level and above
     with echo_log("cllm.serving", "cllm serve: "):
         logging.getLogger("cllm.serving").setLevel(config.log_level.upper() if config.log_level != "trace" else "DEBUG")

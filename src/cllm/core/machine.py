@@ -51,9 +51,9 @@ def in_passing_thread(fn: Callable[[], T], name: str = "cllm-load") -> T:
     torch's OpenMP (GNU libgomp) keeps a pool of worker threads for every thread that ran a
     parallel op, and while the pools together hold more threads than there are cores, every
     pool's workers sleep between ops instead of spinning. A server that loads its model on the
-    main thread and decodes on another then pays a wake-up per op: on 2 cores, a one-token
-    forward of the embedded model took ~4 ms on the decode thread against ~1.2 ms when one
-    thread did all the work. A passing thread's pool goes with it."""
+    main thread and decodes on another then pays a wake-up per op, several times a forward's
+    cost on 2 cores (docs/serving.md, "How requests are served"). A passing thread's pool goes
+    with it."""
     box: dict[str, Any] = {}
 
     def run() -> None:

@@ -2,7 +2,9 @@
 or lossless sampling), speculative decoding with a draft model (greedy, or lossless sampling),
 Medusa and EAGLE tree verification (greedy), and plain autoregressive sampling.
 
-Token ids in, token ids out: nothing here knows about tokenizers.
+Token ids in, token ids out: nothing here knows about tokenizers, and nothing here runs a model
+or touches a cache: every decoder runs on a runtime's session (`cllm.runtime`), given one or a
+model (decoded on its "auto" runtime).
 """
 
 from cllm.decoding.autoregressive import greedy_decode

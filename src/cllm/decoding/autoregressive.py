@@ -10,15 +10,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-import cllm.runtime.hf_cache as kv
-from cllm.decoding.inputs import eos_set, left_pad, model_device, prepare_prompt
+from cllm.decoding.argmax import argmax
+from cllm.decoding.inputs import eos_set, left_pad, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
-from cllm.runtime.lean.kernels import argmax
+from cllm.runtime import Runtime, as_runtime
 
 
 @torch.inference_mode()
 def greedy_decode(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -28,7 +28,8 @@ def greedy_decode(
     """Greedy decoding, `y_i = argmax p(. | x, y_<i)`, with a KV cache.
 
     Args:
-        model: a causal LM (any transformers `*ForCausalLM`).
+        model: a causal LM (any transformers `*ForCausalLM`, decoded on its "auto" runtime) or a
+            runtime (`cllm.runtime`).
         input_ids: (B, T) prompt token ids, left-padded when rows differ in length.
         attention_mask: (B, T), 0 on the left padding; None means no padding.
         max_new_tokens: at most this many new tokens per row.
@@ -43,7 +44,7 @@ def greedy_decode(
 
 
 def autoregressive(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
@@ -53,7 +54,8 @@ def autoregressive(
 ) -> DecodeOutput:
     """One token per row per forward: `choose` maps the last logits (B, V) to the next tokens
     (argmax for greedy decoding, a draw for `sample_decode`)."""
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    runtime = as_runtime(model)
+    prompt = prepare_prompt(runtime, input_ids, attention_mask, max_new_tokens)
     eos = eos_set(eos_token_id)
     B = prompt.batch_size
     new_tokens: list[list[int]] = [[] for _ in range(B)]
@@ -62,7 +64,9 @@ def autoregressive(
         return DecodeOutput(new_tokens=new_tokens, forward_passes=0, stats=stats)
 
     # 1. prefill: one forward over the prompts gives every row its first token
-    rc, logits = kv.prefill(model, prompt.input_ids, prompt.attention_mask)
+    session = runtime.session()
+    rows, out = session.open(prompt.rows)
+    logits = out.logits[:, -1]  # (B, V)
     stats.forward_passes = 1
     active = [True] * B
     while True:
@@ -76,18 +80,18 @@ def autoregressive(
         if not any(active):
             break
         # 3. feed it back; finished rows ride along and their outputs are ignored
-        ids = torch.tensor(next_ids, device=prompt.input_ids.device)[:, None]
-        logits = kv.feed(model, rc, ids, fed=[1] * B)[:, -1]  # (B, V)
-        kv.commit(rc, keep=[1] * B, fed=1)
+        logits = session.feed(rows, [[t] for t in next_ids]).logits[:, -1]  # (B, V)
+        session.keep(rows, [[0]] * B)
         stats.forward_passes += 1
         stats.fed.append(1)
+    session.close(rows)
 
     stats.new_tokens = sum(len(t) for t in new_tokens)
     return DecodeOutput(new_tokens=new_tokens, forward_passes=stats.forward_passes, stats=stats)
 
 
 def greedy_completions(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     prompt_ids: list[list[int]],
     *,
     max_new_tokens: int,
@@ -99,13 +103,12 @@ def greedy_completions(
     """Each prompt's greedy continuation, decoded in left-padded batches of similar length
     (the model's own text: draft tables and Medusa heads are built from it). `progress` is
     called with each batch's size."""
-    device = model_device(model)
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out: list[list[int]] = [[] for _ in prompt_ids]
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
         input_ids, mask = left_pad([prompt_ids[i] for i in batch], pad_id)  # (B, T)
-        result = greedy_decode(model, input_ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+        result = greedy_decode(model, input_ids, mask, max_new_tokens=max_new_tokens,
                                eos_token_id=eos_token_id)
         for i, tokens in zip(batch, result.new_tokens, strict=True):
             out[i] = tokens

@@ -10,22 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
+from cllm.runtime import position_limit  # re-exported: what the decoders check prompts against
+
 
 @dataclass(frozen=True)
 class PromptBatch:
-    """A validated, left-padded prompt batch on the model's device."""
+    """A validated prompt batch: each row's real (unpadded) prompt tokens."""
 
-    input_ids: torch.Tensor  # (B, T) long
-    attention_mask: torch.Tensor  # (B, T) long, 0 = left padding
-    lengths: list[int]  # per row: real (unpadded) prompt tokens
+    rows: list[list[int]]
 
     @property
     def batch_size(self) -> int:
-        return self.input_ids.shape[0]
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r) for r in self.rows]
 
     def row_tokens(self, row: int) -> torch.Tensor:
-        """Row's unpadded prompt tokens (T_r,), on the model's device."""
-        return self.input_ids[row, self.input_ids.shape[1] - self.lengths[row] :]
+        """Row's prompt tokens (T_r,) on the CPU (the "prompt" guess samples them)."""
+        return torch.tensor(self.rows[row], dtype=torch.long)
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,16 +50,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def position_limit(model: torch.nn.Module) -> int | None:
-    """The longest sequence the model's position embeddings cover, when its config says."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, name, None)
-        if isinstance(limit, int) and limit > 0:
-            return limit
-    return None
-
-
 def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -74,6 +68,15 @@ def cut_final(tokens: Sequence[int], eos: frozenset[int], room: int) -> tuple[in
     return n, n == room
 
 
+def finalize(known: list[int], tokens: Sequence[int], eos: frozenset[int], budget: int) -> tuple[int, bool]:
+    """Append a row's newly final `tokens` to its final tokens `known`, cut at the first EOS and
+    at its `budget` of new tokens: how many it kept, and whether the row is then done. Every
+    decoder finalizes through this."""
+    kept, done = cut_final(tokens, eos, budget - len(known))
+    known += tokens[:kept]
+    return kept, done
+
+
 def row_generators(
     generator: torch.Generator | Sequence[torch.Generator] | None, batch_size: int
 ) -> list[torch.Generator | None]:
@@ -90,12 +93,13 @@ def row_generators(
 
 
 def prepare_prompt(
-    model: torch.nn.Module,
+    runtime,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
 ) -> PromptBatch:
-    """Validate the shared arguments of greedy_decode / jacobi_decode and move them to the model."""
+    """Validate the shared arguments of the decoders (`runtime`: a runtime, or a model, for its
+    position limit) and take each row's real prompt tokens."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a (batch, time) tensor of token ids")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -111,7 +115,7 @@ def prepare_prompt(
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
-    mask = attention_mask.long()
+    mask = attention_mask.long().cpu()
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must contain only 0 and 1")
     lengths = mask.sum(dim=1).tolist()
@@ -119,13 +123,11 @@ def prepare_prompt(
         raise ValueError(f"empty prompt: row {lengths.index(0)} of attention_mask is all zeros")
     if bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError("attention_mask must be left-padded (zeros only before a row's tokens)")
-    limit = position_limit(model)
+    limit = position_limit(runtime)
     if limit is not None and max(lengths) + max_new_tokens > limit:
         raise ValueError(
             f"prompt length {max(lengths)} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"position limit {limit}"
         )
-    device = model_device(model)
-    return PromptBatch(
-        input_ids=input_ids.long().to(device), attention_mask=mask.to(device), lengths=lengths
-    )
+    ids = input_ids.long().cpu().tolist()
+    return PromptBatch(rows=[row[T - n :] for row, n in zip(ids, lengths, strict=True)])

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from cllm.core.errors import first_line
+from cllm.decoding.argmax import argmax
 from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
 from cllm.decoding.stats import DecodeOutput
-from cllm.runtime.lean.kernels import argmax
 
 # A temperature below float32's smallest normal number decodes greedily: the logits, divided by
 # it in float32, would overflow to -inf beside the maximum's 0 / t (or, below ~1.4e-45, t itself

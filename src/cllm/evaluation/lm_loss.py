@@ -14,7 +14,7 @@ from cllm.data.tokenizer import token_stream
 from cllm.decoding.inputs import position_limit
 from cllm.modeling import losses
 from cllm.modeling.forwards import forward_blocks, rows_from_lists
-from cllm.runtime.hf_cache import accepts_logits_to_keep
+from cllm.runtime.hf import accepts_logits_to_keep
 
 MAX_WINDOW = 1024  # text windows are at most this many tokens (and at most the model's context)
 

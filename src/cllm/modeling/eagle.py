@@ -12,7 +12,7 @@ The layer is a transformers `LlamaModel` with one layer (EAGLE uses a Llama laye
 target), built from the target's sizes, with EAGLE-1's two omissions: no input norm before the
 layer (the fused input is not normalised) and no final norm (the layer's output is the
 feature, read by the LM head as is). Embeddings and LM head are the target's, shared, never
-trained or saved here. Every call of the layer goes through `cllm.runtime.hf_cache.feed_embeds`.
+trained or saved here. Every call of the layer goes through `cllm.runtime.hf` (`EmbedsCache`).
 `cllm.decoding.rivals.eagle` decodes with a head (exactly greedy); `cllm.training.eagle`
 trains and saves it (`cllm eagle`); `cllm.models.load_eagle` loads it.
 
@@ -33,7 +33,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from cllm.core.errors import UserError
-from cllm.runtime import hf_cache as kv
+from cllm.runtime.hf import EmbedsCache, feed_embeds_uncached
 
 EAGLE_DIR = Path("eagle")  # relative to a checkpoint directory
 CONFIG_FILE = "eagle_config.json"
@@ -116,12 +116,17 @@ class EagleHead(nn.Module):
         """Teacher-forced, no cache (training): f^_{t+1} for every t (B, T, H), causal."""
         if position_ids is None:
             position_ids = torch.arange(features.shape[1], device=features.device)[None].expand(features.shape[0], -1)
-        return kv.feed_embeds(self.body, None, self.fuse(features, next_tokens), position_ids)
+        return feed_embeds_uncached(self.body, self.fuse(features, next_tokens), position_ids)
 
-    def step(self, cache: kv.RowCache, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
+    def new_cache(self) -> EmbedsCache:
+        """An empty cache of the layer's, for one row being decoded."""
+        return EmbedsCache()
+
+    def step(self, cache: EmbedsCache, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
              allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoding: the same over new positions appended to `cache` (`cache.feed_embeds`)."""
-        return kv.feed_embeds(self.body, cache, self.fuse(features, next_tokens), position_ids, allowed)
+        """Decoding: the same over new positions appended to `cache` (1, L, H); `allowed`
+        (1, L, S + L) lays them out as a tree (None: causal)."""
+        return cache.feed(self.body, self.fuse(features, next_tokens), position_ids, allowed)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(features)

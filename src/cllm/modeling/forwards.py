@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from cllm.modeling import losses
-from cllm.runtime import hf_cache as kv
-from cllm.runtime.hf_cache import custom_mask
+from cllm.runtime import hf
+from cllm.runtime.hf import custom_mask
 
 
 @dataclass
@@ -93,13 +93,13 @@ def forward_shared_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Te
     if checkpointed(model):
         return forward_prefix_per_block(model, prefix_ids, prefix_mask, groups, logits_to_keep=logits_to_keep)
     device = next(model.parameters()).device
-    rc, last = kv.prefill(model, prefix_ids.to(device), prefix_mask.to(device))  # last: (B, V)
+    prefixes, last = hf.prefill_rows(model, prefix_ids.to(device), prefix_mask.to(device))  # last: (B, V)
     out = []
     for g in groups:
         owner = g.owner.to(device)
         with torch.enable_grad() if g.grad else torch.no_grad():
-            fork = kv.fork_rows(rc, owner, detach=not g.grad)
-            logits = kv.feed(model, fork, g.block_ids.to(device), g.block_mask.sum(1).tolist())
+            fork = hf.fork_rows(prefixes, owner, detach=not g.grad)
+            logits = hf.feed_rows(model, fork, g.block_ids.to(device), g.block_mask.sum(1).tolist())
             first = last.index_select(0, owner)
             first = first if g.grad else first.detach()
             out.append(torch.cat([first[:, None], logits[:, :-1]], 1))

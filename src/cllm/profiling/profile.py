@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from cllm.core.config import config_to_dict, is_off
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
 from cllm.core.machine import machine_info
 from cllm.core.outputs import check_folder, claim_folder
 from cllm.decoding import RECOMMENDED
@@ -44,7 +44,7 @@ from cllm.profiling.steptime import (
     time_steps,
     write_json,
 )
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import RUNTIMES, Runtime, open_runtime
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +88,14 @@ class ProfileConfig:
     host_tokens: int = field(default=32, metadata={"help": "new tokens of each jacobi_decode run that measures the "
         "engine's host time per step (0: skip)"})
     forward_batches: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "batch sizes at which one "
-        "causal forward of every k is timed on each forward the model can take (the lean runner, transformers'), "
+        "causal forward of every k is timed on each forward the model can take (the lean runtime, transformers'), "
         "interleaved over --repeats rounds (empty: not timed)"})
     decode_tokens: int = field(default=128, metadata={"help": "new tokens of the single-request greedy decode timed "
         "on each of those forwards, tokens/s (0: skip)"})
     seed: int = field(default=0, metadata={"help": "seed of the random weights and token ids"})
-    forward: Literal["auto", "transformers"] = field(default="auto", metadata={"help": "the forward timed: auto (the "
-        "lean runner where it runs the model, the Llama family; else transformers'), or transformers"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": "the runtime whose "
+        "steps are timed: auto (the lean runtime where it runs the model, the Llama family; else transformers'), "
+        "transformers or lean"})
     out: str | None = field(default="reports/profile", metadata={"help": "folder for profile.json and profile.md "
         "('none': print only)"})
 
@@ -112,8 +113,8 @@ class ProfileConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)!r}")
         if any(not isinstance(b, int) or b < 1 for b in self.forward_batches):
             raise ValueError(f"--forward-batches must be ints >= 1, got {self.forward_batches}")
-        if self.forward not in ("auto", "transformers"):
-            raise ValueError(f"--forward must be auto or transformers, got {self.forward!r}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         parse_tpf(self.tpf)
@@ -176,10 +177,11 @@ def host_settings(k: int) -> dict[str, dict[str, Any]]:
     return {"jacobi": {"block_size": k, "recycle": 0}, "engine": engine}
 
 
-def measure(model: torch.nn.Module, ks: list[int], *, prefix: int, repeats: int, tree: bool = True,
+def measure(runtime: Runtime, ks: list[int], *, prefix: int, repeats: int, tree: bool = True,
             host_tokens: int = 32, tpf: dict[str, float] | None = None, seed: int = 0) -> list[StepTiming]:
-    """Every k's timing: step times and ratios, host time per step, predictions at `tpf`."""
-    times = time_steps(model, ks, prefix=prefix, rounds=repeats, tree=tree, seed=seed)
+    """Every k's timing on `runtime`: step times and ratios, host time per step, predictions at
+    `tpf`."""
+    times = time_steps(runtime, ks, prefix=prefix, rounds=repeats, tree=tree, seed=seed)
     t1, t1_median = min(times.causal[1]), summary(times.causal[1])["median_ms"] / 1e3
     rows = []
     for k in ks:
@@ -191,7 +193,7 @@ def measure(model: torch.nn.Module, ks: list[int], *, prefix: int, repeats: int,
             row.tree_ratio = min(times.tree[k]) / t1
         if host_tokens:
             for name, settings in host_settings(k).items():
-                host = time_host(model, settings, prefix=prefix, new_tokens=host_tokens, repeats=HOST_REPEATS,
+                host = time_host(runtime, settings, prefix=prefix, new_tokens=host_tokens, repeats=HOST_REPEATS,
                                  seed=seed)
                 setattr(row, f"host_{name}_ms", host.host_ms_per_step)
         tk = min(times.causal[k])
@@ -267,10 +269,14 @@ def profile(config: ProfileConfig) -> StepProfile:
     log.info("timing k = %s after %d cached tokens, %d rounds%s", ", ".join(map(str, config.k)), config.prefix,
              config.repeats, f", then host time ({config.host_tokens} tokens per decode)" if config.host_tokens else "")
     tpf = parse_tpf(config.tpf)
-    with lean.runner_enabled(config.forward == "auto"):
-        rows = measure(model, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
-                       host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
-        forward = lean.describe(model) if config.forward == "auto" else "transformers' forward (--forward transformers)"
+    try:
+        runtime = open_runtime(model, config.runtime)
+    except ValueError as e:
+        raise UserError(f"--runtime {config.runtime}: {first_line(e)}") from None
+    runtime.prepare()
+    rows = measure(runtime, config.k, prefix=config.prefix, repeats=config.repeats, tree=config.tree,
+                   host_tokens=config.host_tokens, tpf=tpf, seed=config.seed)
+    forward = runtime.describe()
     forwards, decode = {}, {}
     if config.forward_batches:
         log.info("timing one forward per path at batch %s", ", ".join(map(str, config.forward_batches)))

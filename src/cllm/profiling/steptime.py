@@ -1,17 +1,18 @@
-"""Timing one decoding step of k fed tokens, through the engine's own code path.
+"""Timing one decoding step of k fed tokens, through the engine's own code path: a runtime's
+session (`cllm.runtime`), as the decoders drive it.
 
 `cllm profile` and `cllm tune` share this: random-weight Llama-shaped models built from a config
 in-process (no weights, no download), and three measurements after a cached prefix:
 
-- causal step: `cache.feed` of k tokens, argmax at every position (the step's one device sync),
-  `cache.commit` rolling all k back, so every step sees the same cache length (what a plain
+- causal step: one `feed` of k tokens as a chain, argmax at every position (the step's one
+  device sync), `keep` of none of them, so every step sees the same cache length (what a plain
   Jacobi step costs);
-- tree step: the same through `cache.feed_tree` with a recycling trie of k tokens built by the
-  engine's own `TokenTrie` (a block tail plus pool drafts sharing its root: the tree mask path);
-- host time: `jacobi_decode` run for real, its wall clock minus the time inside the model's
-  forward calls (device synced at each call's start and end, by forward hooks), per forward.
-  That is the engine's Python around the model: tails, tries, acceptance, cache commits, the
-  argmax and its copy to the host.
+- tree step: the same with a recycling trie of k tokens built by the engine's own `tree.Tree`
+  (a block tail plus pool drafts sharing its root: the tree mask path);
+- host time: `jacobi_decode` run for real, its wall clock minus the time inside the runtime's
+  forwards (its sessions' `open` and `feed`, device synced at each one's start and end), per
+  forward. That is the engine's Python around the forward: tails, tries, acceptance, what the
+  session keeps, the argmax and its copy to the host.
 
 Timing follows gpt-fast: the device is synced before each clock read. Rounds are interleaved
 over (path, k), so background load hits every k alike; min and median over rounds (a busy machine
@@ -34,12 +35,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import sync
 from cllm.decoding import greedy_decode, jacobi_decode
-from cllm.decoding.jacobi import TokenTrie
+from cllm.decoding.argmax import argmax
+from cllm.decoding.tree import Tree
 from cllm.modeling.shapes import LLAMA_SHAPES
 from cllm.models import resolve_dtype
-from cllm.runtime import hf_cache as kv
-from cllm.runtime.lean import graphs
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import Runtime, open_runtime
+from cllm.runtime.lean import LeanRuntime, why_not
+from cllm.runtime.lean.packed import PackedWeights
+from cllm.runtime.lean.runner import LeanRunner
 
 SHAPES = LLAMA_SHAPES  # named shapes: cllm.modeling.shapes
 POSITIONS = 4096  # max_position_embeddings of the named shapes
@@ -110,19 +113,19 @@ def default_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[int], list[list[bool]]]:
-    """A recycling trie of exactly k tokens, built by the engine's `TokenTrie`: a Jacobi tail of
+def tree_layout(k: int, tail: int = 4, width: int = 4) -> tuple[list[int], list[int]]:
+    """A recycling trie of exactly k tokens, built by the engine's `tree.Tree`: a Jacobi tail of
     min(tail, k) tokens, then drafts of `width` tokens branching off the root until k are fed.
-    Returns its token ids (arbitrary, distinct), position offsets and ancestor mask (k x k)."""
+    Returns its token ids (arbitrary, distinct) and its parent list."""
     first = min(tail, k)
     tail_tokens = list(range(first))
     drafts, next_id = [], first
     while first + width * len(drafts) < k:  # every draft has a fresh first token: no sharing
         drafts.append(list(range(next_id, next_id + width)))
         next_id += width
-    trie = TokenTrie.build(tail_tokens, drafts, budget=k)
-    assert len(trie.tokens) == k, (k, len(trie.tokens))
-    return trie.tokens, trie.depth, trie.ancestor_rows(k)
+    tree = Tree.trie(tail_tokens, drafts, budget=k)
+    assert len(tree.tokens) == k, (k, len(tree.tokens))
+    return tree.tokens, tree.parent
 
 
 @dataclass
@@ -134,33 +137,29 @@ class StepTimes:
     tree: dict[int, list[float]] = field(default_factory=dict)
 
 
-def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds: int, tree: bool = True,
+def time_steps(runtime: Runtime, ks: Sequence[int], *, prefix: int, rounds: int, tree: bool = True,
                seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> StepTimes:
-    """t(k) of the causal step (and the tree step) after `prefix` cached random tokens."""
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
+    """t(k) of the causal step (and the tree step) after `prefix` cached random tokens, on
+    `runtime` (a model: its "auto" runtime)."""
+    runtime = open_runtime(runtime) if isinstance(runtime, torch.nn.Module) else runtime
+    device, vocab = runtime.device, runtime.vocab_size
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(vocab, (1, prefix), generator=g).to(device)  # (1, prefix)
+    session = runtime.session()
     with torch.inference_mode():
-        rc, _ = kv.prefill(model, prompt, torch.ones_like(prompt))
-    ids = {k: torch.randint(vocab, (1, k), generator=g).to(device) for k in ks}  # (1, k) each
-    trees = {}
-    for k in ks if tree else ():
-        tokens, depth, mask = tree_layout(k)
-        trees[k] = (torch.tensor([tokens], device=device) % vocab, torch.tensor([depth]), torch.tensor([mask]))
+        rows, _ = session.open([torch.randint(vocab, (prefix,), generator=g).tolist()])
+    ids = {k: torch.randint(vocab, (k,), generator=g).tolist() for k in ks}
+    trees = {k: tree_layout(k) for k in ks} if tree else {}
 
     @torch.inference_mode()
     def causal_step(k: int) -> None:
-        logits = kv.feed(model, rc, ids[k], fed=[k])  # (1, k, V)
-        logits[0].argmax(-1).tolist()
-        kv.commit(rc, keep=[0], fed=k)  # roll all k back: the next step sees the same cache
+        argmax(session.feed(rows, [ids[k]]).logits[0]).tolist()
+        session.keep(rows, [[]])  # roll all k back: the next step sees the same cache
 
     @torch.inference_mode()
     def tree_step(k: int) -> None:
-        tokens, offsets, mask = trees[k]
-        logits = kv.feed_tree(model, rc, tokens, offsets, mask)  # (1, k, V)
-        logits[0].argmax(-1).tolist()
-        kv.commit_kept(rc, [[]], fed=k)
+        tokens, parents = trees[k]
+        argmax(session.feed(rows, [[t % vocab for t in tokens]], parents=[parents]).logits[0]).tolist()
+        session.keep(rows, [[]])
 
     steps = {"causal": causal_step, **({"tree": tree_step} if tree else {})}
     out = StepTimes(ks=list(ks))
@@ -177,57 +176,61 @@ def time_steps(model: torch.nn.Module, ks: Sequence[int], *, prefix: int, rounds
             steps[name](k)
             sync(device)
             getattr(out, name).setdefault(k, []).append(clock() - t0)
-    assert rc.lengths == [prefix], "a step did not roll the cache back"
+    assert session.length(rows[0]) == prefix, "a step did not roll the cache back"
+    session.close(rows)
     return out
 
 
-def forward_paths(model: torch.nn.Module) -> list[str]:
-    """The decoding forwards `model` can take, as `time_forwards` names them."""
-    with lean.runner_enabled(True):
-        runner = lean.runner_for(model)
-    weight = model.get_input_embeddings().weight
-    packs = runner is not None and lean.LeanRunner.feature_major(weight) and lean.PackedWeights.why_not(model) is None
-    graphed = runner is not None and graphs.why_not_graphs(runner, weight) is None
-    return (["compiled"] if lean.compiled(model) is not None else []) + (["lean"] if runner is not None else []) + (
-        ["lean-mkl"] if packs else []) + (["lean-eager"] if graphed else []) + ["transformers"]
+def forward_runtimes(model: torch.nn.Module, compiled: LeanRuntime | None = None) -> dict[str, Runtime]:
+    """The decoding forwards `model` can take, by the name `time_forwards` gives them: "compiled"
+    (`compiled`, a lean runtime whose forward was compiled), "lean" (the lean runtime, when it runs
+    the model: readied as `load_for_decoding` readies it; on a GPU replayed from CUDA graphs),
+    "lean-mkl" (the same on MKL's GEMM and the plain weights, where "lean" runs on packed ones),
+    "lean-eager" (the same without CUDA graphs, where "lean" runs on them), "transformers"."""
+    out: dict[str, Runtime] = {"compiled": compiled} if compiled is not None else {}
+    if why_not(model) is None:
+        out["lean"] = open_runtime(model, "lean")
+        out["lean"].prepare()
+        weight = model.get_input_embeddings().weight
+        if LeanRunner.feature_major(weight) and PackedWeights.why_not(model) is None:
+            out["lean-mkl"] = open_runtime(model, "lean", packed=False)
+        if out["lean"].runner.why_not_graphs() is None:
+            out["lean-eager"] = open_runtime(model, "lean", graphs=False)
+    out["transformers"] = open_runtime(model, "transformers")
+    return out
 
 
 def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
-                  rounds: int, seed: int = 0) -> dict[str, dict[int, dict[int, list[float]]]]:
+                  rounds: int, seed: int = 0, compiled: LeanRuntime | None = None
+                  ) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
-    cached tokens, on each forward the model can take: {"compiled" (the lean runner's compiled
-    forward, when `compiled.compile_runner` compiled it), "lean" (`cllm.runtime.lean.runner`'s eager
-    forward, when it runs the model; on a GPU replayed from CUDA graphs), "lean-mkl" (the same on
-    MKL's GEMM and the plain weights, where "lean" runs on packed ones), "lean-eager" (the same
-    without CUDA graphs, where "lean" runs on them), "transformers": {B: {k: [seconds per round]}}}. Rounds
-    are interleaved over (forward, B, k) and rotated; each step is rolled back, so every one
-    sees the same cache."""
+    cached tokens, on each forward the model can take (`forward_runtimes`): {path: {B: {k:
+    [seconds per round]}}}. Rounds are interleaved over (forward, B, k) and rotated; each step
+    is rolled back, so every one sees the same cache."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    paths = forward_paths(model)
-    caches, ids = {}, {}
-    for path in paths:
+    runtimes = forward_runtimes(model, compiled)
+    sessions, ids = {}, {}
+    for path, runtime in runtimes.items():
         for B in batches:
-            prompt = torch.randint(vocab, (B, prefix), generator=torch.Generator().manual_seed(seed)).to(device)
-            with lean.runner_enabled(path != "transformers"), torch.inference_mode():
-                caches[path, B], _ = kv.prefill(model, prompt, torch.ones_like(prompt))
+            prompt = torch.randint(vocab, (B, prefix), generator=torch.Generator().manual_seed(seed)).tolist()
+            session = runtime.session()
+            with torch.inference_mode():
+                sessions[path, B] = (session, session.open(prompt)[0])
     for B in batches:
         for k in ks:
-            ids[B, k] = torch.randint(vocab, (B, k), generator=g).to(device)
+            ids[B, k] = torch.randint(vocab, (B, k), generator=g).tolist()
 
     @torch.inference_mode()
     def step(path: str, B: int, k: int) -> None:
-        rc = caches[path, B]
-        with lean.compiled_enabled(path == "compiled"), lean.packed_enabled(path != "lean-mkl"), \
-                lean.graphs_enabled(path != "lean-eager"):
-            logits = kv.feed(model, rc, ids[B, k], fed=[k] * B)  # (B, k, V)
-        logits.argmax(-1).tolist()  # the step's one device sync
-        kv.commit(rc, keep=[0] * B, fed=k)
+        session, rows = sessions[path, B]
+        argmax(session.feed(rows, ids[B, k]).logits).tolist()  # the step's one device sync
+        session.keep(rows, [[]] * B)
 
-    order = [(path, B, k) for path in paths for B in batches for k in ks]
+    order = [(path, B, k) for path in runtimes for B in batches for k in ks]
     for key in order + order:  # warm-up: every shape twice
         step(*key)
-    out: dict[str, dict[int, dict[int, list[float]]]] = {p: {B: {} for B in batches} for p in paths}
+    out: dict[str, dict[int, dict[int, list[float]]]] = {p: {B: {} for B in batches} for p in runtimes}
     for r in range(rounds):
         shift = r % len(order)
         for path, B, k in order[shift:] + order[:shift]:
@@ -252,46 +255,51 @@ class HostTime:
         return 1e3 * (self.total_s - self.model_s) / self.forwards
 
 
-class _ForwardClock:
-    """Forward hooks that add up the time spent inside the model's forward calls (synced)."""
+class _Timed:
+    """A runtime whose sessions add up the time spent in their forwards (`open`, `feed`; the
+    device synced at each one's start and end), answering everything else as the runtime."""
 
-    def __init__(self, model: torch.nn.Module, clock: Callable[[], float]):
-        self.device, self.clock = next(model.parameters()).device, clock
-        self.seconds, self.calls, self._t0 = 0.0, 0, 0.0
-        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._stop)]
+    def __init__(self, runtime: Runtime, clock: Callable[[], float]) -> None:
+        self.runtime, self.clock = runtime, clock
+        self.seconds, self.calls = 0.0, 0
 
-    def _start(self, *_):
-        sync(self.device)
-        self._t0 = self.clock()
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
 
-    def _stop(self, *_):
-        sync(self.device)
-        self.seconds += self.clock() - self._t0
-        self.calls += 1
+    def session(self):
+        session = self.runtime.session()
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        def timed(call):
+            def forward(*args, **kwargs):
+                sync(self.runtime.device)
+                t0 = self.clock()
+                out = call(*args, **kwargs)
+                sync(self.runtime.device)
+                self.seconds += self.clock() - t0
+                self.calls += 1
+                return out
+            return forward
+
+        session.open, session.feed = timed(session.open), timed(session.feed)
+        return session
 
 
-def time_host(model: torch.nn.Module, settings: dict[str, Any], *, prefix: int, new_tokens: int,
+def time_host(runtime: Runtime, settings: dict[str, Any], *, prefix: int, new_tokens: int,
               repeats: int, seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> HostTime:
-    """The engine's time outside the model per forward: `jacobi_decode(**settings)` on a random
-    prompt of `prefix` tokens, the best (least host time per forward) of `repeats` runs."""
-    device = next(model.parameters()).device
-    prompt = torch.randint(model.config.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(seed))
+    """The engine's time outside the runtime's forwards per forward: `jacobi_decode(**settings)`
+    on a random prompt of `prefix` tokens, the best (least host time per forward) of `repeats`
+    runs."""
+    runtime = open_runtime(runtime) if isinstance(runtime, torch.nn.Module) else runtime
+    prompt = torch.randint(runtime.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(seed))
     runs = []
     for _ in range(repeats + 1):  # the first run warms up
-        timer = _ForwardClock(model, clock)
-        try:
-            sync(device)
-            t0 = clock()
-            jacobi_decode(model, prompt.to(device), max_new_tokens=new_tokens,
-                          generator=torch.Generator().manual_seed(seed), **settings)
-            sync(device)
-            runs.append(HostTime(forwards=timer.calls, total_s=clock() - t0, model_s=timer.seconds))
-        finally:
-            timer.remove()
+        timed = _Timed(runtime, clock)
+        sync(runtime.device)
+        t0 = clock()
+        jacobi_decode(timed, prompt, max_new_tokens=new_tokens, generator=torch.Generator().manual_seed(seed),
+                      **settings)
+        sync(runtime.device)
+        runs.append(HostTime(forwards=timed.calls, total_s=clock() - t0, model_s=timed.seconds))
     return min(runs[1:] or runs, key=lambda run: run.host_ms_per_step)
 
 
@@ -304,25 +312,26 @@ def forward_ms(times: dict[str, dict[int, dict[int, list[float]]]]) -> dict[str,
 def time_decodes(model: torch.nn.Module, *, prefix: int, new_tokens: int, repeats: int,
                  seed: int = 0) -> dict[str, Any]:
     """Single-request greedy decoding speed, tokens/s, on each forward the model can take:
-    {"lean" (where the lean runner runs the model), "lean-eager" (the same without CUDA graphs, where
-    "lean" runs on them), "transformers"}. `greedy_decode` of exactly
-    `new_tokens` tokens (no EOS) after a random prompt of `prefix` tokens; the paths are
-    interleaved over `repeats` rounds after a warm-up and the fastest round is kept. Returns
-    {"tokens_per_second": {path: tok/s}, "same_tokens": whether every path decoded the same tokens}
-    (in float32 they must; in bfloat16 a near-tie may flip)."""
+    {"lean" (where the lean runtime runs the model), "lean-eager" (the same without CUDA graphs,
+    where "lean" runs on them), "transformers"}. `greedy_decode` of exactly `new_tokens` tokens
+    (no EOS) after a random prompt of `prefix` tokens; the paths are interleaved over `repeats`
+    rounds after a warm-up and the fastest round is kept. Returns {"tokens_per_second": {path:
+    tok/s}, "same_tokens": whether every path decoded the same tokens} (in float32 they must; in
+    bfloat16 a near-tie may flip)."""
     device, vocab = next(model.parameters()).device, model.config.vocab_size
-    prompt = torch.randint(vocab, (1, prefix), generator=torch.Generator().manual_seed(seed)).to(device)
-    paths = [path for path in forward_paths(model) if path in ("lean", "lean-eager", "transformers")]
+    prompt = torch.randint(vocab, (1, prefix), generator=torch.Generator().manual_seed(seed))
+    runtimes = {path: runtime for path, runtime in forward_runtimes(model).items()
+                if path in ("lean", "lean-eager", "transformers")}
     best: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
+    paths = list(runtimes)
     for r in range(repeats + 1):  # round 0 warms up
         for path in paths if r % 2 else paths[::-1]:
-            with lean.runner_enabled(path != "transformers"), lean.graphs_enabled(path != "lean-eager"):
-                sync(device)
-                t0 = time.perf_counter()
-                out = greedy_decode(model, prompt, max_new_tokens=new_tokens, eos_token_id=None)
-                sync(device)
-                seconds = time.perf_counter() - t0
+            sync(device)
+            t0 = time.perf_counter()
+            out = greedy_decode(runtimes[path], prompt, max_new_tokens=new_tokens, eos_token_id=None)
+            sync(device)
+            seconds = time.perf_counter() - t0
             outputs.setdefault(path, out.new_tokens[0])
             if r:
                 best[path] = min(best.get(path, float("inf")), seconds)

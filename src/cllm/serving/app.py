@@ -64,7 +64,8 @@ SHUTDOWN_MARGIN = 5.0  # seconds uvicorn waits past --shutdown-grace for the 503
 
 
 def create_app(model, tokenizer, settings: ServeConfig | None = None, draft_table=None) -> FastAPI:
-    """The FastAPI app serving `model` (Jacobi with `draft_table`, when given: `cllm drafts`);
+    """The FastAPI app serving `model` (a transformers model, on its "auto" runtime, or a runtime;
+    Jacobi with `draft_table`, when given: `cllm drafts`);
     its decode thread starts now and stops with the app. The API key is `settings.api_key`,
     else the CLLM_API_KEY environment variable."""
     cfg = settings or ServeConfig()
@@ -236,7 +237,7 @@ def open_app(config: ServeConfig) -> BoundApp:
     def load() -> tuple[ServedModel, FastAPI]:
         served = load_served(config.model, dtype=config.dtype, device=config.device,
                              threads=config.threads or free_cores(), draft_table=config.draft_table,
-                             compile=config.compile)
+                             compile=config.compile, runtime=config.runtime)
         return served, create_app(served.model, served.codec.tokenizer, config, served.draft_table)
 
     try:  # off the main thread: the decode thread is then the only one with torch CPU threads

@@ -34,6 +34,7 @@ from cllm.decoding.inputs import eos_set
 from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
 from cllm.decoding.sampling import is_greedy
 from cllm.decoding.stats import DecodeStats
+from cllm.runtime import Runtime
 
 METHODS = ("jacobi", "ar")
 
@@ -190,7 +191,7 @@ class Completion:
 
 
 def complete(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     codec: TextCodec,
     prompt_ids: Sequence[int],
     params: DecodeParams,
@@ -204,7 +205,7 @@ def complete(
     """Decode one prompt, calling `on_text` with each final chunk of text.
 
     Args:
-        model: a causal LM in eval mode.
+        model: a runtime (`cllm.runtime`), or a causal LM in eval mode (on its "auto" runtime).
         codec: its tokenizer.
         prompt_ids: the prompt's token ids (non-empty).
         params: method, budget, stop strings, sampling.
@@ -216,8 +217,7 @@ def complete(
             `params.method` (its default tree; `on_iteration` is not called).
     """
     stream = TextStream(codec, params.stop, on_text)
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, T)
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
     start = time.perf_counter()
     if heads is not None:
         forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
@@ -238,10 +238,9 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
     """Jacobi (or AR: n = 1) on the engine, one step at a time; the tokens each step made final
     go to the text stream at once. Returns the forward passes, the prefill included."""
     decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **decoder_kwargs(params, draft_table))
-    device = next(model.parameters()).device
     with torch.inference_mode():
-        (row,) = decoder.add(input_ids.to(device), max_new_tokens=params.max_new_tokens,
-                             generator=seeded_generator(params.seed, device))
+        (row,) = decoder.add(input_ids, max_new_tokens=params.max_new_tokens,
+                             generator=seeded_generator(params.seed, decoder.runtime.device))
         decoder.raise_error([row])
         stream.feed(decoder.tokens(row))  # the prefill's token
 
@@ -261,9 +260,8 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
 def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> int:
     """Greedy Medusa decoding, each forward's final tokens streamed as they come. Returns the
     forward passes, the prefill included."""
-    device = next(model.parameters()).device
     stats = DecodeStats()
-    steps = medusa_steps(model, heads, input_ids.to(device), None, resolve_tree(heads, None),
+    steps = medusa_steps(model, heads, input_ids, None, resolve_tree(heads, None),
                          max_new_tokens=params.max_new_tokens, eos=eos_set(eos), stats=stats)
     for tokens in steps:
         stream.feed(tokens)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.runtime import RUNTIME_HELP, RUNTIMES
 from cllm.serving.completion import METHODS
 from cllm.serving.vllm import DEFAULT_SPECULATIVE_TOKENS
 
@@ -75,11 +76,11 @@ class ServeConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
         "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
         "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
-    compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward before serving "
-        "(float32 on a CPU with a C++ compiler; the first time for a model ~2 min on 2 cores, then loaded from the "
-        "compile cache in seconds; elsewhere a note and the eager runner). On a 2-core CPU shared with "
-        "load_test.py's clients, at 2 threads: one client 700-958 tokens/s against 660-825 eager, 32 clients slower "
-        "(1,881-2,311 against 2,367-2,754; docs/serving.md)"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": RUNTIME_HELP})
+    compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward before serving "
+        "(float32 on a CPU with a C++ compiler; minutes the first time for a model, then loaded from the compile "
+        "cache in seconds; elsewhere a note and the eager forward). Faster for one client, slower for many on a "
+        "small CPU (docs/serving.md)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
     speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
         "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "
@@ -105,6 +106,8 @@ class ServeConfig:
             raise ValueError("--read-timeout and --header-timeout must be > 0")
         if self.threads < 0 or self.forward_width < 0:
             raise ValueError("--threads and --forward-width must be >= 0")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.engine not in ("cllm", "vllm"):

@@ -1,5 +1,6 @@
 """A model loaded for decoding text, the one way `cllm generate`, `cllm chat` and `cllm serve`
-load it: its tokenizer (as a `TextCodec`), its draft table and, when asked, its Medusa heads.
+load it: on its runtime (`cllm.runtime`), with its tokenizer (as a `TextCodec`), its draft
+table and, when asked, its Medusa heads.
 
 The loading itself is `cllm.models`' (checkpoints, tokenizers, draft tables) and
 `cllm.models.load_heads`' (Medusa heads); this module only puts them together.
@@ -15,13 +16,12 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from cllm.core.config import is_off
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import MedusaHeads
 from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
-from cllm.runtime.lean import compiled
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import Runtime, open_runtime
 from cllm.serving.completion import TextCodec
 
 
@@ -30,7 +30,7 @@ class ServedModel:
     """What decoding text needs: `complete(m.model, m.codec, ids, params, draft_table=m.draft_table,
     heads=m.heads)`."""
 
-    model: torch.nn.Module  # in eval mode
+    model: Runtime  # what the decoders run on
     codec: TextCodec  # its tokenizer, behind a lock
     draft_table: DraftTable | None  # `cllm drafts`: faster Jacobi, same output
     heads: MedusaHeads | None  # `cllm medusa`: greedy Medusa decoding instead of the method asked
@@ -39,18 +39,19 @@ class ServedModel:
 
 def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", threads: int = 0,
                 draft_table: str = "auto", medusa: str = "none", compile: bool = False,
-                batches: bool = True) -> ServedModel:
+                batches: bool = True, runtime: str = "auto") -> ServedModel:
     """Load `model` (a shipped name, a folder or a hub id) for decoding.
 
     Args:
         threads: torch CPU threads to set (0: leave torch's setting).
         draft_table: "auto" (the one saved beside the checkpoint, if any), "none", or a file.
         medusa: "auto" (the heads in MODEL/medusa, if any), "none", or a heads folder.
-        compile: compile the lean runner's forward now (`cllm.runtime.lean.compiled.compile_runner`);
-            where it cannot be, `not_compiled` says why and the eager runner decodes.
+        compile: compile the lean runtime's forward now (`cllm.runtime.lean.compiled`); where it
+            cannot be, `not_compiled` says why and the eager forward decodes.
         batches: with `compile`, compile the graph for batches of two rows or more too (a
             server's); one prompt at a time needs only the one-row graph (less than half the
             time, the first time for a model: later processes load both from the compile cache).
+        runtime: "auto", "transformers" or "lean" (`cllm.runtime.open_runtime`).
     """
     hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
     if threads:
@@ -59,9 +60,13 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     table = load_draft_table(model, draft_table)
     loaded = load_model(model, dtype=dtype, device=device)
     heads = load_medusa_heads(model, loaded, medusa)
-    not_compiled = compiled.compile_runner(loaded, batches=batches) if compile else None
-    lean.prepare(loaded)
-    return ServedModel(loaded, TextCodec(tokenizer), table, heads, not_compiled)
+    try:
+        decoding = open_runtime(loaded, runtime)
+    except ValueError as exc:
+        raise UserError(f"--runtime {runtime}: {first_line(exc)}") from None
+    not_compiled = decoding.compile(batches=batches) if compile else None
+    decoding.prepare()
+    return ServedModel(decoding, TextCodec(tokenizer), table, heads, not_compiled)
 
 
 def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:

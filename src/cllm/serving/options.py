@@ -12,6 +12,7 @@ from typing import Literal
 from cllm.core.config import is_off
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.decoding.sampling import is_greedy
+from cllm.runtime import RUNTIME_HELP, RUNTIMES
 from cllm.runtime.lean import compiled
 from cllm.serving.completion import METHODS, DecodeParams
 from cllm.serving.loading import ServedModel, load_served
@@ -54,10 +55,11 @@ class DecodeOptions:
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-    compile: bool = field(default=False, metadata={"help": "compile the lean runner's forward first (float32 on "
-        "a CPU with a C++ compiler: a forward of 1-4 fed tokens ~3x faster, of 16 1.4x; about a minute the "
-        "first time for a model on 2 cores, which a short run does not win back; later runs load it from the "
-        "compile cache, $CLLM_COMPILE_CACHE or ~/.cache/cllm/compiled, in ~2 s)"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": RUNTIME_HELP})
+    compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward first (float32 on "
+        "a CPU with a C++ compiler): faster forwards of few fed tokens, after a compile the first time for a model "
+        "that a short run does not win back; later runs load it from the compile cache, $CLLM_COMPILE_CACHE or "
+        "~/.cache/cllm/compiled (benchmarks/README.md, engines-cpu/llamacpp-compiled)"})
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -75,6 +77,8 @@ class DecodeOptions:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if not is_off(self.medusa) and not is_greedy(self.temperature):
             raise ValueError("--medusa decodes greedily: use --temperature 0 (or --medusa none)")
 
@@ -91,7 +95,7 @@ class DecodeOptions:
             print(f"cllm: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
         served = load_served(self.model, dtype=self.dtype, device=self.device, threads=self.threads,
                              draft_table=self.draft_table, medusa=self.medusa, compile=self.compile,
-                             batches=False)  # one prompt at a time
+                             batches=False, runtime=self.runtime)  # one prompt at a time
         if served.not_compiled:
-            print(f"cllm: note: --compile: {served.not_compiled}; the eager runner decodes", file=sys.stderr)
+            print(f"cllm: note: --compile: {served.not_compiled}; the eager forward decodes", file=sys.stderr)
         return served

@@ -37,6 +37,7 @@ from cllm.core.errors import first_line
 from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
+from cllm.runtime import as_runtime
 from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, decoder_kwargs
 
 log = logging.getLogger(__name__)
@@ -108,14 +109,14 @@ class Scheduler:
     def __init__(self, model, codec: TextCodec, *, draft_table=None, queue_size: int = 256,
                  max_batch_size: int = 32, max_tokens_in_flight: int = 65536,
                  forward_width: int | None = None, stream_interval: float = 0.0) -> None:
-        self.model, self.codec, self.draft_table = model, codec, draft_table
+        self.model, self.codec, self.draft_table = as_runtime(model), codec, draft_table
         # a streamed job's text is sent at most once per `stream_interval` seconds (0: per step)
         self.stream_interval = stream_interval
         self._sending = threading.Lock()  # a job's unsent text: the worker's, and `stop`'s
         self.queue_size, self.max_batch_size = queue_size, max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.forward_width = forward_width
-        self.device = next(model.parameters()).device
+        self.device = self.model.device  # where its logits, and the draws, are
         self.stats = SchedulerStats()
         self.running = 0  # rows decoding (written by the worker only)
         self._waiting: deque[Job] = deque()
@@ -221,7 +222,7 @@ class Scheduler:
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             try:
                 generators = [seeded_generator(j.params.seed, self.device) for j in group_jobs]
-                rows = group.decoder.add(ids.to(self.device), mask.to(self.device), generator=generators,
+                rows = group.decoder.add(ids, mask, generator=generators,
                                          max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
             except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
                 log.exception("a prefill of %d request(s) failed", len(group_jobs))

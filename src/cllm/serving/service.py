@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from cllm.core.errors import first_line, json_problem
 from cllm.decoding.inputs import position_limit
+from cllm.runtime import as_runtime
 from cllm.serving.api import ApiError, PromptLimits, check_body, check_prompt_ids, parse_params
 from cllm.serving.completion import Completion, TextCodec
 from cllm.serving.config import ServeConfig
@@ -159,11 +160,12 @@ class Service:
     """What the routes do: check a request, queue it, answer (plain JSON or SSE)."""
 
     def __init__(self, model, tokenizer, cfg: ServeConfig, draft_table=None) -> None:
+        model = as_runtime(model)  # a runtime (`cllm.runtime`), or a model on its "auto" one
         self.cfg, self.codec = cfg, TextCodec(tokenizer)
         self.limits = PromptLimits.for_tokenizer(
             tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
             default_max_tokens=cfg.default_max_tokens, context=position_limit(model),
-            vocab_size=model.config.vocab_size)
+            vocab_size=model.vocab_size)
         # the decode thread detokenizes with its own copy: encoding a prompt never waits for it
         self.scheduler = Scheduler(model, TextCodec(_copy(tokenizer)), draft_table=draft_table,
                                    queue_size=cfg.queue_size, max_batch_size=cfg.max_batch_size,

@@ -52,7 +52,7 @@ from accelerate.utils import parse_flag_from_env
 
 from cllm.core import __version__
 from cllm.core.config import write_config
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
 from cllm.core.outputs import check_folder, claim_folder
 from cllm.core.progress import progress_bar
 from cllm.core.seeds import derived_seed
@@ -71,6 +71,7 @@ from cllm.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
+from cllm.runtime import RUNTIME_HELP, RUNTIMES, Runtime, open_runtime
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class CollectConfig:
         "true trajectory)"})
     text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet "
         "prompt file"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={
+        "help": RUNTIME_HELP + " (speed only: the trajectories are the same)"})
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_new_tokens", "batch_size", "shard_size"):
@@ -117,6 +120,8 @@ class CollectConfig:
             raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not self.out:
             raise UserError("out must name a directory")
+        if self.runtime not in RUNTIMES:
+            raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         resolve_dtype(self.dtype)
 
 
@@ -377,11 +382,17 @@ def _plan(config: CollectConfig) -> tuple[list, object, tj.TrajectoryMeta]:
 
 
 def _load_inputs(config: CollectConfig, mine: list, tokenizer,
-                 device) -> tuple[torch.nn.Module | None, list[tuple[int, Prompt]]]:
-    """This process's model and encoded prompts (None and [] when it has nothing to do)."""
+                 device) -> tuple[Runtime | None, list[tuple[int, Prompt]]]:
+    """This process's model, on the runtime it decodes on, and encoded prompts (None and [] when
+    it has nothing to do)."""
     if not mine:
         return None, []
     model = load_model(config.model, dtype=config.dtype, device=device)
+    try:
+        runtime = open_runtime(model, config.runtime)
+    except ValueError as exc:
+        raise UserError(f"runtime {config.runtime}: {first_line(exc)}") from None
+    runtime.prepare()
     context = position_limit(model) or 1 << 30
     if context - config.max_new_tokens < 1:
         raise UserError(f"max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the model's "
@@ -389,7 +400,7 @@ def _load_inputs(config: CollectConfig, mine: list, tokenizer,
     encoded, cut = _encode(mine, tokenizer, max_prompt_len=context - config.max_new_tokens)
     if cut:
         log.warning("%d prompts were cut from the left to fit the model's context", cut)
-    return model, encoded
+    return runtime, encoded
 
 
 def _write_run_files(out: Path, meta: tj.TrajectoryMeta, config: CollectConfig) -> None:

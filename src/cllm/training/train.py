@@ -66,7 +66,7 @@ from cllm.decoding.inputs import position_limit
 from cllm.evaluation.heldout import heldout_prompts
 from cllm.modeling.forwards import enable_checkpointing
 from cllm.models import fingerprint, load_model, load_tokenizer
-from cllm.runtime.hf_cache import accepts_logits_to_keep
+from cllm.runtime.hf import accepts_logits_to_keep
 from cllm.training import distributed
 from cllm.training.batches import load_text_stream, prompt_chains, rollout_prompts
 from cllm.training.cards import cllm_card, fmt

@@ -7,16 +7,16 @@ lossless sampling (docs/method.md). One job per module:
 - `drafters`: where drafts come from (the guesses, the drafts carried from the last forward,
   the n-gram pool, the draft table), each behind one small interface (`Drafter.propose`);
 - `verifiers`: one batched forward and what each row keeps of it (linear greedy, speculative
-  sampling, the token trie of recycling);
+  sampling, recycling's token trie, `cllm.decoding.tree`);
 - `decoder`: the loop (`BatchDecoder`, its `steps()` generator, `jacobi_decode`).
 
-The cache itself (feed, commit, rollback) is `cllm.runtime.hf_cache`; token ids only, no tokenizers.
+The forward and its cache are a runtime's (`cllm.runtime`: a session's feed and keep); token ids
+only, no tokenizers.
 """
 
 from cllm.decoding.jacobi.decoder import BatchDecoder, StepEvent, jacobi_decode
 from cllm.decoding.jacobi.drafters import DraftContext, Drafter, lookup_continuation, pool_candidates
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent, accepted_length, jacobi_update
-from cllm.decoding.jacobi.verifiers import TokenTrie
 
 __all__ = [
     "SOURCES",
@@ -25,7 +25,6 @@ __all__ = [
     "Drafter",
     "IterationEvent",
     "StepEvent",
-    "TokenTrie",
     "accepted_length",
     "jacobi_decode",
     "jacobi_update",

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-import cllm.runtime.hf_cache as kv
+from cllm.decoding.argmax import argmax
 from cllm.decoding.draft_table import DraftTable
-from cllm.decoding.inputs import eos_set, model_device, position_limit, prepare_prompt, row_generators
+from cllm.decoding.inputs import eos_set, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
@@ -24,7 +24,7 @@ from cllm.decoding.jacobi.verifiers import choose_verifier
 from cllm.decoding.sampling import make_sampling, pick_tokens
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
-from cllm.runtime.lean.kernels import argmax
+from cllm.runtime import Runtime, as_runtime
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StepEvent:
 
 @torch.inference_mode()
 def jacobi_decode(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -57,7 +57,8 @@ def jacobi_decode(
     `sample_decode`'s (speculative-sampling acceptance, `cllm.decoding.sampling`).
 
     Args:
-        model: a causal LM (any transformers `*ForCausalLM`), on its own device and dtype.
+        model: a causal LM (any transformers `*ForCausalLM`, decoded on its "auto" runtime), or a
+            runtime (`cllm.runtime`: `open_runtime`, or `load_for_decoding(...).model`).
         input_ids: (B, T) prompt token ids, left-padded when rows differ in length.
         attention_mask: (B, T), 0 on the left padding; None means no padding.
         config, **settings: the engine's settings, a `JacobiConfig` (block_size, guess,
@@ -89,7 +90,7 @@ def jacobi_decode(
         model, config, eos_token_id=eos_token_id, on_iteration=on_iteration, temperature=temperature,
         top_k=top_k, top_p=top_p, draft_table=draft_table, **settings,
     )
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    prompt = prepare_prompt(decoder.runtime, input_ids, attention_mask, max_new_tokens)
     if max_new_tokens == 0:  # nothing to decode: no prefill
         row_generators(generator, prompt.batch_size)
         return DecodeOutput(new_tokens=[[] for _ in range(prompt.batch_size)], forward_passes=0,
@@ -129,7 +130,7 @@ class BatchDecoder:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Runtime,
         config: JacobiConfig | None = None,
         *,
         eos_token_id: int | Iterable[int] | None = None,
@@ -145,19 +146,22 @@ class BatchDecoder:
         sampling = make_sampling(temperature, top_k, top_p)
         if engine.blocks_in_flight > 1 and sampling is not None:
             raise ValueError("blocks_in_flight is for greedy decoding")
-        self.model = model
+        self.runtime = as_runtime(model)
+        self.session = self.runtime.session()  # this decoder's rows, on the runtime's forward
         if drafters is None:
             drafters = Drafters.from_settings(engine, draft_table, sampling is not None)
         elif sampling is not None and drafters.tree:
             raise ValueError("tree drafters verify greedily; with sampling use a swap drafter")
-        self.cfg = Settings(**engine.as_kwargs(), eos=eos_set(eos_token_id), device=model_device(model),
+        vocab = self.runtime.vocab_size
+        if draft_table is not None and draft_table.max_token_id >= vocab:
+            raise ValueError(f"the draft table holds token id {draft_table.max_token_id}, outside the model's "
+                             f"vocabulary of {vocab}")
+        self.cfg = Settings(**engine.as_kwargs(), eos=eos_set(eos_token_id), vocab_size=vocab,
                             on_iteration=on_iteration, sampling=sampling, draft_table=draft_table, drafters=drafters)
         self._verifier = choose_verifier(self.cfg)
         self.stats = DecodeStats()  # the counters since the last `take_stats`
-        self._rc: kv.RowCache | None = None  # the running batch's cache, rows as in `_active`
-        self._active: list[Row] = []
+        self._active: list[Row] = []  # the running rows, in the session's order
         self._rows: dict[int, Row] = {}  # every row added and not yet finished / removed
-        self._next_id = 0
 
     # -- rows in and out
 
@@ -176,27 +180,22 @@ class BatchDecoder:
         budgets = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(budgets) != input_ids.shape[0] or not all(isinstance(m, int) and m >= 1 for m in budgets):
             raise ValueError(f"max_new_tokens must be an int >= 1 or one per row, got {max_new_tokens!r}")
-        prompt = prepare_prompt(self.model, input_ids, attention_mask, 0)
-        limit = position_limit(self.model)
+        prompt = prepare_prompt(self.runtime, input_ids, attention_mask, 0)
+        limit = self.runtime.position_limit
         for n, m in zip(prompt.lengths, budgets, strict=True):
             if limit is not None and n + m > limit:
                 raise ValueError(f"prompt length {n} + max_new_tokens {m} exceeds the model's position limit {limit}")
         B = prompt.batch_size
         generators = row_generators(generator, B)
         cfg = self.cfg
-        rc, logits = kv.prefill(self.model, prompt.input_ids, prompt.attention_mask)
+        ids, out = self.session.open(prompt.rows)
+        logits = out.logits[:, -1]  # (B, V)
         self.stats.forward_passes += 1
-        if not cfg.vocab_size:
-            cfg = self.cfg = replace(cfg, vocab_size=logits.shape[-1])
-            if cfg.draft_table is not None and cfg.draft_table.max_token_id >= cfg.vocab_size:
-                raise ValueError(f"the draft table holds token id {cfg.draft_table.max_token_id}, outside the "
-                                 f"model's vocabulary of {cfg.vocab_size}")
         rows = [
-            Row(index=self._next_id + r, prompt_tokens=prompt.row_tokens(r).cpu(), generator=generators[r],
-                max_new_tokens=budgets[r], prompt_list=prompt.row_tokens(r).tolist())
+            Row(index=ids[r], prompt_tokens=prompt.row_tokens(r), generator=generators[r],
+                max_new_tokens=budgets[r], prompt_list=list(prompt.rows[r]))
             for r in range(B)
         ]
-        self._next_id += B
         greedy = argmax(logits).tolist() if cfg.sampling is None else None
 
         def first(r: int, row: Row) -> None:  # the prefill's logits give the first new token
@@ -209,16 +208,12 @@ class BatchDecoder:
         for row in rows:
             row.forwards = 1
             self._rows[row.index] = row
-        if self._rc is None:
-            self._rc, self._active = rc, rows
-        else:  # the newcomers' cache goes under the running rows' (left-padded to one length)
-            kv.append_rows(self._rc, rc)
-            self._active += rows
+        self._active += rows  # the session keeps the newcomers after the running rows
         return [row.index for row in rows]
 
     def remove(self, row_id: int) -> None:
-        """Take a row out now (e.g. its client went away): it stops decoding, its cache entries
-        go at the next step, and its tokens are forgotten."""
+        """Take a row out now (e.g. its client went away): it stops decoding, its entries leave
+        the session at the next step, and its tokens are forgotten."""
         row = self._rows.pop(row_id)
         row.done = True
 
@@ -281,15 +276,14 @@ class BatchDecoder:
     def step(self) -> bool:
         """One batched forward for every unfinished row; False (and no forward) when none is
         left. Finished and removed rows leave the batch and the cache first."""
-        still = [i for i, row in enumerate(self._active) if not row.done]
-        if not still:
-            self._rc, self._active = None, []  # nothing running: the cache goes
+        done = [row.index for row in self._active if row.done]
+        if done:  # finished rows leave the session (it may reorder the rows that stay)
+            self.session.close(done)
+            by_id = {row.index: row for row in self._active}
+            self._active = [by_id[r] for r in self.session.rows()]
+        if not self._active:
             return False
-        if len(still) < len(self._active):  # rows from the end take the leavers' places
-            self._active = [self._active[i] for i in kv.keep_rows(self._rc, still)]
-        else:
-            kv.maybe_compact(self._rc)
-        self._verifier.step(self.model, self._rc, self._active, self.cfg, self.stats)
+        self._verifier.step(self.session, self._active, self.cfg, self.stats)
         for row in self._active:
             row.forwards += 1
         return True

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cllm.decoding.draft_table import DraftTable
-from cllm.decoding.inputs import cut_final
+from cllm.decoding.inputs import finalize
 from cllm.decoding.jacobi.drafters import DraftContext, Drafters, fill
 from cllm.decoding.jacobi.rule import IterationEvent, accepted_length, jacobi_update
 from cllm.decoding.sampling import Sampling
@@ -43,8 +43,7 @@ class Settings(JacobiConfig):
     """The engine's settings (`JacobiConfig`, validated) plus what a run knows of its model."""
 
     eos: frozenset[int] = frozenset()
-    vocab_size: int = 0  # known from the first prefill's logits
-    device: torch.device = torch.device("cpu")
+    vocab_size: int = 0  # the runtime's
     on_iteration: Callable[[IterationEvent], None] | None = None
     sampling: Sampling | None = None  # None: greedy
     draft_table: DraftTable | None = None  # the model's own n-gram continuations (guesses, drafts)
@@ -157,8 +156,7 @@ def make_final(row: Row, tokens: Sequence[int], cfg: Settings, sources: Sequence
     assert len(sources) == len(tokens)
     if row.done:
         return 0
-    kept, row.done = cut_final(tokens, cfg.eos, row.max_new_tokens - len(row.known))
-    row.known += tokens[:kept]
+    kept, row.done = finalize(row.known, tokens, cfg.eos, row.max_new_tokens)
     row.sources += sources[:kept]
     return kept
 

@@ -14,13 +14,12 @@ features, and its last output g = f^_n guesses x_{n+1}. One step:
    to the cache and its ancestors), each giving its top-k children. After `depth` levels the
    `nodes` best nodes of all are the tree: a child never scores above its parent (ties go to
    the shallower node), so the set holds every chosen node's ancestors;
-2. verify: one target forward over root + tree, each node seeing its ancestors
-   (`cache.feed_tree_hidden`); greedy acceptance along one path (`medusa.accepted_nodes`); the
-   path's tokens and the output after its last node are final;
-3. commit: the target's cache keeps the path (`cache.commit_kept`); the head forgets its draft
-   entries (`cache.rollback`) and is fed the path's true features (f_n .. f_{n+m}, from the
-   verify forward) with the tokens after them as one causal chunk; its last output is the
-   next step's g.
+2. verify: one target forward over root + tree (`tree.Tree`), each node seeing its ancestors;
+   greedy acceptance along one path (`Tree.accept`, in `medusa.verify_tree`); the path's tokens
+   and the output after its last node are final;
+3. commit: the target's session keeps the path; the head forgets its draft entries (its cache's
+   `rewind`) and is fed the path's true features (f_n .. f_{n+m}, from the verify forward) with
+   the tokens after them as one causal chunk; its last output is the next step's g.
 
 Batch 1, token ids only; the engine knows nothing of how the head was trained.
 """
@@ -28,29 +27,42 @@ Batch 1, token ids only; the engine knows nothing of how the head was trained.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-import cllm.runtime.hf_cache as kv
-from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
+from cllm.decoding.argmax import argmax
+from cllm.decoding.inputs import eos_set, finalize, prepare_prompt
 from cllm.decoding.rivals.medusa import TreeLayout, verify_tree
 from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.decoding.tree import Tree
+from cllm.runtime import Runtime, as_runtime
 
-# defaults for a head that carries no tree of its own (`cllm eagle` saves these with it): on the
-# shipped stdlib-coder head, 2.2 tokens per forward for 5 fed tokens, against 2.5 for 9 (8 nodes,
-# depth 4) and 2.8 for 17 (16, depth 5) on 16 HumanEval prompts; a CPU pays for every fed token
-# and every head forward, so the modest tree (models/stdlib-coder/eagle/MODEL_CARD.md)
+# defaults for a head that carries no tree of its own (`cllm eagle` saves these with it): a CPU
+# pays for every fed token and every head forward, so a modest tree (the sweep over trees:
+# benchmarks/rivals-humaneval/COMMAND.md, models/stdlib-coder/eagle/MODEL_CARD.md)
 DEFAULT_NODES = 4  # draft tokens verified per forward besides the root
 DEFAULT_DEPTH = 3  # draft levels: the head runs this many forwards per step
 DEFAULT_TOP_K = 4  # children per expanded node, and nodes expanded per level
 
 
+class HeadCache(Protocol):
+    """A draft head's own cache of one row: `length` entries."""
+
+    length: int
+
+    def rewind(self, length: int) -> None:
+        """Forget every entry past the first `length`."""
+        ...
+
+
 class Head(Protocol):
     """What the decoder needs of a draft head (`cllm.modeling.eagle.EagleHead` is one)."""
 
-    def step(self, cache: kv.RowCache, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
+    def new_cache(self) -> HeadCache:
+        ...
+
+    def step(self, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
              allowed: torch.Tensor | None = None) -> torch.Tensor:  # (1, L, H), (1, L), (1, L) -> (1, L, H)
         ...
 
@@ -58,21 +70,13 @@ class Head(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class DraftTree:
-    """A drafted tree: node 0 is the root, nodes 1.. the chosen drafts, depth-sorted."""
-
-    tokens: torch.Tensor  # (L,) long
-    layout: TreeLayout
-
-
-def draft_tree(head: Head, cache: kv.RowCache, root: int, g: torch.Tensor, *, nodes: int, depth: int,
-               top_k: int) -> tuple[DraftTree, int]:
+def draft_tree(head: Head, cache: HeadCache, root: int, g: torch.Tensor, *, nodes: int, depth: int,
+               top_k: int) -> tuple[Tree, int]:
     """Step 1: EAGLE-2's dynamic tree from g (1, H), the head's predicted feature at the root's
     position. Appends the drafts to `cache` (the caller rolls them back). Returns the tree and
     the head forwards it took."""
     device = g.device
-    n = cache.lengths[0]  # the root's position
+    n = cache.length  # the root's position
     logp = torch.log_softmax(head.logits(g).float(), dim=-1)[0]  # (V,)
     k = min(top_k, logp.shape[0])
     # candidates: (score, depth, parent candidate or -1, rank among siblings, token)
@@ -86,7 +90,7 @@ def draft_tree(head: Head, cache: kv.RowCache, root: int, g: torch.Tensor, *, no
         # expand the top_k best nodes of depth d by cumulative score
         expand = sorted(frontier, key=lambda c: -cands[c][0])[:k]
         parents = [g[0] if cands[c][2] < 0 else feature_of[cands[c][2]] for c in expand]
-        S = cache.lengths[0]
+        S = cache.length
         allowed = torch.zeros(len(expand), S + len(expand), dtype=torch.bool, device=device)
         allowed[:, : S - len(fed)] = True  # the true entries
         slot = {c: S - len(fed) + i for i, c in enumerate(fed)}
@@ -121,13 +125,12 @@ def draft_tree(head: Head, cache: kv.RowCache, root: int, g: torch.Tensor, *, no
     chosen_set = set(chosen)
     assert all(cands[c][2] < 0 or cands[c][2] in chosen_set for c in chosen), "the draft tree lost an ancestor"
     ordered = sorted(chosen, key=lambda c: (cands[c][1], path(c)))
-    layout = TreeLayout.from_paths([path(c) for c in ordered]).to(device)
-    tree_tokens = torch.tensor([root] + [cands[c][4] for c in ordered], device=device)
-    return DraftTree(tree_tokens, layout), forwards
+    layout = TreeLayout.from_paths([path(c) for c in ordered])
+    return Tree.from_parents([root] + [cands[c][4] for c in ordered], layout.parent), forwards
 
 
 def eagle_steps(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     head: Head,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -138,59 +141,64 @@ def eagle_steps(
     max_new_tokens: int,
     eos: frozenset[int],
     stats: DecodeStats,
-    head_cache: kv.RowCache | None = None,
+    head_cache: HeadCache | None = None,
 ) -> Iterator[list[int]]:
     """The decode loop as a generator: yields the tokens each target forward made final, cut at
     EOS or the budget. Counts into `stats` (target forwards in `forward_passes`, the head's in
     `draft_forward_passes`). `head_cache`, when given, is the head's cache (tests read it)."""
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    runtime = as_runtime(model)
+    prompt = prepare_prompt(runtime, input_ids, attention_mask, max_new_tokens)
     if prompt.batch_size != 1:
         raise ValueError(f"eagle_decode decodes one prompt at a time (batch 1), got {prompt.batch_size} rows")
     if max_new_tokens == 0:
         return
-    ids = prompt.input_ids[:, prompt.attention_mask[0].bool()]  # (1, P): batch 1 needs no padding
-    device, P = ids.device, ids.shape[1]
+    ids = prompt.rows[0]
+    P = len(ids)
     # 0. prefill: the target's features at every prompt position, and the first token
-    rc, out = kv.prefill_features(model, ids, torch.ones_like(ids))
+    session = runtime.session()
+    (row,), out = session.open(prompt.rows, hidden=True, every=True)
     stats.forward_passes += 1
-    root = int(out.logits[0, -1].argmax())
-    written, done = 1, cut_final([root], eos, max_new_tokens)[1]
+    device = out.hidden.device
+    known: list[int] = []
+    root = int(argmax(out.logits[0, -1]))
+    done = finalize(known, [root], eos, max_new_tokens)[1]
     stats.count(0, 1)
     yield [root]
-    if done:
-        return
-    # ... and the head's: inputs (f_i, x_{i+1}) at positions 0 .. P-1; its last output guesses x_{P+1}
-    hc = head_cache if head_cache is not None else kv.empty_cache()
-    nexts = torch.cat([ids[:, 1:], torch.tensor([[root]], device=device)], dim=1)  # (1, P)
-    g = head.step(hc, out.hidden, nexts, torch.arange(P, device=device)[None])[:, -1]  # (1, H)
-    stats.draft_forward_passes += 1
-    while True:
-        # 1. draft a tree, no deeper than the budget can use (so positions stay in range)
-        levels = min(depth, max_new_tokens - written - 1)
-        if nodes > 0 and levels > 0:
-            tree, forwards = draft_tree(head, hc, root, g, nodes=nodes, depth=levels, top_k=top_k)
-            stats.draft_forward_passes += forwards
-            kv.rollback(hc, [hc.lengths[0] - rc.lengths[0]])  # 3. (early) only true entries stay
-        else:
-            tree = DraftTree(torch.tensor([root], device=device), TreeLayout.from_paths([]).to(device))
-        # 2. verify root + tree in one target forward; the path and the output after it are final
-        left = max_new_tokens - written
-        hiddens, path, new, done = verify_tree(model, rc, tree.tokens, tree.layout, stats, eos, left)
-        written += len(new)
-        yield new
+    try:
         if done:
             return
-        # ... and the head is fed the path's true features f_n .. f_{n+m} with x_{n+1} .. x_{n+m+1}
-        start = hc.lengths[0]
-        positions = torch.arange(start, start + len(path), device=device)[None]
-        g = head.step(hc, hiddens[:, path], torch.tensor([new], device=device), positions)[:, -1]
+        # ... and the head's: inputs (f_i, x_{i+1}) at positions 0 .. P-1; its last output guesses x_{P+1}
+        hc = head_cache if head_cache is not None else head.new_cache()
+        nexts = torch.tensor([ids[1:] + [root]], device=device)  # (1, P)
+        g = head.step(hc, out.hidden, nexts, torch.arange(P, device=device)[None])[:, -1]  # (1, H)
         stats.draft_forward_passes += 1
-        root = new[-1]
+        while True:
+            # 1. draft a tree, no deeper than the budget can use (so positions stay in range)
+            levels = min(depth, max_new_tokens - len(known) - 1)
+            if nodes > 0 and levels > 0:
+                tree, forwards = draft_tree(head, hc, root, g, nodes=nodes, depth=levels, top_k=top_k)
+                stats.draft_forward_passes += forwards
+                hc.rewind(session.length(row))  # 3. (early) only true entries stay
+            else:
+                tree = Tree.root(root)
+            # 2. verify root + tree in one target forward; the path and the output after it are final
+            hiddens, path, new, done = verify_tree(session, row, tree, stats, eos, known, max_new_tokens)
+            yield new
+            if done:
+                return
+            # ... and the head is fed the path's true features f_n .. f_{n+m} with x_{n+1} .. x_{n+m+1}
+            start = hc.length
+            positions = torch.arange(start, start + len(path), device=device)[None]
+            g = head.step(hc, hiddens[:, path], torch.tensor([new], device=device), positions)[:, -1]
+            stats.draft_forward_passes += 1
+            root = new[-1]
+    finally:
+        session.close([row])
 
 
 @torch.inference_mode()
 def eagle_decode(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     head: Head,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,

@@ -7,14 +7,15 @@ The heads read the backbone's last hidden state at the last verified position; h
 1's best token followed by head 2's third best. One step:
 
 1. the heads' top-k tokens at the last verified position fill the tree's nodes;
-2. one forward feeds the last final token (the root, not yet in the cache) and every node, each
-   attending to its ancestors only (`cache.feed_tree` with the ancestor mask);
+2. one forward feeds the last final token (the root, not yet in the session) and every node, as
+   a tree (`tree.Tree`, fed by its parent list: each node attends to its ancestors only);
 3. a node is accepted when its token equals the output predicted at its parent and its parent
-   is accepted (the root always is); sibling tokens differ, so the accepted nodes form one path.
-   Its tokens are final, and so is the output at its last node (predicted from an all-correct
-   prefix), which is the next step's root. Every forward thus makes at least one token final;
-4. the cache keeps exactly the accepted path's entries (`cache.commit_kept`), and the hidden
-   state at the path's last node feeds the heads for the next step.
+   is accepted (the root always is); sibling tokens differ, so the accepted nodes form one path
+   (`Tree.accept`). Its tokens are final, and so is the output at its last node (predicted from
+   an all-correct prefix), which is the next step's root. Every forward thus makes at least one
+   token final;
+4. the session keeps exactly the accepted path's entries, and the hidden state at the path's
+   last node feeds the heads for the next step.
 
 Batch 1: one prompt at a time. Token ids only; the engine knows nothing of how the heads were
 trained, only that `heads(hidden)` maps (B, H) hidden states to (K, B, V) logits.
@@ -29,9 +30,11 @@ from typing import Protocol
 
 import torch
 
-import cllm.runtime.hf_cache as kv
-from cllm.decoding.inputs import cut_final, eos_set, prepare_prompt
+from cllm.decoding.argmax import argmax
+from cllm.decoding.inputs import eos_set, finalize, prepare_prompt
 from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.decoding.tree import Tree
+from cllm.runtime import Runtime, Session, as_runtime
 
 Path = tuple[int, ...]  # top-k ranks, one per depth: (r1, .., rd) = head 1's r1-th token, ...
 
@@ -93,28 +96,21 @@ def check_tree(paths: Iterable[Sequence[int]], num_heads: int) -> tuple[Path, ..
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """A tree as tensors. Node 0 is the root (the last final token); node i > 0 is ``paths[i-1]``.
+    """Where a tree's nodes take their tokens from. Node 0 is the root (the last final token);
+    node i > 0 is ``paths[i-1]``, whose token is head `depth[i]`'s rank-`rank[i]` guess.
     Depth-sorted, so the first `nodes_within(d)` nodes are the tree cut at depth d."""
 
     paths: tuple[Path, ...]
-    parent: torch.Tensor  # (L,) long; the root's is 0 (itself)
-    depth: torch.Tensor  # (L,) long: position offset from the root
-    rank: torch.Tensor  # (L,) long: the top-k rank the node takes from head `depth` (root: 0)
-    ancestors: torch.Tensor  # (L, L) bool: row i marks node i's ancestors and itself
+    parent: list[int]  # parent[0] = -1 (`tree.Tree`'s parent list)
+    depth: torch.Tensor  # (L,) long: the head a node's token comes from (root: 0)
+    rank: torch.Tensor  # (L,) long: the top-k rank it takes from that head (root: 0)
 
     @classmethod
     def from_paths(cls, paths: Sequence[Path]) -> TreeLayout:
         index = {p: i + 1 for i, p in enumerate(paths)}
-        L = len(paths) + 1
-        parent, ancestors = [0] * L, torch.zeros(L, L, dtype=torch.bool)
-        ancestors[0, 0] = True
-        for p, i in index.items():
-            parent[i] = index.get(p[:-1], 0)
-            ancestors[i] = ancestors[parent[i]]
-            ancestors[i, i] = True
-        return cls(paths=tuple(paths), parent=torch.tensor(parent),
+        return cls(paths=tuple(paths), parent=[-1] + [index.get(p[:-1], 0) for p in paths],
                    depth=torch.tensor([0] + [len(p) for p in paths]),
-                   rank=torch.tensor([0] + [p[-1] for p in paths]), ancestors=ancestors)
+                   rank=torch.tensor([0] + [p[-1] for p in paths]))
 
     @property
     def max_rank(self) -> int:
@@ -125,46 +121,30 @@ class TreeLayout:
         return 1 + sum(len(p) <= depth for p in self.paths)
 
     def to(self, device: torch.device | str) -> TreeLayout:
-        return replace(self, parent=self.parent.to(device), depth=self.depth.to(device),
-                       rank=self.rank.to(device), ancestors=self.ancestors.to(device))
+        return replace(self, depth=self.depth.to(device), rank=self.rank.to(device))
 
 
-def accepted_nodes(tokens: torch.Tensor, outputs: torch.Tensor, layout: TreeLayout) -> list[int]:
-    """Greedy tree verification, vectorised: the accepted path's nodes, root first.
-
-    tokens, outputs: (L,) the fed node tokens and the argmax predicted at each node. A node
-    matches when its token is the output at its parent; it is accepted when it and all its
-    ancestors match (one comparison over the tree, one host sync)."""
-    L = tokens.shape[0]
-    match = tokens == outputs[layout.parent[:L]]  # (L,)
-    match[0] = True
-    ancestors = layout.ancestors[:L, :L]
-    ok = ~(ancestors & ~match[None, :]).any(dim=1)  # (L,): every node on the path matches
-    deepest = int(torch.where(ok, layout.depth[:L], -1).argmax())
-    return ancestors[deepest].nonzero().flatten().tolist()  # ancestors come before descendants
-
-
-def verify_tree(model: torch.nn.Module, rc: kv.RowCache, tokens: torch.Tensor, layout: TreeLayout,
-                stats: DecodeStats, eos: frozenset[int], left: int) -> tuple[torch.Tensor, list[int], list[int], bool]:
-    """One target forward over root + tree `tokens` (L,), the first L nodes of `layout`, each node
-    seeing its ancestors. The accepted path's entries stay in the cache, and the output after its
-    last node is final too. Returns the hidden states at the fed nodes (1, L, H), the path (node
-    indices, root first), the new final tokens cut at EOS or `left`, and whether decoding is done."""
-    L = tokens.shape[0]
-    out = kv.feed_tree_hidden(model, rc, tokens[None], layout.depth[None, :L], layout.ancestors[None, :L, :L])
+def verify_tree(session: Session, row: int, tree: Tree, stats: DecodeStats, eos: frozenset[int],
+                known: list[int], budget: int) -> tuple[torch.Tensor, list[int], list[int], bool]:
+    """One target forward over `tree` (its root the row's last final token), each node seeing its
+    ancestors; the accepted path's entries stay in the session, and the output after its last
+    node is final too. Returns the hidden states at the fed nodes (1, L, H), the path (node
+    indices, root first), the new final tokens (appended to `known`, cut at EOS or the
+    `budget`), and whether decoding is done."""
+    out = session.feed([row], [tree.tokens], parents=[tree.parent], hidden=True)
     stats.forward_passes += 1
-    stats.fed.append(L)
-    outputs = out.logits[0].argmax(dim=-1)  # (L,)
-    path = accepted_nodes(tokens, outputs, layout)
-    kv.commit_kept(rc, [path], fed=L)
-    new = tokens[path[1:]].tolist() + [int(outputs[path[-1]])]
-    kept, done = cut_final(new, eos, left)
+    stats.fed.append(len(tree.tokens))
+    outputs = argmax(out.logits[0]).tolist()  # (L,)
+    path = tree.accept(outputs)
+    session.keep([row], [path])
+    new = [tree.tokens[i] for i in path[1:]] + [outputs[path[-1]]]
+    kept, done = finalize(known, new, eos, budget)
     stats.count(0, kept)
     return out.hidden, path, new[:kept], done
 
 
 def medusa_steps(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     heads: Heads,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -177,41 +157,43 @@ def medusa_steps(
     """The decode loop as a generator: yields the tokens each forward made final (the prefill's
     first token, then each step's accepted path + the output after it), cut at EOS or the
     budget. Counts into `stats`. The caller may stop early with `break`."""
-    prompt = prepare_prompt(model, input_ids, attention_mask, max_new_tokens)
+    runtime = as_runtime(model)
+    prompt = prepare_prompt(runtime, input_ids, attention_mask, max_new_tokens)
     if prompt.batch_size != 1:
         raise ValueError(f"medusa_decode decodes one prompt at a time (batch 1), got {prompt.batch_size} rows")
     if max_new_tokens == 0:
         return
-    layout = layout.to(prompt.input_ids.device)
     # 1. prefill: the last logits give the first token, the last hidden state the first guesses
-    rc, out = kv.prefill_hidden(model, prompt.input_ids, prompt.attention_mask)
+    session = runtime.session()
+    (row,), out = session.open(prompt.rows, hidden=True)
     stats.forward_passes += 1
-    root, hidden = int(out.logits[0, -1].argmax()), out.hidden[:, -1]  # hidden: (1, H)
-    written, done = 1, cut_final([root], eos, max_new_tokens)[1]
+    known: list[int] = []
+    root, hidden = int(argmax(out.logits[0, -1])), out.hidden[:, -1]  # hidden: (1, H)
+    done = finalize(known, [root], eos, max_new_tokens)[1]
     stats.count(0, 1)
     yield [root]
-    if done:
-        return
-    while True:
-        # 2. candidates: head k's top-r tokens at the last verified position fill depth k; the
-        #    tree is cut where its tokens could only pass the budget (so positions stay in range)
-        L = layout.nodes_within(max_new_tokens - written - 1)
-        tokens = torch.tensor([root], device=layout.depth.device)  # (L,), the root alone for now
-        if L > 1:
-            top = heads(hidden)[:, 0].topk(layout.max_rank, dim=-1).indices  # (K, R)
-            tokens = torch.cat([tokens, top[layout.depth[1:L] - 1, layout.rank[1:L]]])
-        # 3. one forward over root + tree verifies it; the accepted path and the output after it are final
-        hiddens, path, new, done = verify_tree(model, rc, tokens, layout, stats, eos, max_new_tokens - written)
-        written += len(new)
-        yield new
-        if done:
-            return
-        root, hidden = new[-1], hiddens[:, path[-1]]
+    layout = layout.to(hidden.device)
+    try:
+        while not done:
+            # 2. candidates: head k's top-r tokens at the last verified position fill depth k; the
+            #    tree is cut where its tokens could only pass the budget (so positions stay in range)
+            L = layout.nodes_within(max_new_tokens - len(known) - 1)
+            tokens = [root]
+            if L > 1:
+                top = heads(hidden)[:, 0].topk(layout.max_rank, dim=-1).indices  # (K, R)
+                tokens += top[layout.depth[1:L] - 1, layout.rank[1:L]].tolist()
+            # 3. one forward over root + tree verifies it; the accepted path and the output after it are final
+            tree = Tree.from_parents(tokens, layout.parent[:L])
+            hiddens, path, new, done = verify_tree(session, row, tree, stats, eos, known, max_new_tokens)
+            yield new
+            root, hidden = new[-1], hiddens[:, path[-1]]
+    finally:
+        session.close([row])
 
 
 @torch.inference_mode()
 def medusa_decode(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Runtime,
     heads: Heads,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -224,7 +206,7 @@ def medusa_decode(
     """Greedy decoding sped up by Medusa heads: the same tokens as `greedy_decode`, fewer forwards.
 
     Args:
-        model: a causal LM (any transformers `*ForCausalLM`).
+        model: a causal LM (any transformers `*ForCausalLM`) or a runtime offering hidden states.
         heads: maps the last hidden state (B, H) to (K, B, V) logits, head k guessing the token
             k + 1 positions ahead (`cllm.modeling.heads.MedusaHeads`; untrained heads stay exact, only
             slower).

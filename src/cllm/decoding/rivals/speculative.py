@@ -12,14 +12,14 @@ makes at least one token final, as a greedy step does).
   with the speculative-sampling rule against the target's p (`sampling.verify_drafts`, which
   Jacobi sampling uses too), so the text has exactly the law of `sample_decode` on the target.
 
-Caches (both through `cache.py`): the target's holds every final token but the last, as in
-Jacobi decoding; the draft's holds a prefix of the final tokens, and each step first feeds the
-final tokens it lacks (one; two after a step whose drafts were all accepted). After
-verification both hold exactly the final tokens again (`cache.commit`, `cache.rollback`).
+Sessions (each model on its runtime, `cllm.runtime`): the target's rows hold every final token
+but the last, as in Jacobi decoding; the draft's hold a prefix of the final tokens, and each
+step first feeds the final tokens it lacks (one; two after a step whose drafts were all
+accepted). After verification both hold exactly the final tokens again (`keep`, `rewind`).
 
 Batches: the rows of a left-padded batch advance together, one draft forward per draft token and
-one target forward per step, each row accepting its own prefix (the cache adapter keeps the
-holes); finished rows leave both caches. Every row drafts the same `n`: at most k, and at most
+one target forward per step, each row accepting its own prefix; finished rows leave both
+sessions. Every row drafts the same `n`: at most k, and at most
 the tokens the row nearest its budget still needs, minus one, so no row feeds past its budget.
 
 Token ids only: the draft must share the target's tokenizer (and vocabulary size).
@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-import cllm.runtime.hf_cache as kv
-from cllm.decoding.inputs import cut_final, eos_set, left_pad, model_device, prepare_prompt, row_generators
+from cllm.decoding.argmax import argmax
+from cllm.decoding.inputs import eos_set, finalize, prepare_prompt, row_generators
 from cllm.decoding.sampling import Sampling, draw, make_sampling, pick_tokens, verify_drafts
 from cllm.decoding.stats import DecodeOutput, DecodeStats
+from cllm.runtime import Runtime, Session, as_runtime
 
 # How the draft length changes between steps: "constant" keeps k; "heuristic" is transformers'
 # assisted-generation schedule (k + 2 after a step whose drafts were all accepted, else k - 1).
@@ -73,84 +74,84 @@ class Drafts:
 
 
 class ModelDrafter:
-    """Proposes drafts with a small causal LM from its own KV cache: its argmax, or draws from
-    its processed law when sampling. Holds state only: the cache, how many of each row's final
-    tokens it holds, and its forward count."""
+    """Proposes drafts with a small causal LM in its own session: its argmax, or draws from its
+    processed law when sampling. Holds state only: the session, its rows (in the decoder's row
+    order), how many of each row's final tokens they hold, and its forward count."""
 
-    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], sampling: Sampling | None) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module | Runtime, prompts: list[list[int]], sampling: Sampling | None) -> None:
+        self.runtime = as_runtime(model)
         self.sampling = sampling
         self.prompts = prompts  # per row: its unpadded prompt tokens
-        self.rc: kv.RowCache | None = None  # made by the first proposal
-        self.cached = [0] * len(prompts)  # per row: its final new tokens in the cache
+        self.session: Session | None = None  # opened by the first proposal
+        self.rows: list[int] = []  # the session's row of each decoder row
+        self.cached = [0] * len(prompts)  # per row: its final new tokens in the session
         self.forward_passes = 0
-        self._fed_drafts = 0  # drafts of the last proposal that went into the cache
+        self._fed_drafts = 0  # drafts of the last proposal that went into the session
 
     def propose(self, known: list[list[int]], count: int,
                 generators: Sequence[torch.Generator | None]) -> Drafts:
         """`count` drafts per row after its final new tokens `known[r]`: one forward feeding
-        what the cache lacks of them (the first one a prefill of prompt + them), then one
+        what the session lacks of them (the first one opens the rows on prompt + them), then one
         forward per draft but the last (which only the target reads)."""
-        B, device = len(known), model_device(self.model)
+        B = len(known)
         self._fed_drafts = max(count - 1, 0)
         if count == 0:
-            none = torch.zeros(B, 0, dtype=torch.long, device=device)
+            none = torch.zeros(B, 0, dtype=torch.long)
             return Drafts(none, None if self.sampling is None else [[] for _ in range(B)])
-        # 1. the final tokens the cache lacks; logits (B, V) after each row's last of them
-        if self.rc is None:
-            ids, mask = left_pad([p + k for p, k in zip(self.prompts, known, strict=True)], pad_id=0)
-            self.rc, logits = kv.prefill(self.model, ids.to(device), mask.to(device))
+        # 1. the final tokens the session lacks; logits (B, V) after each row's last of them
+        if self.session is None:
+            self.session = self.runtime.session()
+            self.rows, out = self.session.open([p + k for p, k in zip(self.prompts, known, strict=True)])
+            logits = out.logits[:, -1]
         else:
             missing = [k[c:] for k, c in zip(known, self.cached, strict=True)]
-            fed = [len(m) for m in missing]
-            width = max(fed)
-            ids = torch.tensor([m + m[-1:] * (width - len(m)) for m in missing], device=device)  # (B, width)
-            logits = kv.feed(self.model, self.rc, ids, fed)  # (B, width, V)
-            kv.commit(self.rc, keep=fed, fed=width)
-            last = torch.tensor(fed, device=logits.device) - 1
+            logits = self.session.feed(self.rows, missing).logits  # (B, width, V)
+            self.session.keep(self.rows, [range(len(m)) for m in missing])
+            last = torch.tensor([len(m) - 1 for m in missing], device=logits.device)
             logits = logits[torch.arange(B, device=logits.device), last]
         self.cached = [len(k) for k in known]
         self.forward_passes += 1
-        # 2. draft token by token; greedy drafts stay on the device (no host sync per token)
+        # 2. draft token by token
         tokens, laws = [], []
         for i in range(count):
             token, law = self._choose(logits, generators)
             tokens.append(token)
             laws.append(law)
             if i + 1 < count:
-                logits = kv.feed(self.model, self.rc, token[:, None], [1] * B)[:, -1]  # (B, V)
-                kv.commit(self.rc, keep=[1] * B, fed=1)
+                logits = self.session.feed(self.rows, [[t] for t in token]).logits[:, -1]  # (B, V)
+                self.session.keep(self.rows, [[0]] * B)
                 self.forward_passes += 1
         by_row = None if self.sampling is None else [[law[r] for law in laws] for r in range(B)]
-        return Drafts(torch.stack(tokens, dim=1), by_row)
+        return Drafts(torch.tensor(tokens).t().reshape(B, count), by_row)
 
     def _choose(self, logits: torch.Tensor, generators: Sequence[torch.Generator | None]
-                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """The next draft of every row (B,) and, when sampling, the law each was drawn from."""
+                ) -> tuple[list[int], list[torch.Tensor] | None]:
+        """The next draft of every row and, when sampling, the law each was drawn from."""
         if self.sampling is None:
-            return logits.argmax(dim=-1), None
+            return argmax(logits).tolist(), None
         probs = self.sampling.probs(logits)  # (B, V)
-        drawn = [draw(p, g) for p, g in zip(probs, generators, strict=True)]
-        return torch.tensor(drawn, device=logits.device), list(probs)
+        return [draw(p, g) for p, g in zip(probs, generators, strict=True)], list(probs)
 
     def accept(self, accepted: list[int]) -> None:
-        """Row r's first `accepted[r]` drafts of the last proposal became final: the cache keeps
+        """Row r's first `accepted[r]` drafts of the last proposal became final: the session keeps
         those it holds and forgets the rest."""
         kept = [min(a, self._fed_drafts) for a in accepted]
-        if self.rc is not None:
-            kv.rollback(self.rc, [self._fed_drafts - k for k in kept])
+        if self.session is not None:
+            self.session.rewind(self.rows, [self.session.length(r) - (self._fed_drafts - k)
+                                            for r, k in zip(self.rows, kept, strict=True)])
         self.cached = [c + k for c, k in zip(self.cached, kept, strict=True)]
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows (the others finished)."""
-        if self.rc is not None:
-            kv.select_rows(self.rc, rows)
+        if self.session is not None:
+            self.session.close([r for i, r in enumerate(self.rows) if i not in set(rows)])
+            self.rows = [self.rows[i] for i in rows]
         self.prompts = [self.prompts[r] for r in rows]
         self.cached = [self.cached[r] for r in rows]
 
-    def compact(self) -> None:
-        if self.rc is not None:
-            kv.maybe_compact(self.rc)
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close(self.rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,11 +167,10 @@ class _Row:
 
 
 def _make_final(row: _Row, tokens: Sequence[int], eos: frozenset[int], budget: int) -> int:
-    """Append newly final tokens, cut at EOS and at the budget; returns how many were kept."""
+    """Append newly final tokens, cut at EOS and at the budget (`finalize`); returns how many were kept."""
     if row.done:
         return 0
-    kept, row.done = cut_final(tokens, eos, budget - len(row.known))
-    row.known += tokens[:kept]
+    kept, row.done = finalize(row.known, tokens, eos, budget)
     return kept
 
 
@@ -179,7 +179,7 @@ def _verify(logits: torch.Tensor, tail: torch.Tensor, drafts: Drafts, sampling: 
     """Per row: how many drafts the target accepted, and the tokens made final (those drafts,
     then the target's own). `logits` (B, n + 1, V) after each prefix of `tail` (B, n + 1)."""
     if sampling is None:
-        outputs = logits.argmax(dim=-1)  # (B, n + 1)
+        outputs = argmax(logits)  # (B, n + 1)
         accepted = accepted_drafts(tail[:, 1:], outputs)  # (B,)
         own = outputs.gather(1, accepted[:, None])  # (B, 1): the target's token after them
         rows = torch.cat([accepted[:, None], tail[:, 1:], own], dim=1).tolist()  # the step's one sync
@@ -192,58 +192,49 @@ def _verify(logits: torch.Tensor, tail: torch.Tensor, drafts: Drafts, sampling: 
     return verified
 
 
-def _vocab_size(model: torch.nn.Module) -> int | None:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    return None if weight is None else weight.shape[0]
-
-
-def _check_vocabularies(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+def _check_vocabularies(target: Runtime, draft: Runtime) -> None:
     """A draft must propose ids the target reads as the same tokens (and laws over the same V)."""
-    t, d = _vocab_size(target), _vocab_size(draft)
-    if t is not None and d is not None and t != d:
-        raise ValueError(f"the draft's vocabulary ({d}) differs from the target's ({t}): they must share a tokenizer")
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's "
+                         f"({target.vocab_size}): they must share a tokenizer")
 
 
-@torch.inference_mode()
-def _drop_finished(rc: kv.RowCache, drafter: ModelDrafter, active: list[_Row]) -> list[_Row]:
-    """The rows still decoding; the others' entries leave both models' caches."""
+def _drop_finished(session: Session, rows: list[int], drafter: ModelDrafter, active: list[_Row]) -> list[_Row]:
+    """The rows still decoding; the others leave both models' sessions."""
     still = [i for i, row in enumerate(active) if not row.done]
-    if still and len(still) < len(active):
-        kv.select_rows(rc, still)
+    if len(still) < len(active):
+        session.close([rows[i] for i, row in enumerate(active) if row.done])
         drafter.select_rows(still)
-    elif still:
-        kv.maybe_compact(rc)
-        drafter.compact()
+        rows[:] = [rows[i] for i in still]
     return [active[i] for i in still]
 
 
-def _draft_and_verify(target, rc: kv.RowCache, drafter: ModelDrafter, active: list[_Row], n: int,
+def _draft_and_verify(session: Session, rows: list[int], drafter: ModelDrafter, active: list[_Row], n: int,
                       sampling: Sampling | None, stats: DecodeStats, eos: set[int], max_new_tokens: int) -> list[int]:
     """One step: the draft proposes n tokens per row, the target verifies them in one forward,
     the accepted ones and the target's own token become final. Returns each row's accepted drafts."""
     generators = [row.generator for row in active]
     drafts = drafter.propose([row.known for row in active], n, generators)
     # the target verifies [last final, d1 .. dn] of every row in one forward
-    device = model_device(target)
-    last = torch.tensor([row.known[-1:] for row in active], device=device)  # (B, 1)
-    tail = torch.cat([last, drafts.tokens.to(device)], dim=1)  # (B, n + 1)
-    logits = kv.feed(target, rc, tail, [n + 1] * len(active))  # (B, n + 1, V)
+    last = torch.tensor([row.known[-1:] for row in active])  # (B, 1)
+    tail = torch.cat([last, drafts.tokens], dim=1)  # (B, n + 1)
+    logits = session.feed(rows, tail.tolist()).logits  # (B, n + 1, V)
     stats.forward_passes += 1
     stats.fed.append(n + 1)
-    verified = _verify(logits, tail, drafts, sampling, generators)
+    verified = _verify(logits, tail.to(logits.device), drafts, sampling, generators)
     # the accepted drafts and the target's own token are final; both caches keep exactly them
     for row, (_, tokens) in zip(active, verified, strict=True):
         stats.count(row.index, _make_final(row, tokens, eos, max_new_tokens))
     accepted = [a for a, _ in verified]
-    kv.commit(rc, keep=[a + 1 for a in accepted], fed=n + 1)
+    session.keep(rows, [range(a + 1) for a in accepted])
     drafter.accept(accepted)
     return accepted
 
 
+@torch.inference_mode()
 def speculative_decode(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
+    target: torch.nn.Module | Runtime,
+    draft: torch.nn.Module | Runtime,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -261,8 +252,8 @@ def speculative_decode(
     speculative sampling: distributed exactly as `sample_decode(target, ...)`'s.
 
     Args:
-        target: the causal LM whose output this is (any transformers `*ForCausalLM`).
-        draft: a smaller causal LM with the same tokenizer; only speed depends on it.
+        target: the causal LM whose output this is (any transformers `*ForCausalLM`, or a runtime).
+        draft: a smaller causal LM (or runtime) with the same tokenizer; only speed depends on it.
         input_ids: (B, T) prompt token ids, left-padded when rows differ in length; the rows of
             a batch are decoded together (one forward per model per draft token / step).
         attention_mask: (B, T), 0 on the left padding; None means no padding.
@@ -287,6 +278,7 @@ def speculative_decode(
     if draft_schedule not in SCHEDULES:
         raise ValueError(f"unknown draft_schedule {draft_schedule!r}; expected one of {', '.join(SCHEDULES)}")
     sampling = make_sampling(temperature, top_k, top_p)
+    target, draft = as_runtime(target), as_runtime(draft)
     prompt = prepare_prompt(target, input_ids, attention_mask, max_new_tokens)
     prepare_prompt(draft, input_ids, attention_mask, max_new_tokens)  # the draft's position limit too
     _check_vocabularies(target, draft)
@@ -297,18 +289,20 @@ def speculative_decode(
         return DecodeOutput(new_tokens=[[] for _ in rows], forward_passes=0, stats=stats)
 
     # 1. prefill the target: every row's first token
-    rc, logits = kv.prefill(target, prompt.input_ids, prompt.attention_mask)
+    session = target.session()
+    ids, out = session.open(prompt.rows)
     stats.forward_passes = 1
-    for row, token in zip(rows, pick_tokens(logits, sampling, [r.generator for r in rows]), strict=True):
+    for row, token in zip(rows, pick_tokens(out.logits[:, -1], sampling, [r.generator for r in rows]), strict=True):
         stats.count(row.index, _make_final(row, [token], eos, max_new_tokens))
-    drafter = ModelDrafter(draft, [prompt.row_tokens(r).tolist() for r in range(B)], sampling)
+    drafter = ModelDrafter(draft, [list(p) for p in prompt.rows], sampling)
     active, k = rows, draft_tokens
-    while active := _drop_finished(rc, drafter, active):  # 2. finished rows leave both caches
+    while active := _drop_finished(session, ids, drafter, active):  # 2. finished rows leave both sessions
         # 3. the draft proposes n tokens per row, none past the budget of the row nearest its end
         n = min(k, min(max_new_tokens - len(row.known) for row in active) - 1)
-        accepted = _draft_and_verify(target, rc, drafter, active, n, sampling, stats, eos, max_new_tokens)
+        accepted = _draft_and_verify(session, ids, drafter, active, n, sampling, stats, eos, max_new_tokens)
         if n:
             k = next_draft_tokens(k, all(a == n for a in accepted), draft_schedule)
+    drafter.close()
 
     stats.draft_forward_passes = drafter.forward_passes
     stats.new_tokens = sum(len(row.known) for row in rows)

@@ -3,19 +3,18 @@ layer's norms, projections, rotation, cache write, attention and MLP, then the f
 LM head) as one graph compiled ahead of time by AOTInductor, the weights frozen in and the cache
 buffers written in place.
 
-Why: on a CPU, Inductor's own GEMM kernels stream the frozen weights several times faster than
-MKL's GEMM at the few tokens a decoding step feeds (all of `stdlib-coder`'s GEMMs: 0.4-0.6 ms at
-1-4 rows against 2.5-4), and one graph per forward leaves no eager work between the layers (each
-eager operation costs tens of microseconds). Compiled ahead of time, a forward is one call into
+Why: on a CPU, Inductor's own GEMM kernels stream the frozen weights faster than MKL's GEMM at
+the few tokens a decoding step feeds, and one graph per forward leaves no eager work between the
+layers (`benchmarks/README.md`, the compiled run of `engines-cpu/`). Compiled ahead of time, a forward is one call into
 the compiled library: no Dynamo frame, no Python wrapper around the kernels. From about 8 rows MKL
 and Inductor are both bound by arithmetic.
 
-`compile_runner(model)` builds it once per model, machine and torch (about a minute on a 2-core
-CPU per graph) and keeps the package in the compile cache (`cache_dir()`: `$CLLM_COMPILE_CACHE`,
+`compile_runner(runner)` builds it once per model, machine and torch (minutes on a small CPU)
+and keeps the package in the compile cache (`cache_dir()`: `$CLLM_COMPILE_CACHE`,
 else `~/.cache/cllm/compiled`); a later process with the same weights loads it in seconds.
 There is a graph for one batch row and, unless told not to, one for two rows or more;
 each takes any count of fed tokens from two (one token runs padded to two) and any cache length.
-`LeanRunner.forward` then runs it for forwards of up to `lean.COMPILED_MAX_TOKENS` fed tokens in
+`LeanRunner.forward` then runs it for forwards of up to `runner.COMPILED_MAX_TOKENS` fed tokens in
 inference mode, while the weights are the ones compiled. `why_not_compiled` says where it cannot
 run.
 """
@@ -40,8 +39,10 @@ import torch
 import torch._inductor  # AOTInductor's package builder and loader
 import torch.nn.functional as F
 
-from cllm.runtime.lean import runner as lean
-from cllm.runtime.lean.runner import rotate_half, runner_for, why_not
+from cllm.runtime.lean import ops
+from cllm.runtime.lean.kernels import additive_mask
+from cllm.runtime.lean.kv import LeanKV
+from cllm.runtime.lean.runner import COMPILED_MAX_TOKENS, LeanRunner, why_not
 
 COMPILE_MIN_TORCH = (2, 6)  # AOTInductor's packages, and Inductor's CPU GEMM template with a dynamic token count
 CACHE_ENV = "CLLM_COMPILE_CACHE"
@@ -72,54 +73,55 @@ def where_note() -> str:
             "(once per model, machine and torch: a minute or two on 2 cores)")
 
 
+class Indexed:
+    """The compiled forward's attention: each layer's new keys and values written into the cache
+    buffers at (`rows`, `slots`) by `index_put_`, then attention over the first T slots as
+    products and sums rather than matrix products, so that Inductor generates it (its CPU GEMM
+    template takes constant weights only). `mask` (B, L, T) is additive."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor, scale: float) -> None:
+        heads = torch.arange(keys[0].shape[1], device=rows.device)
+        self.keys, self.values, self.scale = keys, values, scale
+        self.where = (rows[:, None, None], heads[None, :, None], slots[None, None, :])  # (B, H_kv, L)
+        self.mask = mask[:, None, None]  # (B, 1, 1, L, T)
+
+    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, heads, L, D = q.shape
+        H_kv, T = k.shape[1], self.mask.shape[-1]
+        self.keys[i].index_put_(self.where, k)
+        self.values[i].index_put_(self.where, v)
+        K, V = self.keys[i][:B, :, None, :T], self.values[i][:B, :, None, :T]  # (B, H_kv, 1, T, D)
+        q = q.reshape(B, H_kv, heads // H_kv, L, D)  # query head h reads kv head h // group
+        scores = (q[..., None, :] * K[:, :, :, None]).sum(-1) * self.scale + self.mask  # (B, H_kv, group, L, T)
+        weights = torch.softmax(scores, dim=-1)
+        return (weights[..., None] * V[:, :, :, None]).sum(-2).reshape(B, heads, L, D)
+
+
 class _Forward(torch.nn.Module):
     """The runner's forward as one graph: x (B, L, hidden) embedded tokens, cos and sin (B, L, D) at
     their positions, an additive mask (B, L, T) over the first T cache slots, cache rows `rows`
     (B,) and slots `slots` (L,) where the new keys and values go (written in place into
-    `keys[i]` / `values[i]`, (R, H_kv, C, D) each). Returns (logits, normed), (B * L, ...) each.
+    `keys[i]` / `values[i]`, (R, H_kv, C, D) each). Returns logits and the final norm's output,
+    (B, L, ...) each: the runner's own layers (`ops.decoder_layers` on `ops.ModuleOps`), attention
+    `Indexed`."""
 
-    Attention is written as products and sums rather than matrix products, so that Inductor
-    generates it (its CPU GEMM template takes constant weights only)."""
-
-    def __init__(self, runner: lean.LeanRunner) -> None:
+    def __init__(self, runner: LeanRunner) -> None:
         super().__init__()
         self.layers, self.norm, self.lm_head = runner.layers, runner.norm, runner.lm_head  # the model's own
         self.head_dim, self.heads, self.kv_heads = runner.head_dim, runner.heads, runner.kv_heads
-        self.qk_norm, self.scale = runner.qk_norm, runner.scale
+        self.qk_norm, self.silu, self.scale = runner.qk_norm, runner.silu, runner.scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 rows: torch.Tensor, slots: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        B, L, T = mask.shape
-        D, H_kv = self.head_dim, self.kv_heads
-        group = self.heads // H_kv
-        x = x.reshape(B * L, -1)
-        cos, sin = cos.reshape(B * L, 1, D), sin.reshape(B * L, 1, D)
-        heads = torch.arange(H_kv, device=x.device)
-        where = (rows[:, None, None], heads[None, :, None], slots[None, None, :])  # (B, H_kv, L)
-        mask = mask[:, None, None]  # (B, 1, 1, L, T)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k = attn.q_proj(h).view(B * L, -1, D), attn.k_proj(h).view(B * L, -1, D)
-            if self.qk_norm:  # Qwen3: RMSNorm per head before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            keys[i].index_put_(where, k.view(B, L, H_kv, D).transpose(1, 2))
-            values[i].index_put_(where, attn.v_proj(h).view(B, L, H_kv, D).transpose(1, 2))
-            K, V = keys[i][:B, :, None, :T], values[i][:B, :, None, :T]  # (B, H_kv, 1, T, D)
-            q = q.view(B, L, H_kv, group, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, group, L, D)
-            scores = (q[..., None, :] * K[:, :, :, None]).sum(-1) * self.scale + mask  # (B, H_kv, group, L, T)
-            weights = torch.softmax(scores, dim=-1)
-            out = (weights[..., None] * V[:, :, :, None]).sum(-2)  # (B, H_kv, group, L, D)
-            x = x + attn.o_proj(out.permute(0, 3, 1, 2, 4).reshape(B * L, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = self.norm(x)
-        return self.lm_head(x), x
+        B, L, _ = mask.shape
+        layout = ops.ModuleOps(self, B, L, (cos, sin))
+        x = ops.decoder_layers(layout, self.layers, x, Indexed(keys, values, rows, slots, mask, self.scale))
+        return layout.final(self, x, False)
 
 
-def _examples(runner: lean.LeanRunner, batch_rows: bool) -> tuple[tuple, dict]:
+def _examples(runner: LeanRunner, batch_rows: bool) -> tuple[tuple, dict]:
     """Example inputs of `_Forward` and the sizes left free: fed tokens L from 2, cache slots T
     from 2, cache rows R from 2 and capacity C from 2, and (`batch_rows`) batch rows B from 2;
     else one batch row. (The example sizes differ from each other, so that none is taken for
@@ -154,7 +156,8 @@ def fingerprint(model: torch.nn.Module, batch_rows: bool, weights: str | None = 
     """The compile cache's key for one graph of `model`: everything the package depends on (the
     model's config and its weights, `weights_digest` unless given, the graph's code, Inductor's
     settings, torch, the CPU's vector unit, the thread count the kernels were built for)."""
-    code = inspect.getsource(_Forward) + inspect.getsource(_examples)
+    code = "".join(inspect.getsource(part) for part in (_Forward, Indexed, _examples, ops.decoder_layers,
+                                                          ops.ModuleOps, ops._Shape))
     facts = {"config": model.config.to_dict(), "code": code, "inductor": _INDUCTOR, "torch": torch.__version__,
              "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
              "batch_rows": batch_rows, "weights": weights or weights_digest(model)}
@@ -189,7 +192,7 @@ def sweep_partials(folder: Path, stale: float = PARTIAL_STALE_SECONDS) -> list[P
     return removed
 
 
-def _build(runner: lean.LeanRunner, batch_rows: bool, path: Path) -> None:
+def _build(runner: LeanRunner, batch_rows: bool, path: Path) -> None:
     """Export the forward and compile it into the package `path`, written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_partials(path.parent)
@@ -210,7 +213,7 @@ def _load(path: Path) -> Any:
         return torch._inductor.aoti_load_package(str(path))
 
 
-def _graph(model: torch.nn.Module, runner: lean.LeanRunner, batch_rows: bool,
+def _graph(model: torch.nn.Module, runner: LeanRunner, batch_rows: bool,
            weights: str | None = None) -> tuple[Any, bool]:
     """One compiled graph of `model`: loaded from the compile cache when it holds it, else built
     (and kept there; in a temporary folder when the cache cannot be written). Returns the graph
@@ -237,7 +240,7 @@ class CompiledForward:
     eagerly): it runs while the model's weights are the ones compiled (`current`); once a weight
     changes (training, `.to()`), the runner's eager forward runs."""
 
-    def __init__(self, runner: lean.LeanRunner, model: torch.nn.Module, batches: bool) -> None:
+    def __init__(self, runner: LeanRunner, model: torch.nn.Module, batches: bool) -> None:
         start = time.perf_counter()
         weights = weights_digest(model)  # both graphs' keys: the weights are read once
         self.one_row, cached = _graph(model, runner, batch_rows=False, weights=weights)
@@ -254,8 +257,8 @@ class CompiledForward:
 
     @property
     def origin(self) -> str:
-        """How this forward came to be, for a log line: "compiled in 43.4 s" or "loaded from the
-        compile cache in 2.1 s"."""
+        """How this forward came to be, for a log line: "compiled in S s" or "loaded from the
+        compile cache in S s"."""
         return f"{'loaded from the compile cache' if self.cached else 'compiled'} in {self.seconds:.1f} s"
 
     def _weights(self) -> tuple[tuple[int, int], ...]:
@@ -269,11 +272,11 @@ class CompiledForward:
 
     def takes(self, rows: int, tokens: int) -> bool:
         """Whether a forward of `tokens` fed tokens per row over `rows` batch rows runs here: a
-        graph for that many rows was compiled, and it feeds at most `lean.COMPILED_MAX_TOKENS` (one
+        graph for that many rows was compiled, and it feeds at most `COMPILED_MAX_TOKENS` (one
         token a row runs as two)."""
-        return (rows == 1 or self.rows is not None) and rows * max(tokens, 2) <= lean.COMPILED_MAX_TOKENS
+        return (rows == 1 or self.rows is not None) and rows * max(tokens, 2) <= COMPILED_MAX_TOKENS
 
-    def __call__(self, runner: lean.LeanRunner, kv: lean.LeanKV, embedded: torch.Tensor,
+    def __call__(self, runner: LeanRunner, kv: LeanKV, embedded: torch.Tensor,
                  position_ids: torch.Tensor, allowed: torch.Tensor | None,
                  last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of `LeanRunner.forward` (same arguments, `allowed` its boolean mask or None):
@@ -291,7 +294,7 @@ class CompiledForward:
             allowed = F.pad(allowed, (0, 1, 0, 1))
             allowed[:, 1, S + 1] = True
         width = allowed.shape[1]
-        mask = lean.additive_mask(allowed, embedded)
+        mask = additive_mask(allowed, embedded)
         kv.reserve(max(B, 2), S + width)  # the new slots, and two rows (the graphs take two and more)
         x, cos, sin = (t.contiguous() for t in (embedded, cos, sin))
         rows = torch.arange(B, device=x.device)
@@ -322,17 +325,15 @@ def why_not_compiled(model: torch.nn.Module) -> str | None:
     return None
 
 
-def compile_runner(model: torch.nn.Module, *, batches: bool = True) -> str | None:
-    """Compile the runner's forward for `model` now, or load it from the compile cache
-    (`cache_dir()`) where an earlier process compiled it for these weights (building takes about a
-    minute per graph on a 2-core CPU, loading about 2 s): its forwards of up to
-    `lean.COMPILED_MAX_TOKENS` fed tokens then run it. `batches`: also the graph for two batch
-    rows or more (a server's batches); without it, they run eagerly. Returns None when done (or
-    already done for these weights), else why not; the eager runner then stays."""
+def compile_runner(runner: LeanRunner, *, batches: bool = True) -> str | None:
+    """Compile the runner's forward now, or load it from the compile cache (`cache_dir()`) where an
+    earlier process compiled it for these weights (`--compile -v` says how long either took): its
+    forwards of up to `COMPILED_MAX_TOKENS` fed tokens then
+    run it. `batches`: also the graph for two batch rows or more (a server's batches); without
+    it, they run eagerly. Returns None when done (or already done for these weights), else why
+    not; the eager runner then stays."""
+    model = runner.model()
     reason = why_not_compiled(model)
-    runner = runner_for(model) if reason is None else None
-    if reason is None and runner is None:
-        reason = "the lean runner is off (training mode, or switched off)"
     if reason is not None:
         return reason
     if runner.compiled is not None and runner.compiled.current() and (runner.compiled.rows is not None or not batches):

@@ -7,27 +7,25 @@ for token transformers' greedy output, its logits equal to float32 rounding):
 - "gemm": feature-major on MKL's GEMM and the model's own weights (`W @ X`);
 - "rows": token-major on the model's own weights (transformers' `X @ W^T`).
 
-Which one is fastest depends on the CPU and on the tokens a forward feeds. On the 2-core AMD
-Zen 4 of `benchmarks/engines-cpu/` the packed weights won at every width; on a 2-core Intel
-Xeon with AVX-512, `measure` timed a forward of the embedded model at 1.98 ms packed, 1.34 on
-MKL's GEMM and 1.09 by rows at 1 fed token, and 2.37 / 2.50 / 1.65 ms at 4. So `measure` times each
-at a few widths when a model is readied for decoding (`lean.prepare`), and the runner then
+Which one is fastest depends on the CPU and on the tokens a forward feeds (on the 2-core AMD
+Zen 4 of `benchmarks/engines-cpu/` the packed weights won at every width, on a 2-core Intel Xeon
+the token-major one at few tokens: `cllm generate -v` prints a machine's plan). So `measure` times each
+at a few widths when a model is readied for decoding (`LeanRunner.prepare`), and the runner then
 takes, for a forward of M fed tokens (all rows together), the path measured fastest at the
 first measured width of at least M (`Plan.path`). Without a plan the runner computes on the
 packed weights.
 
 The LM head weighs most in a small model's forward (a third of the embedded model's weights),
-and its best kernel differs again: on the same Xeon, MKL's `X @ W^T` took 154 us at 1-3 fed
-tokens and 304 at 4-6, oneDNN's packed copy 180-190 at 1-6. So a "rows" forward computes its
-logits on the kernel `measure_head` found fastest at its width (`LeanRunner.head_plan`).
+and its best kernel differs again (MKL's `X @ W^T` or oneDNN's packed copy, by width). So a
+"rows" forward computes its logits on the kernel `measure_head` found fastest at its width
+(`LeanRunner.head_plan`).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,29 +43,6 @@ REPEATS = 2  # forwards in a row per path and width, the first untimed (its weig
 # as in a decode, whose steps mostly take one path)
 
 MARGIN = 0.1  # another path than the fastest overall is taken at a width where it is this much faster
-
-_forced: str | None = None
-
-
-@contextmanager
-def forced(path: str | None) -> Iterator[None]:
-    """Within: every float32 CPU forward of the runner takes `path` (one of `PATHS`; None: its
-    plan's). "packed" falls back to "gemm" where the weights are not packed. Tests run the
-    exactness suites on each path; `measure` times them."""
-    if path is not None and path not in PATHS:
-        raise ValueError(f"unknown CPU forward {path!r} (one of {', '.join(PATHS)})")
-    global _forced
-    before, _forced = _forced, path
-    try:
-        yield
-    finally:
-        _forced = before
-
-
-def forced_path() -> str | None:
-    """The path `forced` imposes now, or None."""
-    return _forced
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -131,7 +106,7 @@ def measure(runner: Any, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS
             clock: Callable[[], float] = time.perf_counter) -> Plan:
     """Times one forward of each of `paths` at each of `widths` fed tokens (one row, causal, after
     `prefix` random cached tokens; rolled back after each) and returns the plan of the fastest
-    (`_fastest`). `runner`: a `lean.LeanRunner`. About 0.6 s for the embedded model on 2 cores."""
+    (`_fastest`). `runner`: a `runner.LeanRunner`."""
     embed = runner.embed.weight
     vocab, device = embed.shape[0], embed.device
     g = torch.Generator().manual_seed(0)
@@ -139,15 +114,19 @@ def measure(runner: Any, paths: Sequence[str], *, widths: Sequence[int] = WIDTHS
     positions = {w: torch.arange(prefix, prefix + w, device=device)[None] for w in widths}
 
     def forward(path: str, w: int) -> None:
-        with forced(path):
-            runner.forward(kv, ids[w], positions[w], None)
+        runner.path = path
+        runner.forward(kv, ids[w], positions[w], None)
         kv.crop(prefix)
 
-    with torch.inference_mode():
-        kv = runner.new_cache(1, prefix + max(widths))
-        runner.forward(kv, torch.randint(vocab, (1, prefix), generator=g).to(device),
-                       torch.arange(prefix, device=device)[None], None)
-        return _fastest(forward, paths, widths, rounds, clock)
+    given = runner.path
+    try:
+        with torch.inference_mode():
+            kv = runner.new_cache(1, prefix + max(widths))
+            runner.forward(kv, torch.randint(vocab, (1, prefix), generator=g).to(device),
+                           torch.arange(prefix, device=device)[None], None)
+            return _fastest(forward, paths, widths, rounds, clock)
+    finally:
+        runner.path = given
 
 
 def measure_head(head: torch.nn.Linear, packed: PackedWeights, *, widths: Sequence[int] = WIDTHS,

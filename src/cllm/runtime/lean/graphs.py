@@ -1,9 +1,9 @@
 """The lean runner's forward replayed from CUDA graphs (`LeanRunner.forward` on a GPU).
 
 Why: on a GPU a decoding forward of a model up to a few billion parameters costs its kernel
-launches and the Python that issues them, not arithmetic. A random 1.24B Llama in bfloat16 on an
-H200 takes 8.9-10.5 ms per eager forward at 1 to 64 fed tokens, at batch 1 and 16 alike; replayed
-from CUDA graphs, 2.7-3.3 ms at batch 1 (`cllm profile --shape 1b`, `benchmarks/step-cost-gpu/`).
+launches and the Python that issues them, not arithmetic, whatever the fed tokens: replayed from
+CUDA graphs it is one launch (`cllm profile --shape 1b`; `benchmarks/step_cost.md` has the
+figures).
 
 A graph fixes its tensors' addresses and shapes. So the graphs belong to a set of cache
 buffers (a `GraphSet` per set) and are captured per fed shape (B rows, L tokens), the second time
@@ -12,7 +12,7 @@ forwards). A graph reads the tokens, their positions, the slots they go to and t
 from static input buffers the forward fills first, writes the new keys and values into the
 cache's buffers at those slots (`index_copy_`), and attends over the buffers' whole capacity, the
 mask hiding every slot past the fed ones. The layers are the runner's own
-(`LeanRunner.layer_stack`). Slots nobody wrote are zeroed once (a masked slot's value still
+(`LeanRunner.layer_stack` on `ops.ModuleOps`). Slots nobody wrote are zeroed once (a masked slot's value still
 enters the attention's sum, times 0; garbage that is NaN would not vanish). When a cache is
 freed its buffers and their graphs go back to the runner (`Spares`) for the next cache of that
 many rows and that capacity (rounded up to `capacity_for`), so one request after another replays
@@ -24,8 +24,8 @@ runner's forwards run eagerly from then on, and a warning says why.
 
 Graphs run in inference mode, on CUDA, for forwards of up to `MAX_TOKENS` fed tokens; a weight
 that moved (replaced, or the model moved) drops them, to be captured again. At most `MAX_GRAPHS`
-per set of buffers (past that, new shapes run eagerly). `lean.graphs_enabled(False)` turns them
-off; `cllm generate -v` says whether they run.
+per set of buffers (past that, new shapes run eagerly). A runtime made with `graphs=False` runs
+without them; `cllm generate -v` says whether they run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from cllm.runtime.lean.kv import LeanKV
+from cllm.runtime.lean.ops import Appended, ModuleOps
 
 # the runner these graphs replay (`lean.LeanRunner`, which imports this module: named, not imported)
 LeanRunner = Any
@@ -219,8 +220,9 @@ class GraphSet:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             embedded = runner.embed(captured.ids)
-            cos, sin = runner.rotary(embedded, captured.positions)
-            return runner.layer_stack(slots, embedded, cos, sin, captured.mask, False)
+            layout = ModuleOps(runner, B, L, runner.rope_module(embedded, captured.positions))
+            attention = Appended(slots, captured.mask, runner.scale, runner.kv_heads != runner.heads)
+            return runner.layer_stack(layout, attention, embedded, False)
 
         captured.graph = GRAPH_KIND(self.pool)
         captured.logits, captured.hidden = captured.graph.capture(forward)

@@ -1,11 +1,9 @@
-"""The small tensor routines of the lean runner's forwards (`cllm.runtime.lean.runner`): projections
+"""The small tensor routines of the lean runner's forwards (`cllm.runtime.lean.ops`): projections
 in the feature-major and token-major layouts, the Llama-family RMSNorm, masks, rotary helpers,
-the widths packed and padded forwards run on, and the greedy argmax every decoder takes on CPU
-logits."""
+and the widths packed and padded forwards run on."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +37,7 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _rms_norm_rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`_rms_norm` of float32 x over its last dimension, through `F.rms_norm` where torch has it
-    (>= 2.4): transformers' arithmetic in one call from Python (about 0.01 ms less per norm)."""
+    (>= 2.4): transformers' arithmetic in one call from Python."""
     if _FUSED_RMS_NORM:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     return _rms_norm(norm, x, -1)
@@ -80,7 +78,7 @@ PACKED_EXACT_ROWS = 32  # up to this many fed tokens, a packed forward runs on e
 
 def packed_rows(tokens: int) -> int:
     """Rows a packed forward of `tokens` fed tokens runs on. oneDNN builds its kernels for each
-    width it meets (about 0.6 ms per projection the first time) and keeps a bounded number, so
+    width it meets (a cost paid the first time) and keeps a bounded number, so
     wider forwards (prefills, batches) run zero-padded to one of a few widths: a multiple of 16
     up to 256 tokens, of 64 up to 1,024, of 256 beyond."""
     if tokens <= PACKED_EXACT_ROWS:
@@ -92,28 +90,3 @@ def packed_rows(tokens: int) -> int:
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x (M, features) with zero rows appended up to `rows`."""
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
-
-
-ARGMAX_BLOCK = 256  # vocabulary entries per block of the blocked argmax
-ARGMAX_MIN_TOKENS = 64  # fewer tokens' feature-major logits: numpy's argmax is as fast
-
-
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)`: the same indices (a row's first maximum; NaN counting as the largest),
-    faster on a CPU. There torch's argmax reads float32 logits at well under 1 GB/s (on 2 Xeon
-    cores, 14 us for one row of 8,192 and 300 us for 10), numpy's vectorized one 1.4 and 5.4 us,
-    so CPU logits in float32 / float64 go to numpy's. The runner's feature-major logits of many
-    tokens, a (B, L, V) view of a (V, B * L) tensor, are reduced in blocks of `ARGMAX_BLOCK`
-    vocabulary entries along the contiguous tokens (`amax`), and only the first block holding a
-    token's maximum is searched."""
-    V = logits.shape[-1]
-    M = logits.numel() // max(V, 1)
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
-        return logits.argmax(-1)
-    by_vocab = logits.reshape(M, V).t()  # (V, M): a view when the logits are feature-major
-    if M < ARGMAX_MIN_TOKENS or V % ARGMAX_BLOCK or not by_vocab.is_contiguous():
-        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
-    blocks = by_vocab.view(V // ARGMAX_BLOCK, ARGMAX_BLOCK, M)
-    first = blocks.amax(1).argmax(0)  # (M,): per token, the first block holding its maximum
-    within = blocks[first, :, torch.arange(M)].argmax(1)  # (M,)
-    return (first * ARGMAX_BLOCK + within).view(logits.shape[:-1])

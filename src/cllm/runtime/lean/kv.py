@@ -1,7 +1,7 @@
-"""The lean runner's KV cache (`cllm.runtime.lean.runner`): one keys and one values buffer per layer,
-preallocated and grown geometrically, with the surface of transformers' `DynamicCache` that
-`cllm.runtime.hf_cache` uses (`get_seq_length`, `crop`, `layers[i].keys` / `.values`,
-`batch_select_indices`), so every commit, rollback, hole and compaction there works unchanged.
+"""The lean runner's KV cache: one keys and one values buffer per layer, preallocated and grown
+geometrically, addressed by slot. It is a `cllm.runtime.rows.Storage`: the rows' bookkeeping
+(which slots each row may read, holes, compaction) is `rows.Batch`'s; here are only the copies
+it asks for and the writes of the runner's forwards.
 """
 
 from __future__ import annotations
@@ -11,30 +11,6 @@ from typing import Any
 import torch
 
 GROWTH = 256  # cache slots reserved beyond what a forward needs when the buffers grow
-
-
-class _LayerView:
-    """Layer i's keys and values as DynamicCache exposes them: (B, H, S, D) views of the valid
-    slots; assigning one stores it (reallocating when it outgrows the buffer)."""
-
-    def __init__(self, kv: LeanKV, i: int) -> None:
-        self._kv, self._i = kv, i
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self._kv.view(0, self._i)
-
-    @keys.setter
-    def keys(self, value: torch.Tensor) -> None:
-        self._kv.store(0, self._i, value)
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self._kv.view(1, self._i)
-
-    @values.setter
-    def values(self, value: torch.Tensor) -> None:
-        self._kv.store(1, self._i, value)
 
 
 class LeanKV:
@@ -51,18 +27,39 @@ class LeanKV:
                                    for _ in range(2)]
         self.length = [[0] * layers, [0] * layers]
         self.rows = batch
-        self.runner: Any = None  # the `lean.LeanRunner` whose forwards fill it
         self.graphs: Any = None  # a `graphs.GraphSet`: the CUDA graphs of its forwards, once one is captured
-
-    @property
-    def layers(self) -> list[_LayerView]:
-        """Each layer's view, made anew: views kept in the cache would refer back to it, and in that
-        reference cycle its buffers would outlive it until Python's cycle collector ran, which in a
-        server holding many objects is seldom (every freed batch's cache then piled up)."""
-        return [_LayerView(self, i) for i in range(len(self.length[0]))]
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.length[0][layer]
+
+    # -- `rows.Storage`
+
+    def slots(self) -> int:
+        return self.length[0][0]
+
+    def crop(self, slots: int) -> None:
+        for lengths in self.length:
+            lengths[:] = [min(n, slots) for n in lengths]
+
+    def gather(self, index: torch.Tensor) -> None:
+        """Row b keeps slots `index[b]` (B, S') in that order."""
+        B, S_new = index.shape
+        for which, buffers in enumerate(self.buffers):
+            for i, buffer in enumerate(buffers):
+                H, D = buffer.shape[1], buffer.shape[3]
+                idx = index.to(buffer.device)[:, None, :, None].expand(B, H, S_new, D)
+                buffer[:B, :, :S_new] = buffer[:B, :, : self.length[which][i]].gather(2, idx)
+                self.length[which][i] = S_new
+
+    def move(self, base: int, kept) -> None:
+        """One row: slot base + kept[j] copied to base + j, every layer."""
+        for buffers in self.buffers:
+            for buffer in buffers:
+                index = torch.tensor(list(kept), device=buffer.device) + base
+                buffer[: self.rows, :, base : base + len(kept)] = buffer[: self.rows].index_select(2, index)
+
+    def select(self, rows) -> None:
+        self.batch_select_indices(torch.tensor(list(rows)))
 
     def view(self, which: int, i: int) -> torch.Tensor:
         return self.buffers[which][i][: self.rows, :, : self.length[which][i]]
@@ -80,18 +77,6 @@ class LeanKV:
         grown[:used, :, : self.length[which][i]] = buffer[:used, :, : self.length[which][i]]
         self.buffers[which][i] = grown
         return grown
-
-    def store(self, which: int, i: int, value: torch.Tensor) -> None:
-        B, _, S, _ = value.shape
-        self._room(which, i, B, S)[:B, :, :S] = value
-        self.length[which][i] = S
-        self.rows = B
-
-    def crop(self, max_length: int) -> None:
-        """DynamicCache's `crop`: a negative argument drops that many slots from the end."""
-        for lengths in self.length:
-            for i, n in enumerate(lengths):
-                lengths[i] = n + max_length if max_length < 0 else min(n, max_length)
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
         """Keep batch rows `index`, in that order. In place when no row is read after it was
@@ -124,7 +109,7 @@ class LeanKV:
         these rows after their entries (nothing of theirs moves), `other`'s before theirs."""
         B, B2 = self.rows, other.rows
         for which in (0, 1):
-            for i in range(len(self.layers)):
+            for i in range(len(self.buffers[which])):
                 S, S2 = self.length[which][i], other.length[which][i]
                 end = max(S, S2)
                 buffer = self._room(which, i, B + B2, end)

@@ -50,7 +50,7 @@ class PackedWeights:
 
     def warm(self, widths: Iterable[int]) -> None:
         """Build oneDNN's kernels for forwards of each of `widths` rows now, not in the first
-        request (about 0.6 ms per projection and width): every call a forward makes, once, on
+        request: every call a forward makes, once, on
         the first layer and the LM head (layers of the same shapes share the kernels)."""
         hidden, attended, inner = self._features
         weights = self.layers[0]

@@ -5,7 +5,7 @@ teacher of both terms: its last hidden states on the text are computed once
 (`cllm.training.medusa.texts.hidden_states`) and a frozen copy of its LM head turns them into
 its distributions per batch (V-sized logits are never stored; the model's own LM head may be
 tied to its embeddings and moves with them). A joint step runs the model with gradients over
-prompt + text (`cllm.runtime.hf_cache.forward_hidden`, the one adapter for model calls) and takes
+prompt + text (`cllm.runtime.hf.forward_hidden`, the one adapter for model calls) and takes
 `cllm.training.medusa.loss.joint_loss`: the model's KL to the original at every counted position
 + lambda x the heads' loss on the model's current hidden states.
 
@@ -28,7 +28,7 @@ from cllm.core.runs import Resumable
 from cllm.decoding.inputs import left_pad, model_device
 from cllm.modeling.heads import MedusaHeads
 from cllm.modeling.losses import Distance
-from cllm.runtime import hf_cache as kv
+from cllm.runtime import hf
 from cllm.training.medusa.loss import agreement, joint_loss
 from cllm.training.medusa.texts import Text
 from cllm.training.medusa.trainer import pad_batch
@@ -112,7 +112,7 @@ class JointTrainer(Resumable):
         with torch.no_grad():
             original_logits = self.teacher(original)  # (B, T, V) the original's distributions
         if backbone:
-            fwd = kv.forward_hidden(self.model, batch.ids.to(device), batch.attention.to(device))
+            fwd = hf.forward_hidden(self.model, batch.ids.to(device), batch.attention.to(device))
             index = batch.index.to(device)[..., None]  # (B, T, 1)
             hidden = fwd.hidden.gather(1, index.expand(-1, -1, fwd.hidden.shape[-1]))  # (B, T, H)
             model_logits = fwd.logits.gather(1, index.expand(-1, -1, fwd.logits.shape[-1]))  # (B, T, V)

@@ -25,7 +25,7 @@ from cllm.data.trajectories import read_meta, read_records
 from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.inputs import eos_set, left_pad, model_device, position_limit
 from cllm.models import fingerprint, pad_token_id
-from cllm.runtime import hf_cache as kv
+from cllm.runtime import hf
 from cllm.training.medusa.config import MedusaConfig
 
 
@@ -101,7 +101,7 @@ def probe_lm_head(model: torch.nn.Module) -> None:
     """`hidden_states`' check that the model's logits are its LM head applied to its last hidden
     state, on a few tokens, before anything long (or written) starts."""
     ids = torch.arange(min(8, model.config.vocab_size), device=model_device(model))[None]  # (1, T)
-    fwd = kv.forward_hidden(model, ids, torch.ones_like(ids))
+    fwd = hf.forward_hidden(model, ids, torch.ones_like(ids))
     _check_lm_head(model.get_output_embeddings(), fwd, torch.ones_like(ids, dtype=torch.bool))
 
 
@@ -131,7 +131,7 @@ def hidden_states(model: torch.nn.Module, texts: Sequence[Text], *, batch_size: 
     for start in range(0, len(texts), batch_size):
         batch = texts[start : start + batch_size]
         ids, mask = left_pad([t.prompt + t.completion for t in batch], pad_id)  # (B, T)
-        fwd = kv.forward_hidden(model, ids.to(device), mask.to(device))
+        fwd = hf.forward_hidden(model, ids.to(device), mask.to(device))
         if start == 0:
             _check_lm_head(lm_head, fwd, mask.to(device).bool())
         T = ids.shape[1]
@@ -143,7 +143,7 @@ def hidden_states(model: torch.nn.Module, texts: Sequence[Text], *, batch_size: 
     return out
 
 
-def _check_lm_head(lm_head: torch.nn.Module, fwd: kv.Forward, mask: torch.Tensor) -> None:
+def _check_lm_head(lm_head: torch.nn.Module, fwd: hf.Forward, mask: torch.Tensor) -> None:
     got, want = lm_head(fwd.hidden)[mask].float(), fwd.logits[mask].float()
     tolerance = (1e-4 if fwd.hidden.dtype == torch.float32 else 2e-2) * (1 + float(want.abs().max()))
     if float((got - want).abs().max()) > tolerance:

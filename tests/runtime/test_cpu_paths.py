@@ -1,4 +1,4 @@
-"""The choice among the lean runner's float32 CPU forwards (`cllm.runtime.lean.cpu_paths`): the plan
+"""The choice among the lean runtime's float32 CPU layouts (`cllm.runtime.lean.cpu_paths`): the plan
 made from timings, the timing itself (on a clock that charges each path a known cost), and
 decoding exactly when a plan switches path from one width to the next."""
 
@@ -7,8 +7,8 @@ import torch
 import transformers as tf
 
 from cllm import greedy_decode, jacobi_decode
-from cllm.runtime.lean import cpu_paths
-from cllm.runtime.lean import runner as lean
+from cllm.runtime import open_runtime
+from cllm.runtime.lean import LeanRuntime, cpu_paths
 from cllm.runtime.lean.cpu_paths import Plan
 from tests.decoding.conftest import VOCAB, random_prompt
 
@@ -34,8 +34,7 @@ def test_the_plan_takes_the_fastest_path_overall_and_another_only_where_it_is_cl
 
 def test_an_unknown_path_is_refused():
     with pytest.raises(ValueError, match="unknown CPU forward 'fast'"):
-        with cpu_paths.forced("fast"):
-            pass
+        LeanRuntime(small_llama(), path="fast")
 
 
 def small_llama(seed=3):
@@ -49,13 +48,17 @@ def small_llama(seed=3):
 def test_measure_times_every_path_at_every_width_and_leaves_no_trace():
     """A clock that charges each forward what its path costs at its width (rows cheap at 1-2
     tokens, gemm at 4-8): the plan follows the charges, and the runner's cache is left alone."""
-    model = small_llama()
-    runner = lean.runner_for(model)
+    runner = LeanRuntime(small_llama()).runner
     cost = {"packed": [5, 5, 5, 5], "gemm": [9, 9, 1, 1], "rows": [1, 1, 9, 9]}
     fed, paths = [], []
-    model.register_forward_pre_hook(
-        lambda m, a, kw: (fed.append(kw["input_ids"].shape[1]), paths.append(cpu_paths.forced_path())),
-        with_kwargs=True)
+    forward = runner.forward
+
+    def noting(kv, input_ids, *args, **kwargs):  # the width and the path of every forward measured
+        fed.append(input_ids.shape[1])
+        paths.append(runner.path)
+        return forward(kv, input_ids, *args, **kwargs)
+
+    runner.forward = noting
     now, calls = [0.0], [0]
 
     def clock():
@@ -68,6 +71,7 @@ def test_measure_times_every_path_at_every_width_and_leaves_no_trace():
     assert plan.paths == ("rows", "rows", "gemm", "gemm")
     assert plan.ms == {p: pytest.approx(cost[p]) for p in cost}
     assert sorted(fed[1:]) == sorted(WIDTHS * 3 * (2 + 1) * cpu_paths.REPEATS)  # after the prefill: every one
+    assert runner.path is None  # the runner takes its plan again
 
 
 @pytest.mark.parametrize("settings", [dict(block_size=1), dict(block_size=4), dict(block_size=16),
@@ -75,24 +79,20 @@ def test_measure_times_every_path_at_every_width_and_leaves_no_trace():
 @torch.inference_mode()
 def test_decoding_is_exact_when_the_plan_switches_path_from_width_to_width(settings):
     model = small_llama(4)
-    runner = lean.runner_for(model)
+    runtime = LeanRuntime(model)
     ids = random_prompt(11, 9)
-    with lean.runner_enabled(False):
-        expected = greedy_decode(model, ids, max_new_tokens=40).new_tokens
+    expected = greedy_decode(open_runtime(model, "transformers"), ids, max_new_tokens=40).new_tokens
     widths = (1, 2, 4, 8, 16, 32)
-    runner.plan = Plan(widths, ("rows", "gemm", "packed", "rows", "gemm", "packed"), {})
-    runner.head_plan = Plan(widths, ("packed", "rows", "packed", "rows", "packed", "rows"), {})
-    try:
-        assert jacobi_decode(model, ids, max_new_tokens=40, **settings).new_tokens == expected
-    finally:
-        runner.plan = runner.head_plan = None
+    runtime.runner.plan = Plan(widths, ("rows", "gemm", "packed", "rows", "gemm", "packed"), {})
+    runtime.runner.head_plan = Plan(widths, ("packed", "rows", "packed", "rows", "packed", "rows"), {})
+    assert jacobi_decode(runtime, ids, max_new_tokens=40, **settings).new_tokens == expected
 
 
 def test_prepare_measures_a_plan_that_describe_names():
-    model = small_llama(5)
-    lean.prepare(model)
-    runner = lean.runner_for(model)
+    runtime = LeanRuntime(small_llama(5))
+    runtime.prepare()
+    runner = runtime.runner
     assert runner.plan is not None and set(runner.plan.paths) <= set(cpu_paths.PATHS)
     assert runner.plan.widths == cpu_paths.WIDTHS
     assert all(len(ms) == len(cpu_paths.WIDTHS) for ms in runner.plan.ms.values())
-    assert f"the forward measured fastest here: {runner.plan.describe()}" in lean.describe(model)
+    assert f"the layout measured fastest here: {runner.plan.describe()}" in runtime.describe()
