@@ -14,7 +14,7 @@ fails the resolution instead of being fetched. The control shows the check can f
 What it does not show: that torch 2.5 *runs* here. transformers 5 disables a torch older than
 2.6 when imported (pip cannot see that: transformers does not require torch), so with torch
 2.5 the README says to add 'transformers<5', and `cllm` names the clash in one line
-(`cllm.models.version_problem`, tests/test_models.py).
+(`cllm.models.version_problem`, tests/models/test_loading.py).
 """
 
 from __future__ import annotations

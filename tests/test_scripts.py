@@ -26,7 +26,8 @@ from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "load_test.py", "soak.py"]
+PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "llamacpp_speed.py", "load_test.py",
+                  "soak.py"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ["def f(x):", "class A:", "import re"]
@@ -171,6 +172,21 @@ def test_soak_against_a_tiny_server_samples_rss_and_replays_greedy_requests_unch
     assert totals["requests"] == totals["completed"] + totals["disconnects"] > 0
     assert totals["greedy_replayed"] == min(3, totals["greedy_recorded"]) > 0
     assert "| t (s) | RSS (MiB) | requests |" in done.stdout
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_speed_reports_each_method_against_llama_cpps_greedy(tiny, tmp_path):
+    gguf, out = tmp_path / "t.gguf", tmp_path / "speed.json"
+    done = run(sys.executable, "-m", "cllm.cli", "export", "--model", tiny["target"], "--gguf", gguf)
+    assert done.returncode == 0, done.stderr
+    done = run(sys.executable, SCRIPTS / "llamacpp_speed.py", gguf, "--threads", "1", "--prompts", "2",
+               "--max-new-tokens", "8", "--rounds", "1", "--json", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["reference"] == "llama.cpp greedy" and list(result["methods"]) == [
+        "llama.cpp greedy", "ours greedy", "ours jacobi"]
+    for row in result["methods"].values():
+        assert row["equal_to_reference"] == 2 and row["tokens_per_second"] > 0 and row["tokens_per_forward"] >= 1
 
 
 def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):

@@ -316,3 +316,21 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on_with_what_was_shown(plain, 
     second = oracle.text("def f(x): partialclass A:")
     assert code == 0 and out == " partial\n" + second + "\n" and "reply stopped" in err
     assert prompts[1] == oracle.ids("def f(x): partialclass A:")
+
+
+@pytest.mark.llamacpp
+def test_generate_on_llama_cpp_exports_once_and_gives_greedy_text(plain, oracle, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "generate", "--model", plain, "--prompt", PROMPTS[1], "--max-new-tokens", NEW,
+                         "--runtime", "llamacpp", "--threads", 2, "-v")
+    assert code == 0 and out == oracle.text(PROMPTS[1]) + "\n"
+    assert "forward: llama.cpp" in err and "exported now to" in err and str(tmp_path / "cache") in err
+    assert main(["export", "--model", str(plain), "--gguf", str(tmp_path / "m.gguf")]) == 0
+    capsys.readouterr()
+    for prompt in PROMPTS:
+        code, out, err = run(capsys, "generate", "--model", tmp_path / "m.gguf", "--prompt", prompt,
+                             "--max-new-tokens", NEW, "--block-size", 6, "--recycle", 2)
+        assert code == 0 and out == oracle.text(prompt) + "\n"
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "m.gguf", "--prompt", PROMPTS[0], "--medusa", "auto",
+                       "--runtime", "lean")
+    assert code == 2 and "decodes on the llamacpp runtime only" in err and len(err.strip().splitlines()) == 1

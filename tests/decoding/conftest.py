@@ -6,12 +6,16 @@ correct implementations disagree) are rare; on a mismatch the helper prints the 
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from cllm.runtime import Runtime, as_runtime, open_runtime
 from cllm.runtime.lean import graphs
@@ -49,8 +53,12 @@ ARCHS = ["llama", "qwen2", "gpt2", "gpt-neox", "phi3"]
 # graph stood in by `graphs.EagerGraph` on the CPU) and on the transformers runtime
 # ("@transformers"), so every runtime and path passes every exactness test
 PATHS = ARCHS + ["llama@gemm", "qwen2@rows", "qwen2@graphs", "llama@transformers", "qwen2@transformers"]
+# ... and the llama.cpp runtime ("@llamacpp": the model exported to an f32 GGUF file), run by
+# `make test-llamacpp` in the environment that has llama-cpp-python
+LLAMACPP_PATHS = [pytest.param(f"{a}@llamacpp", marks=pytest.mark.llamacpp) for a in ("llama", "qwen2")]
 _MODELS: dict[str, torch.nn.Module] = {}
 _RUNTIMES: dict[str, Runtime] = {}
+_GGUF_DIR: list = []  # the session's folder for GGUF exports, made on first use
 
 
 def tiny_module(arch: str) -> torch.nn.Module:
@@ -83,14 +91,51 @@ def on_path(arch: str, model: torch.nn.Module) -> torch.nn.Module | Runtime:
     path = arch.partition("@")[2]
     if not path:
         return model
+    if path == "llamacpp":
+        return on_llamacpp(model)
     runtime, options = {"transformers": ("transformers", {}), "gemm": ("lean", {"path": "gemm"}),
                         "rows": ("lean", {"path": "rows"}), "graphs": ("lean", {})}[path]
     return open_runtime(model, runtime, **options)
 
 
-@pytest.fixture(params=PATHS)
+def on_llamacpp(model: torch.nn.Module) -> Runtime:
+    """`model` (float32) exported to a GGUF file with a byte-level vocabulary of its size, on the
+    llama.cpp runtime (2 threads)."""
+    from cllm.runtime.gguf import write_gguf
+    from cllm.runtime.llamacpp import LlamaCppRuntime
+
+    if not _GGUF_DIR:
+        _GGUF_DIR.append(tempfile.TemporaryDirectory(prefix="cllm-test-gguf-"))
+    path = Path(_GGUF_DIR[0].name) / f"{len(list(Path(_GGUF_DIR[0].name).iterdir()))}.gguf"
+    write_gguf(model.float(), byte_tokenizer(model.config.vocab_size), path)
+    return LlamaCppRuntime(path, threads=2, context=4096)
+
+
+def byte_tokenizer(size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of exactly `size` ids (3 or more: the first size - 1 byte
+    symbols and one merge of the first two): what a GGUF file needs to name a tiny model's ids;
+    never used to tokenize here."""
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())[: size - 1]
+    vocab = {ch: i for i, ch in enumerate([*chars, chars[0] + chars[1]])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(chars[0], chars[1])]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(params=PATHS + LLAMACPP_PATHS)
 def arch(request):
-    """An architecture's name and the runtime it is tested on ("llama", "qwen2@rows", ...)."""
+    """An architecture's name and the runtime it is tested on ("llama", "qwen2@rows",
+    "llama@llamacpp", ...)."""
+    with graphs_standing_in(request.param.endswith("@graphs")):
+        yield request.param
+
+
+@pytest.fixture(params=PATHS)
+def torch_arch(request):
+    """The same, on the torch runtimes only: for tests of what needs the transformers model or
+    its hidden states (Medusa, EAGLE, the oracles, the lean runtime's own tests), which the
+    llama.cpp runtime does not give."""
     with graphs_standing_in(request.param.endswith("@graphs")):
         yield request.param
 

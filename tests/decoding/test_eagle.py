@@ -26,6 +26,14 @@ from tests.decoding.conftest import (
     tiny_model,
 )
 
+
+@pytest.fixture
+def arch(torch_arch):
+    """On the torch runtimes only: EAGLE's head reads the model's hidden states, which the llama.cpp
+    runtime does not give."""
+    return torch_arch
+
+
 MAX_NEW = 37
 PROMPTS = [(81, 1), (82, 6), (83, 15)]  # (seed, length)
 

@@ -33,6 +33,14 @@ from tests.decoding.conftest import (
     tiny_model,
 )
 
+
+@pytest.fixture
+def arch(torch_arch):
+    """On the torch runtimes only: Medusa's heads read the model's hidden states, which the llama.cpp
+    runtime does not give."""
+    return torch_arch
+
+
 MAX_NEW = 37
 PROMPTS = [(71, 1), (72, 6), (73, 15)]  # (seed, length)
 

@@ -13,6 +13,13 @@ from transformers import GenerationConfig
 from cllm import greedy_decode, jacobi_decode
 from tests.decoding.conftest import assert_same_tokens, left_padded, module_of, random_prompt, tiny_model
 
+
+@pytest.fixture
+def arch(torch_arch):
+    """On the torch runtimes only: the oracles run the transformers model itself (its own generate, a no-cache loop)."""
+    return torch_arch
+
+
 MAX_NEW = 37
 PROMPTS = [(51, 1), (52, 6), (53, 17)]  # (seed, length)
 FAST = {  # the fast paths, each against the same references

@@ -21,7 +21,7 @@ from cllm.data.prompts import encode_prompts, load_prompts, prompt_ids
 from cllm.data.tokenizer import train_tokenizer, wrap
 from cllm.decoding import greedy_decode
 from cllm.models import load_model, load_tokenizer
-from cllm.serving.gguf import PRE_TOKENIZERS, write_gguf
+from cllm.runtime.gguf import PRE_TOKENIZERS, write_gguf
 from tests.tiny import CODE_TEXTS
 
 pytestmark = pytest.mark.llamacpp

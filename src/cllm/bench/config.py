@@ -29,8 +29,11 @@ Methods (the names are a contract: docs/method.md#bench-methods):
                                 tree verified in one forward, greedy; exact
   llamacpp_ar, llamacpp_lookup  llama.cpp (llama-cpp-python) on the target's GGUF export: greedy,
                                 and with its prompt lookup (--llamacpp-lookup-tokens); exact
-  cllm_llamacpp_ar,             the same on the CLLM (cllm.bench.llamacpp); all four run when
-  cllm_llamacpp_lookup          llama-cpp-python is installed (cllm[llamacpp]), else a note says so
+  llamacpp_jacobi               our engine (target_lookahead's setting) on the llama.cpp runtime
+                                over the same file; exact against llamacpp_ar
+  cllm_llamacpp_ar,             the same three on the CLLM (cllm.bench.llamacpp); all six run when
+  cllm_llamacpp_lookup,         llama-cpp-python is installed (cllm[llamacpp]), else a note says so
+  cllm_llamacpp_jacobi
 
 The draft methods (assisted, speculative, cllm_speculative) need --draft-model, by default the
 shipped `stdlib-coder-draft`: when it is absent they are skipped with a note, as the CLLM's are;
@@ -70,10 +73,14 @@ DRAFT_METHODS = ("assisted", "speculative", "cllm_speculative")
 OWN_AR = {"cllm_jacobi": "cllm_ar", "cllm_jacobi_sampling": "cllm_ar_sampling", "cllm_jacobi_plain": "cllm_ar",
           "cllm_speculative": "cllm_ar", "medusa2": "medusa2_ar"}
 # llama.cpp through llama-cpp-python (cllm.bench.llamacpp): run when it is installed, else skipped with a note
-LLAMACPP_METHODS = ("llamacpp_ar", "llamacpp_lookup", "cllm_llamacpp_ar", "cllm_llamacpp_lookup")
+LLAMACPP_METHODS = ("llamacpp_ar", "llamacpp_lookup", "llamacpp_jacobi", "cllm_llamacpp_ar", "cllm_llamacpp_lookup",
+                    "cllm_llamacpp_jacobi")
 METHODS += LLAMACPP_METHODS
 EXACT_AGAINST |= {"llamacpp_ar": "target_ar", "llamacpp_lookup": "target_ar", "cllm_llamacpp_ar": "cllm_ar",
-                  "cllm_llamacpp_lookup": "cllm_ar"}
+                  "cllm_llamacpp_lookup": "cllm_ar", "llamacpp_jacobi": "llamacpp_ar",
+                  "cllm_llamacpp_jacobi": "cllm_llamacpp_ar"}
+OWN_AR |= {"llamacpp_jacobi": "llamacpp_ar", "cllm_llamacpp_jacobi": "cllm_llamacpp_ar"}
+ENGINE_JACOBI += ("llamacpp_jacobi", "cllm_llamacpp_jacobi")
 
 
 @dataclass
@@ -132,9 +139,10 @@ class BenchConfig:
         "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
         "none: no tables"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
-    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": "the runtime our "
-        "decoders run on (transformers' generate runs on transformers' forward whatever this says): auto (the lean "
-        "runtime where it runs the model, the Llama family; else transformers'), transformers or lean"})
+    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto", metadata={"help": "the "
+        "runtime our decoders run on (transformers' generate runs on transformers' forward whatever this says): auto "
+        "(the lean runtime where it runs the model, the Llama family; else transformers'), transformers, lean or "
+        "llamacpp (each model's GGUF export, as the llamacpp_* methods read it)"})
     compile: bool = field(default=False, metadata={"help": "compile the target's and the CLLM's lean forward "
         "before timing (float32 on a CPU; `cllm.runtime.lean.compiled`); forward_cost then times it too"})
     dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
@@ -194,8 +202,8 @@ class BenchConfig:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.draft_tables not in ("auto", "none"):
             raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
-        if self.runtime not in ("auto", "transformers", "lean"):
-            raise ValueError(f"--runtime must be auto, transformers or lean, got {self.runtime!r}")
+        if self.runtime not in ("auto", "transformers", "lean", "llamacpp"):
+            raise ValueError(f"--runtime must be auto, transformers, lean or llamacpp, got {self.runtime!r}")
         if self.quality not in QUALITIES:
             raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
         if self.quality == "humaneval-exec" and self.prompts != "humaneval":

@@ -1,7 +1,10 @@
 """llama.cpp in `cllm bench`, through llama-cpp-python: the model exported to GGUF by our own
-exporter (`cllm.serving.gguf`), decoded greedily with the same prompts, token cap and EOS.
+exporter (`cllm.runtime.gguf`), decoded greedily with the same prompts, token cap and EOS.
 
-Methods (`cllm.bench.config.LLAMACPP_METHODS`): `llamacpp_ar` (llama.cpp's greedy decoding) and
+Methods (`cllm.bench.config.LLAMACPP_METHODS`): `llamacpp_jacobi` and `cllm_llamacpp_jacobi`,
+our engine (the setting of `target_lookahead` / `cllm_jacobi`) on the llama.cpp runtime
+(`cllm.runtime.llamacpp`), exact against llama.cpp's own greedy decoding of the same file;
+`llamacpp_ar` (llama.cpp's greedy decoding) and
 `llamacpp_lookup` (llama-cpp-python's prompt lookup, `LlamaPromptLookupDecoding`: up to --llamacpp-lookup-tokens
 tokens copied from the last matching 2-gram, or 1-gram, of the prompt and output, verified in one
 llama.cpp call), on the target; `cllm_llamacpp_ar` and `cllm_llamacpp_lookup` on the CLLM. Each
@@ -22,45 +25,39 @@ default f16 cache would round what transformers keeps in f32.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 from itertools import pairwise
 from pathlib import Path
 
 import torch
-from packaging.version import Version
 
 from cllm.bench.config import LLAMACPP_METHODS, BenchConfig
 from cllm.core.errors import UserError
 from cllm.decoding.inputs import position_limit
 from cllm.models import fingerprint, tokenizer_fingerprint
-from cllm.serving.gguf import OUT_TYPE_OF_DTYPE, import_gguf, read_source, write_gguf
+from cllm.models.gguf import cached_gguf
+from cllm.runtime import llamacpp as llamacpp_module
+from cllm.runtime.gguf import OUT_TYPE_OF_DTYPE, import_gguf
+from cllm.runtime.llamacpp import LlamaCppRuntime
 
 # method -> (role of the model it decodes, prompt-lookup drafting)
 METHOD_MODELS = {"llamacpp_ar": ("target", False), "llamacpp_lookup": ("target", True),
                     "cllm_llamacpp_ar": ("cllm", False), "cllm_llamacpp_lookup": ("cllm", True)}
-LLAMA_CPP_RANGE = ("0.3.36", "0.4")  # the generate / eval / draft_model protocol relied on below
-INSTALL = "pip install 'cllm[llamacpp]'"
 MAX_CONTEXT = 4096  # llama.cpp context of a bench decoder (the model's own when shorter)
+# method -> (role, decoder): our engine on the llama.cpp runtime (methods.py builds them)
+ENGINE_METHODS = {"llamacpp_jacobi": "target", "cllm_llamacpp_jacobi": "cllm"}
 
 
 def unavailable() -> str | None:
     """Why the llamacpp methods cannot run here, in one line; None when they can."""
-    try:
-        version = installed_version("llama-cpp-python")
-        import llama_cpp  # noqa: F401 - a build whose library fails to load is unavailable too
-    except (ImportError, PackageNotFoundError, OSError) as exc:
-        return f"no llamacpp_* methods: llama-cpp-python is not usable here ({type(exc).__name__}; {INSTALL})"
-    low, high = LLAMA_CPP_RANGE
-    if not Version(low) <= Version(version) < Version(high):
-        return f"no llamacpp_* methods: llama-cpp-python {version} is outside the tested range >= {low}, < {high}"
-    try:
-        import_gguf()
-    except UserError as exc:
-        return f"no llamacpp_* methods: {exc}"
-    return None
+    reason = llamacpp_module.unavailable()
+    if reason is None:
+        try:
+            import_gguf()
+        except UserError as exc:
+            reason = str(exc)
+    return f"no llamacpp_* methods: {reason}" if reason else None
 
 
 def skipped_note(methods: list[str]) -> list[str]:
@@ -69,22 +66,10 @@ def skipped_note(methods: list[str]) -> list[str]:
     return [reason] if reason else []
 
 
-def cache_dir(gguf_dir: str | None) -> Path:
-    """--gguf-dir, or the user's cache folder for GGUF exports."""
-    if gguf_dir:
-        return Path(gguf_dir).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cllm" / "gguf"
-
-
-def bench_gguf(model: torch.nn.Module, tokenizer, folder: Path, out_type: str) -> Path:
-    """The model's GGUF export in `folder`: reused when its recorded source matches the model's
-    and tokenizer's fingerprints, else (re)written."""
-    source = {"fingerprint": fingerprint(model), "tokenizer": tokenizer_fingerprint(tokenizer)}
-    path = folder / f"{source['fingerprint']}-{source['tokenizer']}-{out_type}.gguf"
-    recorded = read_source(path) if path.is_file() else None
-    if recorded is None or any(recorded.get(k) != v for k, v in source.items()):
-        folder.mkdir(parents=True, exist_ok=True)
-        write_gguf(model, tokenizer, path, out_type=out_type, name="bench", source=source)
+def bench_gguf(model: torch.nn.Module, tokenizer, folder: str | None, out_type: str) -> Path:
+    """The model's GGUF export in `folder` (None: the user's cache), made once per model."""
+    path, _ = cached_gguf(model, tokenizer, out_type, folder, model_fingerprint=fingerprint(model),
+                          tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     return path
 
 
@@ -161,25 +146,44 @@ class LlamaCppDecoder:
         return LlamaCppOutput(tokens, len(llm.marks), accepted)
 
 
+def llamacpp_runtime(config: BenchConfig, model: torch.nn.Module, tokenizer) -> LlamaCppRuntime:
+    """The model's GGUF export on the llama.cpp runtime, at the bench's threads (--runtime
+    llamacpp); a ValueError says why it cannot be."""
+    reason = unavailable()
+    if reason is not None:
+        raise ValueError(reason.removeprefix("no llamacpp_* methods: "))
+    out_type = OUT_TYPE_OF_DTYPE.get(config.dtype)
+    if out_type is None:
+        raise ValueError(f"no GGUF type for --dtype {config.dtype}")
+    return LlamaCppRuntime(bench_gguf(model, tokenizer, config.gguf_dir, out_type), threads=config.threads,
+                           f32_cache=out_type == "f32")
+
+
 def llamacpp_decoders(config: BenchConfig, models: dict[str, torch.nn.Module | None], tokenizer,
-                      wanted: list[str]) -> dict[str, tuple[str, LlamaCppDecoder]]:
-    """method -> (role, decoder) for the llamacpp methods `wanted` (none named: all) whose model is
-    given; {} when llama-cpp-python is not usable (`unavailable` says why)."""
-    names = [m for m in METHOD_MODELS if (not wanted or m in wanted) and models.get(METHOD_MODELS[m][0]) is not None]
+                      wanted: list[str]) -> dict[str, tuple[str, LlamaCppDecoder | LlamaCppRuntime]]:
+    """method -> (role, what decodes it) for the llamacpp methods `wanted` (none named: all) whose
+    model is given: llama-cpp-python's decoder (`LlamaCppDecoder`) for llama.cpp's own methods, the
+    llama.cpp runtime for our engine's (`ENGINE_METHODS`); {} when llama-cpp-python is not usable
+    (`unavailable` says why). Every method of a role reads the same GGUF export."""
+    roles = {**{m: role for m, (role, _) in METHOD_MODELS.items()}, **ENGINE_METHODS}
+    names = [m for m in roles if (not wanted or m in wanted) and models.get(roles[m]) is not None]
     if not names or unavailable() is not None:
         return {}
     out_type = OUT_TYPE_OF_DTYPE.get(config.dtype)
     if out_type is None:
         raise UserError(f"the llamacpp methods have no GGUF type for --dtype {config.dtype}")
-    folder, files, decoders = cache_dir(config.gguf_dir), {}, {}
+    files, decoders = {}, {}
     for name in names:
-        role, lookup = METHOD_MODELS[name]
+        role = roles[name]
         model = models[role]
         if role not in files:
-            files[role] = bench_gguf(model, tokenizer, folder, out_type)
+            files[role] = bench_gguf(model, tokenizer, config.gguf_dir, out_type)
+        if name in ENGINE_METHODS:
+            decoders[name] = role, LlamaCppRuntime(files[role], threads=config.threads, f32_cache=out_type == "f32")
+            continue
         context = min(position_limit(model) or MAX_CONTEXT, MAX_CONTEXT)
         decoders[name] = role, LlamaCppDecoder(
             files[role], threads=config.threads, context=context, max_new_tokens=config.max_new_tokens,
-            eos=tokenizer.eos_token_id, lookup=config.llamacpp_lookup_tokens if lookup else 0,
+            eos=tokenizer.eos_token_id, lookup=config.llamacpp_lookup_tokens if METHOD_MODELS[name][1] else 0,
             f32_cache=out_type == "f32")
     return decoders

@@ -29,6 +29,7 @@ from cllm.decoding import DecodeStats, eagle_decode, greedy_decode, jacobi_decod
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import pad_token_id
 from cllm.runtime import Runtime, as_runtime
+from cllm.runtime.llamacpp import LlamaCppRuntime
 
 
 class ForwardCounter:
@@ -242,7 +243,7 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
         candidates["eagle"] = Method("eagle", models.target, eagle(
             ct, models.eagle, nodes=config.eagle_nodes or None, **settings.common), [ct],
             added_memory(models.eagle))
-    candidates |= _llamacpp_methods(config, models, wanted)
+    candidates |= _llamacpp_methods(settings, models, wanted)
     wanted = list(wanted) or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
@@ -310,14 +311,24 @@ def _draft_methods(s: _Settings, models: BenchModels, counters: dict[str, Forwar
     return methods
 
 
-def _llamacpp_methods(config: BenchConfig, models: BenchModels, wanted: Sequence[str]) -> dict[str, Method]:
-    """llama.cpp's greedy and prompt lookup on each model's GGUF export (`cllm.bench.llamacpp`);
-    none when llama-cpp-python is not installed. A decoder counts its own calls: it is its counter."""
-    decoders = llamacpp_decoders(config, {"target": models.target, "cllm": models.cllm}, models.tokenizer,
+def _llamacpp_methods(s: _Settings, models: BenchModels, wanted: Sequence[str]) -> dict[str, Method]:
+    """llama.cpp's greedy and prompt lookup on each model's GGUF export, and our engine on the
+    llama.cpp runtime over the same file (`cllm.bench.llamacpp`); none when llama-cpp-python is
+    not installed. llama-cpp-python's decoder counts its own calls: it is its counter."""
+    decoders = llamacpp_decoders(s.config, {"target": models.target, "cllm": models.cllm}, models.tokenizer,
                                  list(wanted))
-    return {name: Method(name, getattr(models, role), _llamacpp_run(decoder), [decoder],
-                         {**added_memory(), "engine": decoder.engine})
-            for name, (role, decoder) in decoders.items()}
+    methods = {}
+    for name, (role, decoder) in decoders.items():
+        model = getattr(models, role)
+        if isinstance(decoder, LlamaCppRuntime):
+            counter = ForwardCounter(model, decoder)
+            table = models.tables.get(role)
+            methods[name] = Method(name, model, engine_decoder(counter, **s.fast, draft_table=table), [counter],
+                                   {**added_memory(table=table), "engine": decoder.describe()})
+        else:
+            methods[name] = Method(name, model, _llamacpp_run(decoder), [decoder],
+                                   {**added_memory(), "engine": decoder.engine})
+    return methods
 
 
 def _llamacpp_run(decoder) -> Callable[[Prompt], Decoded]:

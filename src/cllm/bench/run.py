@@ -24,8 +24,8 @@ import torch
 import transformers
 
 from cllm.bench import report
-from cllm.bench.config import BenchConfig, with_references
-from cllm.bench.llamacpp import skipped_note
+from cllm.bench.config import LLAMACPP_METHODS, BenchConfig, with_references
+from cllm.bench.llamacpp import llamacpp_runtime, skipped_note
 from cllm.bench.log import BenchLog, run_key
 from cllm.bench.methods import Decoded, ForwardCounter, Method, build_methods, engine_decoder
 from cllm.bench.metrics import ExactnessError, all_metrics, check_exact, check_promises, exact_match, merge_stats
@@ -111,7 +111,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | 
         _sweep(run, counters)  # 4. tokens per forward against block size (counts only)
         run.trajectories = record_trajectories(models, config, counters, run.trajectory_prompt)  # 5. the picture's
         run.val = validation_losses(models, config, run.val_set, run.progress, run.log)  # 6. each model's
-    run.forward_cost = forward_cost(run.runtimes["target"], config, run.progress, run.compiled)  # 7. one forward
+    run.forward_cost = forward_cost(run.runtimes["target"], config, run.progress, run.compiled,
+                                    llamacpp_for_cost(config, models, run.runtimes))  # 7. one forward
     return _result(run)  # 8. the bench JSON
 
 
@@ -121,7 +122,7 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     before any work of ours); the methods with the references they need; the prompts; the
     validation set; the record to resume from."""
     torch.set_num_threads(config.threads)
-    runtimes = open_runtimes(models, config.runtime)
+    runtimes = open_runtimes(models, config)
     for runtime in runtimes.values():
         runtime.prepare()  # as `load_for_decoding` readies it, at the bench's threads
     torch.manual_seed(config.seed)
@@ -182,17 +183,30 @@ def validation_set(config: BenchConfig) -> tuple[str | None, str | None]:
     return None, note if scored else None
 
 
-def open_runtimes(models: BenchModels, runtime: str) -> dict[str, Runtime]:
-    """role -> its model on the runtime `runtime` names ("auto": each model's own choice)."""
+def open_runtimes(models: BenchModels, config: BenchConfig) -> dict[str, Runtime]:
+    """role -> its model on the runtime --runtime names ("auto": each model's own choice;
+    "llamacpp": the model's GGUF export, `cllm.bench.llamacpp.bench_gguf`)."""
     out = {}
     for role in ROLES:
         model = getattr(models, role)
         if model is not None:
             try:
-                out[role] = open_runtime(model, runtime)
+                if config.runtime == "llamacpp":
+                    out[role] = llamacpp_runtime(config, model, models.tokenizer)
+                else:
+                    out[role] = open_runtime(model, config.runtime)
             except ValueError as e:
-                raise UserError(f"--runtime {runtime}: the {role}: {first_line(e)}") from None
+                raise UserError(f"--runtime {config.runtime}: the {role}: {first_line(e)}") from None
     return out
+
+
+def llamacpp_for_cost(config: BenchConfig, models: BenchModels, runtimes: dict[str, Runtime]) -> Runtime | None:
+    """The target's GGUF on llama.cpp, for `forward_cost`, when the run decodes on llama.cpp (a
+    llamacpp method, or --runtime llamacpp: then it is the target's runtime already) and can."""
+    wanted = set(config.methods or LLAMACPP_METHODS)
+    if runtimes["target"].name == "llamacpp" or not wanted & set(LLAMACPP_METHODS) or skipped_note(config.methods):
+        return None
+    return llamacpp_runtime(config, models.target, models.tokenizer)
 
 
 @contextmanager
@@ -298,20 +312,23 @@ def compile_models(runtimes: dict[str, Runtime], progress: Progress) -> tuple[bo
     return target, notes
 
 
-def forward_cost(runtime: Runtime, config: BenchConfig, progress: Progress, compiled: bool = False) -> dict[str, Any]:
+def forward_cost(runtime: Runtime, config: BenchConfig, progress: Progress, compiled: bool = False,
+                 llamacpp: Runtime | None = None) -> dict[str, Any]:
     """Milliseconds of one causal forward of the target (`runtime`, what its decoders run on) at
     each --forward-tokens and --forward-batches, on each runtime that runs it (the lean one where
-    it can; `runtime` too when `compiled`, its forward compiled) and on transformers' forward: the
-    min over --repeats interleaved rounds (`cllm.profiling.steptime.time_forwards`)."""
-    model = runtime.model
+    it can; `runtime` too when `compiled`, its forward compiled; llama.cpp's when it runs the
+    llamacpp methods, `llamacpp`, or is `runtime`) and on transformers' forward: the min over
+    --repeats interleaved rounds (`cllm.profiling.steptime.time_forwards`)."""
+    model = runtime.model if runtime.name != "llamacpp" else None
+    extra = {"llamacpp": runtime if model is None else llamacpp} if model is None or llamacpp else None
     ks, batches = config.forward_tokens, config.forward_batches
     if not ks or not batches:
         return {}
-    limit = position_limit(model) or FORWARD_PREFIX + max(ks) + 1
+    limit = position_limit(runtime) or FORWARD_PREFIX + max(ks) + 1
     prefix = max(1, min(FORWARD_PREFIX, limit - max(ks)))
     with progress.stage("forward cost", 1, detail=f"k = {ks}, batch = {batches}, {prefix} cached tokens") as stage:
         times = time_forwards(model, ks, batches, prefix=prefix, rounds=config.repeats, seed=config.seed,
-                              compiled=runtime if compiled else None)
+                              compiled=runtime if compiled else None, extra=extra)
         stage.advance()
     return {"prefix": prefix, "forward": runtime.describe(), "ms": forward_ms(times)}
 

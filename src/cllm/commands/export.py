@@ -1,9 +1,10 @@
-"""`cllm export`: a model as one GGUF file for llama.cpp (`cllm.serving.gguf`), and its draft
-table as llama.cpp's static n-gram cache when asked (`cllm.serving.lookup_cache`)."""
+"""`cllm export`: a model as one GGUF file for llama.cpp, quantized when asked, with its side
+folder, and its draft table as llama.cpp's static n-gram cache when asked
+(`cllm.serving.export`)."""
 
 from __future__ import annotations
 
-from cllm.serving.gguf import ExportConfig, export_gguf
+from cllm.serving.export import ExportConfig, export_gguf
 
 Config = ExportConfig
 

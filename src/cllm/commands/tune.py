@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from cllm.core.progress import echo_log
 from cllm.profiling.tune import TuneConfig as Config
-from cllm.profiling.tune import defaults_file, tune
+from cllm.profiling.tune import defaults_path, tune
 
 
 def run(config: Config) -> int:
@@ -19,5 +19,5 @@ def run(config: Config) -> int:
     print("| k | " + " | ".join(map(str, ks)) + " |\n|---|" + "---|" * len(ks))
     print("| t(k)/t(1) | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
     print(f"cllm tune: {record['why']}")
-    print(f"cllm tune: wrote {defaults_file(config)}")
+    print(f"cllm tune: wrote {defaults_path(config)}")
     return 0

@@ -200,16 +200,17 @@ def forward_runtimes(model: torch.nn.Module, compiled: LeanRuntime | None = None
     return out
 
 
-def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
-                  rounds: int, seed: int = 0, compiled: LeanRuntime | None = None
-                  ) -> dict[str, dict[int, dict[int, list[float]]]]:
+def time_forwards(model: torch.nn.Module | None, ks: Sequence[int], batches: Sequence[int], *, prefix: int,
+                  rounds: int, seed: int = 0, compiled: LeanRuntime | None = None,
+                  extra: dict[str, Runtime] | None = None) -> dict[str, dict[int, dict[int, list[float]]]]:
     """Seconds of one causal decoding forward of k fed tokens per row, batch B, after `prefix`
-    cached tokens, on each forward the model can take (`forward_runtimes`): {path: {B: {k:
-    [seconds per round]}}}. Rounds are interleaved over (forward, B, k) and rotated; each step
-    is rolled back, so every one sees the same cache."""
-    device, vocab = next(model.parameters()).device, model.config.vocab_size
+    cached tokens, on each forward the model can take (`forward_runtimes`; none for no model)
+    and each of `extra` (path -> a runtime of the same model, e.g. llama.cpp's): {path: {B: {k:
+    [seconds per round]}}}. Rounds are interleaved over (forward, B, k) and rotated, the torch
+    forwards' apart from `extra`'s; each step is rolled back, so every one sees the same cache."""
     g = torch.Generator().manual_seed(seed)
-    runtimes = forward_runtimes(model, compiled)
+    runtimes = {**(forward_runtimes(model, compiled) if model is not None else {}), **(extra or {})}
+    vocab = min(runtime.vocab_size for runtime in runtimes.values())
     sessions, ids = {}, {}
     for path, runtime in runtimes.items():
         for B in batches:
@@ -227,18 +228,22 @@ def time_forwards(model: torch.nn.Module, ks: Sequence[int], batches: Sequence[i
         argmax(session.feed(rows, ids[B, k]).logits).tolist()  # the step's one device sync
         session.keep(rows, [[]] * B)
 
-    order = [(path, B, k) for path in runtimes for B in batches for k in ks]
-    for key in order + order:  # warm-up: every shape twice
-        step(*key)
     out: dict[str, dict[int, dict[int, list[float]]]] = {p: {B: {} for B in batches} for p in runtimes}
-    for r in range(rounds):
-        shift = r % len(order)
-        for path, B, k in order[shift:] + order[:shift]:
-            sync(device)
-            t0 = time.perf_counter()
-            step(path, B, k)
-            sync(device)
-            out[path][B].setdefault(k, []).append(time.perf_counter() - t0)
+    # the torch forwards interleaved, then the others: llama.cpp's threads spin a while after
+    # each of its forwards and would slow whichever torch step came next
+    for group in ([p for p in runtimes if p not in (extra or {})], list(extra or {})):
+        order = [(path, B, k) for path in group for B in batches for k in ks]
+        for key in order + order:  # warm-up: every shape twice
+            step(*key)
+        for r in range(rounds):
+            shift = r % max(len(order), 1)
+            for path, B, k in order[shift:] + order[:shift]:
+                device = runtimes[path].device
+                sync(device)
+                t0 = time.perf_counter()
+                step(path, B, k)
+                sync(device)
+                out[path][B].setdefault(k, []).append(time.perf_counter() - t0)
     return out
 
 

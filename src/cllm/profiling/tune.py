@@ -24,7 +24,7 @@ import torch
 from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
 from cllm.core.outputs import Input, check_new_file, replacing, write_failures
-from cllm.models import DECODE_DEFAULTS, load_model, resolve_model_path
+from cllm.models import DECODE_DEFAULTS, DECODE_DEFAULTS_LLAMACPP, load_for_decoding, load_model, resolve_model_path
 from cllm.profiling.costs import (
     BLOCK_MAX_COST,
     BUDGET_MAX_COST,
@@ -33,6 +33,7 @@ from cllm.profiling.costs import (
     choose_defaults,
 )
 from cllm.profiling.steptime import resolve_device, time_steps, write_json
+from cllm.runtime import position_limit
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,18 @@ log = logging.getLogger(__name__)
 class TuneConfig:
     model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to tune: shipped name or local checkpoint "
         "dir"})
-    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, where "
-        "load_for_decoding finds it)"})
+    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, or "
+        "decode_defaults_llamacpp.json, where load_for_decoding finds it)"})
     force: bool = field(default=False, metadata={"help": "overwrite an existing defaults file"})
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "the device the defaults are for "
         "(auto: cuda when there is one)"})
     dtype: str = field(default="float32", metadata={"help": "the dtype you decode in (cllm generate's default is "
         "float32)"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads, as you will decode with (default: "
-        "torch's own choice; recorded)"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads (torch's, llama.cpp's with --runtime "
+        "llamacpp), as you will decode with (default: their own choice; recorded)"})
+    runtime: Literal["auto", "llamacpp"] = field(default="auto", metadata={"help": "the runtime to tune for: auto (the "
+        "one load_for_decoding picks for the checkpoint) or llamacpp (its GGUF export; written to "
+        "decode_defaults_llamacpp.json, which cllm export copies beside the GGUF)"})
     prefix: int = field(default=256, metadata={"help": "tokens cached before every timed step (lowered to fit the "
         "model's position limit)"})
     k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
@@ -95,9 +99,14 @@ def defaults_file(config: TuneConfig) -> Path:
     path = Path(resolve_model_path(config.model))
     if not path.is_dir():
         raise UserError(f"--model {config.model}: tune needs a local checkpoint folder to write beside")
-    out = Path(config.out) if config.out else path / DECODE_DEFAULTS
-    return check_new_file(out, force=config.force, what="defaults file",
-                          inputs=[Input("--model", path, owned=(DECODE_DEFAULTS,))])
+    return check_new_file(defaults_path(config), force=config.force, what="defaults file",
+                          inputs=[Input("--model", path, owned=(DECODE_DEFAULTS, DECODE_DEFAULTS_LLAMACPP))])
+
+
+def defaults_path(config: TuneConfig) -> Path:
+    """--out, else the defaults file of the runtime tuned for in the model's own folder."""
+    name = DECODE_DEFAULTS_LLAMACPP if config.runtime == "llamacpp" else DECODE_DEFAULTS
+    return Path(config.out) if config.out else Path(resolve_model_path(config.model)) / name
 
 
 def tune(config: TuneConfig) -> dict[str, Any]:
@@ -108,20 +117,28 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     device = resolve_device(config.device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    model = load_model(path, dtype=config.dtype, device=device)
-    limit = getattr(model.config, "max_position_embeddings", None) or config.prefix + config.k[-1]
+    if config.runtime == "llamacpp":
+        device = torch.device("cpu")
+        runtime = load_for_decoding(path, runtime="llamacpp", dtype=config.dtype, threads=config.threads).model
+        threads = runtime.threads
+    else:
+        runtime = load_model(path, dtype=config.dtype, device=device)
+        threads = torch.get_num_threads()
+    limit = position_limit(runtime) or config.prefix + config.k[-1]
     prefix = min(config.prefix, limit - config.k[-1])
     if prefix < 1:
         raise UserError(f"the model's position limit {limit} leaves no room for k = {config.k[-1]}: lower --k")
-    log.info("timing %s at k = %s after %d cached tokens (%s, %s, %d thread(s), %d rounds)", path.name,
-             ", ".join(map(str, config.k)), prefix, device, config.dtype, torch.get_num_threads(), config.repeats)
-    times = time_steps(model, config.k, prefix=prefix, rounds=config.repeats, tree=False)
+    log.info("timing %s at k = %s after %d cached tokens (%s, %s, %s, %d thread(s), %d rounds)", path.name,
+             ", ".join(map(str, config.k)), prefix, config.runtime, device, config.dtype, threads, config.repeats)
+    times = time_steps(runtime, config.k, prefix=prefix, rounds=config.repeats, tree=False)
     times_ms = [1e3 * min(times.causal[k]) for k in config.k]
     rule = {"block_max_cost": config.block_max_cost, "budget_max_cost": config.budget_max_cost,
             "max_block": config.max_block}
     chosen = choose_defaults(config.k, [t / times_ms[0] for t in times_ms], **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
-                             model=str(path), machine={**machine_info(device), "prefix": prefix})
+                             model=str(path), machine={**machine_info(device), "prefix": prefix, "threads": threads})
+    if config.runtime == "llamacpp":
+        record["runtime"] = "llamacpp"
     with write_failures(out), replacing(out) as tmp:
         write_json(record, tmp)
     return record

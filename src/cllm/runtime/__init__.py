@@ -6,7 +6,10 @@ cache, its masks and its kernels.
   rows share one `DynamicCache` whose holes a mask hides (`rows.Batch`);
 - `lean` (`lean`): the Llama family (Llama, Mistral, Qwen2, Qwen3) on the engine's own forward
   (`lean.runner`, one decoder layer, kernels chosen per width), over a preallocated,
-  slot-addressed cache (`lean.kv.LeanKV`) with the same bookkeeping.
+  slot-addressed cache (`lean.kv.LeanKV`) with the same bookkeeping;
+- `llamacpp` (`llamacpp`): a GGUF file on llama.cpp's forward (llama-cpp-python), each row one
+  of llama.cpp's sequences; opened from a file (`llamacpp.LlamaCppRuntime`, or
+  `cllm.models.load_for_decoding`), not from a torch model. `gguf` writes the files.
 
 `open_runtime(model, "auto" | "transformers" | "lean", ...)` makes one, its options its own
 arguments; "auto" takes the lean runtime where it can run the model and says why not where it
@@ -27,9 +30,11 @@ from cllm.runtime.protocol import Forward, Runtime, Session, position_limit
 __all__ = ["RUNTIMES", "RUNTIME_HELP", "Forward", "Runtime", "Session", "as_runtime", "choose", "open_runtime",
            "position_limit"]
 
-RUNTIMES = ("auto", "transformers", "lean")
-RUNTIME_HELP = ("the forward the decoders run on: auto (the lean runtime where it runs the model, the Llama family in "
-                "float32, bfloat16 or float16; else transformers'), transformers (the model's own forward) or lean")
+RUNTIMES = ("auto", "transformers", "lean", "llamacpp")
+RUNTIME_HELP = ("the forward the decoders run on: auto (a .gguf file: llamacpp; else the lean runtime where it runs "
+                "the model, the Llama family in float32, bfloat16 or float16; else transformers'), transformers (the "
+                "model's own forward), lean, or llamacpp (llama.cpp on a GGUF file, a model folder exported once "
+                "into ~/.cache/cllm/gguf; needs cllm[llamacpp])")
 
 _AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {training: its "auto" runtime}
 
@@ -38,6 +43,9 @@ def choose(model: torch.nn.Module, runtime: str = "auto") -> tuple[str, str]:
     """The runtime `open_runtime` makes for `model` when asked for `runtime`, and why."""
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime == "llamacpp":
+        raise ValueError("the llamacpp runtime runs a GGUF file: load it with cllm.models.load_for_decoding "
+                         "(a model folder is exported once into the user's cache)")
     if runtime != "auto":
         return runtime, "asked for"
     reason = lean.why_not(model)

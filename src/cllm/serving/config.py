@@ -76,7 +76,8 @@ class ServeConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
         "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
         "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
-    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": RUNTIME_HELP})
+    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
+                                                                         metadata={"help": RUNTIME_HELP})
     compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward before serving "
         "(float32 on a CPU with a C++ compiler; minutes the first time for a model, then loaded from the compile "
         "cache in seconds; elsewhere a note and the eager forward). Faster for one client, slower for many on a "

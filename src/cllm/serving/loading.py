@@ -20,7 +20,15 @@ from cllm.core.errors import UserError, first_line
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.heads import MedusaHeads
-from cllm.models import load_draft_table, load_heads, load_model, load_tokenizer, resolve_model_path
+from cllm.models import (
+    load_draft_table,
+    load_for_decoding,
+    load_heads,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from cllm.models.gguf import is_gguf
 from cllm.runtime import Runtime, open_runtime
 from cllm.serving.completion import TextCodec
 
@@ -51,11 +59,19 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         batches: with `compile`, compile the graph for batches of two rows or more too (a
             server's); one prompt at a time needs only the one-row graph (less than half the
             time, the first time for a model: later processes load both from the compile cache).
-        runtime: "auto", "transformers" or "lean" (`cllm.runtime.open_runtime`).
+        runtime: "auto", "transformers", "lean" (`cllm.runtime.open_runtime`) or "llamacpp"
+            (a GGUF file, or the checkpoint exported once: `cllm.models.load_for_decoding`,
+            whose `threads` are llama.cpp's).
     """
     hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
     if threads:
         torch.set_num_threads(threads)
+    if is_gguf(model) or runtime == "llamacpp":
+        if not is_off(medusa) and medusa != "auto":
+            raise UserError("--medusa: Medusa heads read hidden states, which the llamacpp runtime does not give")
+        fast = load_for_decoding(model, dtype=dtype, draft_table=draft_table, runtime=runtime, threads=threads or None)
+        return ServedModel(fast.model, TextCodec(fast.tokenizer), fast.draft_table, None,
+                           fast.model.compile() if compile else None)
     tokenizer = load_tokenizer(model)
     table = load_draft_table(model, draft_table)
     loaded = load_model(model, dtype=dtype, device=device)

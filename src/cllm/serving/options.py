@@ -54,8 +54,10 @@ class DecodeOptions:
         "auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"help": RUNTIME_HELP})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads, llama.cpp's with --runtime llamacpp (0: "
+        "the default)"})
+    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
+                                                                         metadata={"help": RUNTIME_HELP})
     compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward first (float32 on "
         "a CPU with a C++ compiler): faster forwards of few fed tokens, after a compile the first time for a model "
         "that a short run does not win back; later runs load it from the compile cache, $CLLM_COMPILE_CACHE or "

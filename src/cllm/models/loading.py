@@ -1,4 +1,4 @@
-"""The only place that loads models and tokenizers.
+"""Loading checkpoints, tokenizers, draft tables and heads.
 
 A model is named by a local directory (an ordinary Hugging Face checkpoint) or a hub id. The
 hub is used only if the user's environment allows it; we never pass ``trust_remote_code``
@@ -16,7 +16,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,11 @@ from transformers.utils import logging as transformers_logging
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.data.tokenizer import tokenizer_sha256
-from cllm.decoding import RECOMMENDED
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
 from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
-from cllm.runtime import Runtime, open_runtime
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 # Shipped checkpoints, addressable by short name from anywhere.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 EMBEDDED_TARGET = "stdlib-coder"  # the shipped target; the other shipped models are made from it
 SHIPPED = {
     "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
@@ -68,6 +65,8 @@ SHIPPED = {
 DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 # Decode settings measured for a checkpoint on one type of device (`cllm tune`), beside it.
 DECODE_DEFAULTS = "decode_defaults.json"
+# ... and those measured on the llama.cpp runtime (`cllm tune --runtime llamacpp`), beside them
+DECODE_DEFAULTS_LLAMACPP = "decode_defaults_llamacpp.json"
 # What a tokenizer is saved as: the `tokenizers` file, a sentencepiece or tiktoken model, BPE or
 # WordPiece vocabularies, or the config that names them. A folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -146,6 +145,13 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     return text
 
 
+def resolve_folder(name_or_path: str | os.PathLike) -> str:
+    """A local folder as it is, checkpoint or not (a GGUF file's side folder holds a tokenizer
+    and a draft table but no model); anything else as `resolve_model_path` resolves it."""
+    path = Path(name_or_path).expanduser()
+    return str(path) if path.is_dir() else resolve_model_path(name_or_path)
+
+
 def model_config(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
     """The model's config (transformers' `AutoConfig`), read alone. A config.json transformers
     cannot use (an unknown dtype, a bad value) is a one-line `UserError` naming it: the
@@ -178,7 +184,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     one-line `UserError` naming the folder: transformers 5 would build an empty tokenizer, and
     every prompt would then encode to nothing far from the cause. A config.json transformers
     cannot use is said as such first (`model_config`)."""
-    path = resolve_model_path(name_or_path)
+    path = resolve_folder(name_or_path)
     if (Path(path) / "config.json").is_file():
         model_config(path, trust_remote_code=trust_remote_code)
     if Path(path).is_dir() and not any(any(Path(path).glob(name)) for name in TOKENIZER_FILES):
@@ -313,7 +319,7 @@ def fingerprint(path_or_model) -> str:
 def tokenizer_fingerprint(path_or_tokenizer) -> str:
     """A short hash of a tokenizer's vocabulary, merges and special tokens."""
     if isinstance(path_or_tokenizer, (str, os.PathLike)):
-        path = Path(resolve_model_path(path_or_tokenizer))
+        path = Path(resolve_folder(path_or_tokenizer))
         file = path / "tokenizer.json"
         if file.is_file():
             return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
@@ -332,18 +338,19 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
+def load_draft_table(model: str | os.PathLike, spec: str | None = "auto", *, vocab: int | None = None):
     """The draft table to decode `model` with (`cllm drafts`), or None.
 
     `spec`: "auto" (the table saved beside the checkpoint, if there is one), "none", or a path.
     A table built for another tokenizer is refused (its token ids would mean other tokens), as is
     one with ids outside the model's vocabulary or tensors other than a table's, in one line
-    naming the file, before anything decodes.
+    naming the file, before anything decodes. `vocab`: the vocabulary's size, where `model`'s
+    config does not say it (a GGUF file's side folder).
     """
     if spec is None or is_off(spec, ("none", "off", "")):
         return None
     if spec == "auto":
-        path = Path(resolve_model_path(model))
+        path = Path(resolve_folder(model))
         file = path / DRAFT_TABLE
         if not file.is_file():
             return None
@@ -358,83 +365,10 @@ def load_draft_table(model: str | os.PathLike, spec: str | None = "auto"):
     built_for = table.meta.get("tokenizer")
     if built_for and built_for != tokenizer_fingerprint(model):
         raise UserError(f"draft table {file} was built for another tokenizer ({table.meta.get('model', '?')})")
-    if (vocab := vocab_size(model)) is not None and table.max_token_id >= vocab:
+    if (vocab := vocab or vocab_size(model)) is not None and table.max_token_id >= vocab:
         raise UserError(f"draft table {file} holds token id {table.max_token_id}, outside the model's vocabulary of "
                         f"{vocab}: it was built for another model")
     return table
-
-
-@dataclass
-class DecodingModel:
-    """A model ready for the fast path: `jacobi_decode(m.model, ids, **m.settings)` decodes as
-    `cllm generate` does by default (greedy: the same tokens as greedy decoding)."""
-
-    model: Runtime  # what the decoders run on (`cllm.runtime`): `m.model.describe()` says which and why
-    tokenizer: Any
-    draft_table: Any  # its DraftTable (`cllm drafts`), or None when its folder has none
-    settings: dict[str, Any]  # `jacobi_decode` keyword arguments: RECOMMENDED, tuned, + draft_table
-    name: str
-    module: torch.nn.Module | None = None  # the transformers model the runtime runs
-    not_compiled: str | None = None  # why the runtime's forward was not compiled, when asked
-
-
-def load_for_decoding(
-    name_or_path: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    draft_table: str | None = "auto",
-    trust_remote_code: bool = False,
-    compile: bool = False,
-    runtime: str = "auto",
-) -> DecodingModel:
-    """One call for the fast path: the model (a shipped name, a local folder or a hub id
-    `owner/name`) on its runtime, its tokenizer, its draft table and the decode setting of the CLI.
-
-    Args:
-        draft_table: "auto" (the table saved beside the checkpoint, if any), "none", or a file.
-        compile: compile the lean runtime's forward now (`cllm.runtime.lean.compiled`: float32
-            on a CPU with a C++ compiler; minutes the first time for these weights, then loaded
-            from the compile cache), for one prompt at a time (a batch of
-            prompts decodes on the eager forward); `not_compiled` says why not.
-        runtime: "auto" (the lean runtime where it runs the model, else transformers'),
-            "transformers" or "lean" (`cllm.runtime.open_runtime`); `model.describe()` says
-            which and why.
-
-    Example:
-        fast = load_for_decoding("stdlib-coder-cllm")
-        ids = fast.tokenizer("def add(a, b):", return_tensors="pt").input_ids
-        out = jacobi_decode(fast.model, ids, max_new_tokens=64,
-                            eos_token_id=fast.tokenizer.eos_token_id, **fast.settings)
-    """
-    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
-    table = load_draft_table(name_or_path, draft_table)
-    module = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    try:
-        decoding = open_runtime(module, runtime)
-    except ValueError as exc:
-        raise UserError(f"--runtime {runtime}: {first_line(exc)}") from None
-    settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device), "draft_table": table}
-    not_compiled = decoding.compile(batches=False) if compile else None
-    decoding.prepare()
-    return DecodingModel(decoding, tokenizer, table, settings, str(name_or_path), module, not_compiled)
-
-
-def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """The decode settings `cllm tune` wrote beside a local checkpoint for this type of device
-    (block size, fed-token budget), or {} when there are none for it. Settings measured on a GPU
-    are not used on a CPU, nor the other way round."""
-    file = Path(resolve_model_path(name_or_path)) / DECODE_DEFAULTS
-    if not file.is_file():
-        return {}
-    try:
-        record = json.loads(file.read_text(encoding="utf-8"))
-        settings = record["settings"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot read {file}: {first_line(exc)} (rerun cllm tune --force)") from None
-    if record.get("device") != torch.device(device).type:
-        return {}
-    return {k: v for k, v in settings.items() if k in RECOMMENDED}
 
 
 # ---------------------------------------------------------------------------------- Medusa heads

@@ -1,16 +1,14 @@
 """The GGUF exporter. Without `gguf` (`make test`): every weight under llama.cpp's name and equal
 to the model's (the q/k rows reordered for llama.cpp's rotation, checked against both
 rotations), the half types, the hyperparameters, the vocabulary and its split, the one-line
-refusals, the draft table as llama.cpp's n-gram cache. With `gguf` (marked `llamacpp`, run by
-`make test-llamacpp`): files written and read back with `gguf.GGUFReader`, the constants this
-module keeps equal to `gguf`'s, and `cllm export` itself (the output-file rule included).
+refusals. With `gguf` (marked `llamacpp`, run by `make test-llamacpp`): files written and read
+back with `gguf.GGUFReader`, the constants this module keeps equal to `gguf`'s. `cllm export`
+itself is tested in tests/serving/test_export.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 import sys
 
 import numpy as np
@@ -21,8 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from cllm.cli import main
 from cllm.core.errors import UserError
 from cllm.data.tokenizer import train_tokenizer
-from cllm.decoding.draft_table import DraftTable
-from cllm.serving.gguf import (
+from cllm.runtime.gguf import (
     CONTROL,
     FILE_TYPES,
     LAYER_TENSORS,
@@ -40,7 +37,6 @@ from cllm.serving.gguf import (
     read_source,
     write_gguf,
 )
-from cllm.serving.lookup_cache import lookup_cache_bytes, read_lookup_cache, write_lookup_cache
 from tests.tiny import CODE_TEXTS
 
 VOCAB = 320
@@ -237,18 +233,6 @@ def test_without_gguf_export_says_what_to_install_in_one_line(tmp_path, capsys, 
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_the_lookup_cache_bytes_are_llama_cpps_layout(tmp_path):
-    """Per record: 4 int32 ids (-1 where unused), int32 count of tokens, (int32 token, int32 count)s
-    (llama.cpp's common/ngram-cache.cpp, common_ngram_cache_save)."""
-    data = lookup_cache_bytes({(7, 9): {3: 2}, (1, 2, 3): {4: 1, 5: 6}})
-    assert data == struct.pack("<4iiiiii", 1, 2, 3, -1, 2, 4, 1, 5, 6) + struct.pack("<4iiii", 7, 9, -1, -1, 1, 3, 2)
-    with pytest.raises(ValueError):
-        lookup_cache_bytes({(1, 2, 3, 4, 5): {1: 1}})
-    table = DraftTable((4, 3, 2), {(1, 2, 3, 4): 5, (2, 3): 4, (8, 9): 1}, {"min_count": 3})
-    assert write_lookup_cache(table, tmp_path / "c.bin") == 2  # llama.cpp's static cache: 2-token keys only
-    assert read_lookup_cache(tmp_path / "c.bin") == {(2, 3): {4: 3}, (8, 9): {1: 3}}
-
-
 # ---------------------------------------------------------------------------- with gguf
 
 
@@ -323,81 +307,3 @@ def test_the_source_is_recorded_and_other_files_have_none(gguf, tokenizer, tmp_p
     assert '"fingerprint": "abc"' in value(reader, SOURCE_KEY)
     (tmp_path / "other.gguf").write_bytes(b"not a gguf file")
     assert read_source(tmp_path / "other.gguf") is None
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tokenizer, tmp_path_factory):
-    """A tiny Llama saved with its tokenizer and a draft table, as `cllm export` reads them."""
-    folder = tmp_path_factory.mktemp("model")
-    tiny_llama().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    table = DraftTable.build([[5, 6, 7, 8, 9] * 3, [5, 6, 7, 1, 2] * 2], min_count=2, meta={"min_count": 2})
-    table.save(folder / "drafts" / "ngram.safetensors")
-    return folder
-
-
-@pytest.mark.llamacpp
-def test_cllm_export_writes_the_file_and_replaces_one_only_with_force(gguf, checkpoint, tmp_path, capsys):
-    out = tmp_path / "m.gguf"
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(out)]) == 0
-    assert "wrote" in capsys.readouterr().out and read_source(out)["fingerprint"]
-    before = out.stat().st_mtime_ns
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "exists" in err and "--force" in err and len(err.splitlines()) == 1
-    assert out.stat().st_mtime_ns == before
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--force"]) == 0
-    mine = tmp_path / "notes.txt"
-    mine.write_text("my own file")
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(mine)]) == 2
-    assert mine.read_text() == "my own file"
-
-
-@pytest.mark.llamacpp
-def test_the_draft_tables_two_token_contexts_become_llama_cpps_static_cache(gguf, checkpoint, tmp_path, capsys):
-    out, cache = tmp_path / "m.gguf", tmp_path / "m.lookup"
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--lookup-cache", str(cache)]) == 0
-    assert "static n-gram cache" in capsys.readouterr().out
-    table = DraftTable.load(checkpoint / "drafts" / "ngram.safetensors")
-    pairs = {ctx: token for ctx, token in table.next_token.items() if len(ctx) == 2}
-    assert pairs and read_lookup_cache(cache) == {ctx: {token: 2} for ctx, token in pairs.items()}
-
-
-@pytest.mark.llamacpp
-def test_export_never_writes_over_the_model_it_reads_even_with_force(gguf, checkpoint, tmp_path, capsys):
-    def digests() -> dict[str, str]:
-        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in checkpoint.iterdir() if f.is_file()}
-
-    before = digests()
-    link = tmp_path / "link.gguf"
-    link.symlink_to(checkpoint / "model.safetensors")
-    for out in (checkpoint / "model.safetensors", checkpoint / "tokenizer.json", checkpoint / "config.json",
-                checkpoint / "model.gguf", link):
-        assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--force"]) == 2
-        err = capsys.readouterr().err.strip()
-        assert "--model" in err and len(err.splitlines()) == 1, err
-    assert digests() == before and not (checkpoint / "model.gguf").exists()
-    both = tmp_path / "both"
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(both), "--lookup-cache", str(both)]) == 2
-    assert "same path" in capsys.readouterr().err and not both.exists()
-
-
-@pytest.mark.llamacpp
-def test_export_keeps_a_users_files_of_temporary_names_and_names_the_file_a_full_disk_stopped(
-        gguf, checkpoint, tmp_path, capsys, monkeypatch):
-    out, cache = tmp_path / "m.gguf", tmp_path / "m.lookup"
-    mine = [tmp_path / "m.gguf.tmp", tmp_path / "m.lookup.tmp", tmp_path / "m.tmp"]
-    for file in mine:
-        file.write_text("mine")
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(out), "--lookup-cache", str(cache)]) == 0
-    assert all(f.read_text() == "mine" for f in mine) and read_source(out) and cache.stat().st_size
-    capsys.readouterr()
-
-    def full_disk(table, path):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr("cllm.serving.gguf.write_lookup_cache", full_disk)
-    assert main(["export", "--model", str(checkpoint), "--gguf", str(tmp_path / "n.gguf"), "--lookup-cache",
-                 str(tmp_path / "n.lookup")]) == 2
-    err = capsys.readouterr().err
-    assert f"cannot write {tmp_path / 'n.lookup'}: No space left on device" in err and "n.gguf:" not in err

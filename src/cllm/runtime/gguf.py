@@ -13,8 +13,8 @@ What it knows:
   name (`PRE_TOKENIZERS`): the GPT-2 split (the shipped models'), Qwen2's and Llama 3's.
   Anything else is refused in one line rather than written to tokenize differently.
 
-What it does not know: quantisation (llama.cpp's `llama-quantize` takes an f32/f16 GGUF),
-rope scaling, sliding-window attention, sentencepiece vocabularies.
+What it does not know: rope scaling, sliding-window attention, sentencepiece vocabularies.
+Quantization is llama.cpp's own (`cllm.runtime.llamacpp.quantize`, `cllm export --quantize`).
 
 Everything up to the file itself (names, arrays, vocabulary, the refusals) is plain Python and
 torch, tested without `gguf`; `gguf` is imported when a file is written or read (`cllm` works
@@ -29,7 +29,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 from pathlib import Path
@@ -40,16 +40,7 @@ from packaging.version import Version
 
 from cllm.core import __version__
 from cllm.core.errors import UserError
-from cllm.core.outputs import Input, check_distinct, check_new_file, replacing, write_failures
-from cllm.models import (
-    fingerprint,
-    load_draft_table,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-    tokenizer_fingerprint,
-)
-from cllm.serving.lookup_cache import write_lookup_cache
+from cllm.core.outputs import replacing
 
 log = logging.getLogger(__name__)
 
@@ -284,13 +275,14 @@ class GgufSummary:
     vocab: int
     pre_tokenizer: str
     bytes: int
+    side: str | None = None  # what went into the side folder, in words
     lookup_cache: str | None = None  # what --lookup-cache wrote, in words
 
     def line(self) -> str:
         text = (f"wrote {self.path} ({self.bytes / 2**20:.1f} MiB): llama.cpp {self.architecture}, "
                 f"{self.parameters:,} parameters in {self.tensors} tensors ({self.out_type}), "
                 f"BPE vocabulary of {self.vocab} with the {self.pre_tokenizer!r} pre-tokenizer")
-        return text + (f"\n{self.lookup_cache}" if self.lookup_cache else "")
+        return "\n".join([text, *(x for x in (self.side, self.lookup_cache) if x)])
 
 
 def _write_metadata(writer, arch: Architecture, vocab: Vocab, out_type: str, name: str,
@@ -358,57 +350,3 @@ def read_source(path: str | os.PathLike) -> dict[str, Any] | None:
         return json.loads(field_.contents()) if field_ is not None else None
     except Exception:  # noqa: BLE001 - not a GGUF file, or a damaged one: not ours to replace
         return None
-
-
-# ---------------------------------------------------------------------------- the command
-
-
-@dataclass
-class ExportConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to export: shipped name or local "
-        "checkpoint dir (Llama or Qwen2, byte-level BPE tokenizer)"})
-    gguf: str | None = field(default=None, metadata={"help": "GGUF file to write (llama.cpp's model format; "
-        "required)"})
-    out_type: str = field(default="f32", metadata={"help": "weight type: f32, f16 or bf16 (norms stay f32); "
-        "quantise further with llama.cpp's llama-quantize"})
-    lookup_cache: str | None = field(default=None, metadata={"help": "also write the model's draft table (cllm "
-        "drafts) as llama.cpp's static n-gram cache (llama-lookup, or llama-server --spec-type ngram-cache, "
-        "with --lookup-cache-static FILE)"})
-    force: bool = field(default=False, metadata={"help": "replace the output files if they exist"})
-
-    def __post_init__(self) -> None:
-        if not self.gguf:
-            raise UserError("--gguf OUT.gguf is required: the file to write")
-        if self.out_type not in OUT_TYPES:
-            raise UserError(f"--out-type must be one of {', '.join(OUT_TYPES)}, got {self.out_type!r}")
-
-
-def export_gguf(config: ExportConfig) -> GgufSummary:
-    """Check the outputs and the inputs, then write the GGUF (and the lookup cache when asked)."""
-    import_gguf()  # before anything loads: a missing package is the first thing said
-    path = resolve_model_path(config.model)
-    model_input = [Input("--model", path)]
-    check_distinct([("--gguf", config.gguf), ("--lookup-cache", config.lookup_cache)])
-    out = check_new_file(config.gguf, force=config.force, flag="--gguf", what="GGUF file", inputs=model_input)
-    table = None
-    if config.lookup_cache:
-        check_new_file(config.lookup_cache, force=config.force, flag="--lookup-cache", what="lookup cache",
-                       inputs=model_input)
-        table = load_draft_table(path, "auto")
-        if table is None:
-            raise UserError(f"--lookup-cache: {config.model} has no draft table (cllm drafts --model "
-                            f"{config.model} builds one)")
-    model, tokenizer = load_model(path), load_tokenizer(path)
-    source = {"model": str(config.model), "fingerprint": fingerprint(path),
-              "tokenizer": tokenizer_fingerprint(path)}
-    with write_failures(out):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = write_gguf(model, tokenizer, out, out_type=config.out_type, name=Path(path).name, source=source)
-    if table is not None:
-        with write_failures(Path(config.lookup_cache)):
-            Path(config.lookup_cache).parent.mkdir(parents=True, exist_ok=True)
-            kept = write_lookup_cache(table, config.lookup_cache)
-        summary = replace(summary, lookup_cache=(
-            f"wrote {config.lookup_cache}: the draft table's {kept:,} two-token contexts of {len(table):,} as "
-            "llama.cpp's static n-gram cache (llama-lookup --lookup-cache-static)"))
-    return summary

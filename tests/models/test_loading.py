@@ -50,7 +50,7 @@ def _spy_hub(monkeypatch, error: Exception | None = None) -> list[str]:
     """Record every hub look-up (and fail it with `error`); the hub is treated as online."""
     import huggingface_hub
 
-    from cllm import models
+    from cllm.models import loading as models
 
     calls: list[str] = []
 
@@ -96,7 +96,7 @@ def test_a_hub_id_the_hub_has_is_handed_to_transformers(tmp_path, monkeypatch):
 
 
 def test_offline_a_hub_id_that_is_not_cached_fails_without_a_request(tmp_path, monkeypatch):
-    from cllm import models
+    from cllm.models import loading as models
 
     monkeypatch.chdir(tmp_path)
     calls = _spy_hub(monkeypatch)
@@ -276,7 +276,7 @@ def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config
     failure is in tokenizer_config.json, and tokenizer.json (which `tokenizers` reads) is fine."""
     import json
 
-    from cllm import models
+    from cllm.models import loading as models
     from tests.commands.test_generate import save_tiny_model
 
     directory = save_tiny_model(tmp_path / "m")
