@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast test-llamacpp demo bench lint clean vllm test-vllm
+.PHONY: install test test-fast test-llamacpp llama-server demo bench lint clean vllm test-vllm
 
 install: $(STAMP)
 
@@ -43,6 +43,23 @@ $(LLAMACPP_STAMP): pyproject.toml
 
 test-llamacpp: $(LLAMACPP_STAMP)
 	$(LLAMACPP_VENV)/bin/python -m pytest -q -m llamacpp
+
+# llama.cpp's own server (the peer of `cllm serve --runtime llamacpp` on a CPU), built from the
+# llama.cpp source the installed llama-cpp-python ships (its sdist's vendor/llama.cpp), linked
+# statically into .llama-server/bin/llama-server; ~5 min on 2 cores. Not part of .ci/run.
+LLAMA_SERVER := .llama-server/bin/llama-server
+
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): $(LLAMACPP_STAMP)
+	rm -rf .llama-server && mkdir -p .llama-server/src .llama-server/bin
+	$(LLAMACPP_VENV)/bin/python -m pip download --quiet --no-deps --no-binary :all: -d .llama-server/src \
+		"llama-cpp-python==$$($(LLAMACPP_VENV)/bin/python -c 'from importlib.metadata import version; print(version("llama-cpp-python"))')"
+	tar xzf .llama-server/src/llama_cpp_python-*.tar.gz -C .llama-server/src
+	cmake -S .llama-server/src/llama_cpp_python-*/vendor/llama.cpp -B .llama-server/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build .llama-server/build --target llama-server -j $$(nproc)
+	cp .llama-server/build/bin/llama-server $(LLAMA_SERVER)
 
 demo: install
 	$(VENV)/bin/cllm demo

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import httpx
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+STALE_RETRIES = 66  # the pool holds at most 64 + 2 connections (--concurrency <= 64)
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -49,7 +50,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def complete(client: httpx.AsyncClient, prompt: str, args, method: str) -> dict:
-    """One streamed completion: its text, tokens, latency and time to first token."""
+    """One streamed completion: its text, tokens, latency and time to first token. A request
+    whose pooled connection the server had already closed (llama-server closes idle ones) is
+    sent again, as HTTP clients do (each try drops one such connection from the pool); nothing
+    of it had been answered."""
+    for _ in range(STALE_RETRIES):
+        try:
+            return await _complete(client, prompt, args, method)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+    return await _complete(client, prompt, args, method)
+
+
+async def _complete(client: httpx.AsyncClient, prompt: str, args, method: str) -> dict:
     body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if method != "server":  # `server`: the server's own greedy decoding (any OpenAI server, e.g. vLLM's)

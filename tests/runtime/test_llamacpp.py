@@ -244,3 +244,25 @@ def test_sampling_on_llama_cpp_has_the_exact_autoregressive_law(tmp_path, settin
             counts.update(tuple(t[:LAW_LENGTH]) for t in out.new_tokens)
         result = chi_square(counts, law)
         assert not result.rejects(), f"{decode.__name__} {settings}: {result}"
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("sequences", [5, 9, 64])
+def test_rows_share_out_the_sequences_their_trees_may_hold_and_stay_greedy(shipped, sequences):
+    """4 rows decoding together with recycling (up to 8 drafts each): with 5 sequences no tree
+    may branch (the rows hold 4), with 9 each may have 2 leaves; the output stays greedy's."""
+    from cllm.runtime.llamacpp import LlamaCppRuntime
+
+    path, tokenizer, table = shipped["target", "f32"]
+    rt = LlamaCppRuntime(path, threads=2, context=4096, sequences=sequences)
+    prompts = prompts_of(tokenizer, 4)
+    session = rt.session()
+    rows, _ = session.open(prompts)
+    assert session.tree_leaves(len(rows)) == 1 + (sequences - 4) // 4
+    session.close(rows)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = jacobi_decode(rt, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id, **RECOMMENDED,
+                        draft_table=table)
+    assert out.new_tokens == decode_each(rt, prompts, tokenizer.eos_token_id)

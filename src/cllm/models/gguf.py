@@ -58,13 +58,15 @@ def cached_gguf(model: torch.nn.Module, tokenizer, out_type: str, folder: str | 
     return path, True
 
 
-def open_gguf(path: str | os.PathLike, *, threads: int | None, why: str) -> LlamaCppRuntime:
+def open_gguf(path: str | os.PathLike, *, threads: int | None, why: str,
+              sequences: int | None = None) -> LlamaCppRuntime:
     """A GGUF file on the llama.cpp runtime; a one-line UserError when it cannot be."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"no GGUF file at {file}")
     try:
-        return LlamaCppRuntime(file, threads=threads or 0, why=why)
+        return LlamaCppRuntime(file, threads=threads or 0, why=why,
+                               **({"sequences": sequences} if sequences else {}))
     except ValueError as exc:
         raise UserError(f"--runtime llamacpp: {first_line(exc)}") from None
 

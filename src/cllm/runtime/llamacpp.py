@@ -22,8 +22,9 @@ Nothing is stored on the Python side but each row's sequence id and length. The 
 ctypes write per token).
 
 Exactness: llama.cpp's greedy decoding of the same GGUF file (`llama_cpp.Llama.generate` with
-`top_k=1`) is the reference; a quantized file is exact to its own greedy decoding, not to the
-float model it came from.
+`top_k=1`) is the reference. A quantized file is exact to its own greedy decoding up to
+near-ties (llama.cpp rounds activations to 8 bits, and the order its attention sums cells moves
+a logit by a rounding step now and then), and is not the float model it came from.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ INSTALL = "pip install 'cllm[llamacpp]'"
 CONTEXT = 8192  # KV cells shared by a runtime's rows, by default
 UBATCH = 512  # tokens llama.cpp computes at once (llama.cpp's default; a longer decode is sliced)
 # llama.cpp sequences of a runtime: a row's own, and one per tree leaf past the first while it is
-# fed. llama.cpp checks every pair of them on every decode: a few more than needed cost little,
-# its 256 about 0.2 ms a decode here.
+# fed (rows that cannot have as many get smaller trees: `tree_leaves`). llama.cpp checks every
+# pair of them on every decode, so one request at a time wants few; a server, llama.cpp's most.
 SEQUENCES = 64
 # `cllm export --quantize` types: llama.cpp's own quantizer, by the names its llama-quantize takes
 QUANT_TYPES = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15,
@@ -410,6 +411,11 @@ class LlamaCppSession:
 
     def length(self, row: int) -> int:
         return self._rows[row].length
+
+    def tree_leaves(self, rows: int) -> int | None:
+        """Each leaf past the first holds a free sequence while its tree is fed: the free ones
+        shared out over `rows` rows."""
+        return 1 + len(self.runtime._free_seqs) // max(rows, 1)
 
     def __del__(self) -> None:
         try:

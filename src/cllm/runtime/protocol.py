@@ -21,6 +21,8 @@ logits it gets back.
 - `rewind(rows, lengths)` forgets every entry of a row past `lengths[b]` tokens (a drafter's
   rejected drafts).
 - `close(rows)` ends rows; their entries are freed.
+- `tree_leaves(rows)`: how many leaves each row's tree may have in a forward of that many rows
+  (None: any; a runtime whose trees cost it a resource per leaf says so).
 
 How entries are stored (a rectangular cache with holes, a paged cache, llama.cpp's sequences)
 is each runtime's business: a decoder never sees it. `rows()` gives the open rows in the order
@@ -83,6 +85,11 @@ class Session(Protocol):
 
     def length(self, row: int) -> int:
         """The tokens in a row's sequence (the position its next token takes)."""
+        ...
+
+    def tree_leaves(self, rows: int) -> int | None:
+        """How many leaves the tree of each of `rows` rows fed together may have (None: any);
+        llama.cpp's runtime holds a sequence per leaf while a tree is fed."""
         ...
 
 

@@ -373,6 +373,9 @@ class BatchedSession:
         batch = self._batch()
         return batch.lengths[batch.ids.index(row)]
 
+    def tree_leaves(self, rows: int) -> int | None:
+        return None  # a tree is a mask here: any number of leaves
+
     def _batch(self) -> Batch:
         if self.batch is None:
             raise ValueError("no row is open in this session")

@@ -32,6 +32,8 @@ from cllm.models.gguf import is_gguf
 from cllm.runtime import Runtime, open_runtime
 from cllm.serving.completion import TextCodec
 
+SERVER_SEQUENCES = 256  # llama.cpp's most: batches of rows, each with a tree of drafts
+
 
 @dataclass
 class ServedModel:
@@ -69,7 +71,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     if is_gguf(model) or runtime == "llamacpp":
         if not is_off(medusa) and medusa != "auto":
             raise UserError("--medusa: Medusa heads read hidden states, which the llamacpp runtime does not give")
-        fast = load_for_decoding(model, dtype=dtype, draft_table=draft_table, runtime=runtime, threads=threads or None)
+        fast = load_for_decoding(model, dtype=dtype, draft_table=draft_table, runtime=runtime, threads=threads or None,
+                                 sequences=SERVER_SEQUENCES if batches else None)
         return ServedModel(fast.model, TextCodec(fast.tokenizer), fast.draft_table, None,
                            fast.model.compile() if compile else None)
     tokenizer = load_tokenizer(model)

@@ -73,6 +73,8 @@ class TreeVerifier:
     prefixes fed once); the longest verified path is final, its entries are kept."""
 
     def step(self, session: Session, rows: list[Row], cfg: Settings, stats: DecodeStats) -> None:
+        leaves = session.tree_leaves(len(rows))  # None, or the most a runtime holds per row
+
         def trie_of(r: int, row: Row) -> tuple[Tree, list[str]]:
             t = tail(row)
             drafts, kinds = [], []
@@ -84,6 +86,8 @@ class TreeVerifier:
             if room and (row.block is not None or cfg.blocks_in_flight == 1):
                 width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
                 drafts, kinds = branches(cfg.drafters.tree, row.context(cfg), t, width)
+                if leaves is not None:  # the tail's leaf, and one per draft at most
+                    drafts, kinds = drafts[: leaves - 1], kinds[: leaves - 1]
             return Tree.trie(t, drafts, cfg.recycle_budget), ["jacobi", *kinds]  # kinds: per branch
 
         # a row that fails (here or below) feeds its last token and keeps it alone
