@@ -50,17 +50,25 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def complete(client: httpx.AsyncClient, prompt: str, args, method: str) -> dict:
-    """One streamed completion: its text, tokens, latency and time to first token. A request
-    whose pooled connection the server had already closed (llama-server closes idle ones) is
-    sent again, as HTTP clients do (each try drops one such connection from the pool); nothing
-    of it had been answered."""
+    """One streamed completion: its text, tokens, latency and time to first token."""
+    return await _fresh(lambda: _complete(client, prompt, args, method))
+
+
+async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    return await _fresh(lambda: client.get(path))
+
+
+async def _fresh(request):
+    """`request()`, sent again when its pooled connection had been closed by the server
+    (llama-server closes idle ones), as HTTP clients do (each try drops one such connection from
+    the pool); nothing of it had been answered."""
     for _ in range(STALE_RETRIES):
         try:
-            return await _complete(client, prompt, args, method)
+            return await request()
         except httpx.RemoteProtocolError as exc:
             if "without sending a response" not in str(exc):
                 raise
-    return await _complete(client, prompt, args, method)
+    return await request()
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, args, method: str) -> dict:
@@ -103,7 +111,7 @@ def _json(response: httpx.Response) -> dict:
 async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, reference: dict[str, str],
                 deadline: float) -> dict:
     total = max(args.min_requests, concurrency * args.rounds)
-    before = _json(await client.get("/metrics")).get("batching", {})
+    before = _json(await _get(client, "/metrics")).get("batching", {})
     queue = list(range(total))
     results: list[dict] = []
     not_sent = 0
@@ -126,7 +134,7 @@ async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    after = _json(await client.get("/metrics")).get("batching", {})
+    after = _json(await _get(client, "/metrics")).get("batching", {})
     ok = [r for r in results if "error" not in r]
     steps = after.get("steps", 0) - before.get("steps", 0)
     rows = after.get("rows_stepped", 0) - before.get("rows_stepped", 0)
@@ -155,7 +163,7 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=max(args.concurrency) + 2,
                           max_keepalive_connections=max(args.concurrency) + 2)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.request_timeout, limits=limits) as client:
-        server = _json(await client.get("/health"))
+        server = _json(await _get(client, "/health"))
         deadline = time.monotonic() + args.time_limit
         levels, references = [], {}
         for method in args.methods:

@@ -83,3 +83,42 @@ def test_without_llama_cpp_the_methods_are_skipped_with_a_note_or_refused_by_nam
     assert llamacpp_module.skipped_note(["target_ar"]) == []  # not asked for: nothing to say
     with pytest.raises(UserError, match="llama-cpp-python"):
         build_methods(config, models, counters, ["target_ar", "llamacpp_ar"])
+
+
+def test_a_projection_interpolates_the_step_cost_at_the_mean_fed_tokens_and_never_beyond():
+    costs = {"1b": {"parameters": 1, "weights": "q8_0", "ms": {"1": 10.0, "4": 16.0, "8": 24.0}}}
+    metrics = {"llamacpp_jacobi": {"tokens_per_forward": 3.0, "mean_fed_tokens": 6.0},
+               "cllm_llamacpp_jacobi": {"tokens_per_forward": 4.0, "mean_fed_tokens": 9.0}}  # past k = 8
+    llamacpp_module.project(costs, metrics)
+    assert costs["1b"]["projection"] == {"llamacpp_jacobi": {"tokens_per_forward": 3.0, "mean_fed_tokens": 6.0,
+                                                             "ms_per_step": 20.0, "speedup_vs_greedy": 1.5}}
+    costs = {"1b": {"parameters": 1, "weights": "q8_0", "ms": {"4": 16.0, "8": 24.0}}}  # no one-token forward
+    llamacpp_module.project(costs, metrics)
+    assert costs["1b"]["projection"] == {}
+
+
+def test_an_unknown_forward_quantize_type_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="--forward-quantize must be f32 or one of"):
+        BenchConfig(forward_quantize="q9")
+
+
+@pytest.mark.llamacpp
+def test_cllm_bench_times_llama_cpp_on_another_model_shape_and_projects_the_engines_speed_there(tmp_path):
+    out = tmp_path / "bench"
+    args = ["bench", "--target", "stdlib-coder", "--cllm", "none", "--draft-model", "none", "--medusa", "none",
+            "--prompts", "stdlib-val", "--max-prompts", "2", "--max-new-tokens", "32", "--repeats", "1",
+            "--threads", "1", "--sweep-block-sizes", "", "--val-prompts", "0", "--methods", "llamacpp_jacobi",
+            "--forward-tokens", "1,4,16,32", "--forward-batches", "1", "--forward-shapes", "small",
+            "--forward-quantize", "q8_0", "--gguf-dir", str(tmp_path / "g"), "--out", str(out)]
+    assert main(args) == 0
+    data = json.loads((out / "bench.json").read_text())
+    small = data["shape_cost"]["small"]
+    assert small["parameters"] == sum(p.numel() for p in load_models(BenchConfig(**SHIPPED_RUN)).target.parameters())
+    assert small["weights"] == "q8_0" and set(small["ms"]) == {"1", "4", "16", "32"}
+    assert all(ms > 0 for ms in small["ms"].values())
+    method, projected = data["methods"]["llamacpp_jacobi"], small["projection"]["llamacpp_jacobi"]
+    assert projected["tokens_per_forward"] == method["tokens_per_forward"]
+    assert projected["speedup_vs_greedy"] == pytest.approx(
+        method["tokens_per_forward"] * small["ms"]["1"] / projected["ms_per_step"], rel=1e-2)
+    assert "A projection, not a measurement" in (out / "report.md").read_text()
+    assert not list((tmp_path / "g").glob("cllm-shape-*"))  # the shape's files are gone

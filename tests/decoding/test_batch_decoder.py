@@ -10,6 +10,7 @@ import torch
 from cllm import greedy_decode, jacobi_decode
 from cllm.decoding import BatchDecoder
 from cllm.decoding.draft_table import DraftTable
+from cllm.runtime import as_runtime
 from tests.decoding.conftest import assert_same_tokens, random_prompt, tiny_model
 
 # (seed, prompt length, max_new_tokens, the step before which the row joins)
@@ -65,6 +66,56 @@ def test_rows_with_eos_and_a_draft_table_join_and_leave_and_stay_greedy(arch):
         expected = greedy_decode(model, prompt, max_new_tokens=budget, eos_token_id=eos).new_tokens[0]
         assert_same_tokens(model, prompt[0].tolist(), expected, got[k][0], f"{arch} row {k}")
     assert got[0][0] == full[: stop + 1]
+
+
+class ChainsOnly:
+    """A runtime whose sessions hold chains only (`tree_leaves` 1 for every row), as a row in a
+    llama.cpp stream of its own does; every chain fed is recorded."""
+
+    def __init__(self, runtime):
+        self._runtime, self.fed = runtime, []
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def session(self):
+        return _ChainsOnlySession(self._runtime.session(), self.fed)
+
+
+class _ChainsOnlySession:
+    def __init__(self, session, fed):
+        self._session, self._fed = session, fed
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def tree_leaves(self, rows):
+        return [1] * len(rows)
+
+    def feed(self, rows, tokens, *, parents=None, hidden=False):
+        assert parents is None, "a tree fed to a session that holds chains only"
+        self._fed.append([len(t) for t in tokens])
+        return self._session.feed(rows, tokens, hidden=hidden)
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_where_trees_cannot_be_held_recycling_feeds_equal_chains_and_stays_greedy(arch, table):
+    """Greedy recycling on a session that holds no trees: each row feeds a chain with its best
+    pool draft in the tail's place, every chain a block long (llama.cpp computes equal chains
+    of its streams in one pass); rows joining and leaving, EOS-free budgets, a draft table or
+    none: each row's tokens are greedy's."""
+    model = tiny_model(arch)
+    seqs = [greedy_decode(model, random_prompt(s, 6), max_new_tokens=40).new_tokens[0] for s in range(3)]
+    draft_table = DraftTable.build(seqs, min_count=1, min_share=0.0) if table else None
+    chains = ChainsOnly(as_runtime(model))
+    decoder = BatchDecoder(chains, block_size=4, recycle=8, recycle_budget=24, draft_table=draft_table)
+    got = _run_staggered(decoder, ARRIVALS)
+    for k, (seed, length, budget, _) in enumerate(ARRIVALS):
+        prompt = random_prompt(seed, length)
+        expected = greedy_decode(model, prompt, max_new_tokens=budget).new_tokens[0]
+        assert_same_tokens(model, prompt[0].tolist(), expected, got[k][0], f"{arch} row {k}")
+    assert chains.fed and all(n == 4 for step in chains.fed for n in step), [s for s in chains.fed if set(s) != {4}]
+    assert decoder.take_stats().forward_passes < sum(budget for _, _, budget, _ in ARRIVALS)
 
 
 def test_changing_the_recycling_budget_between_steps_keeps_every_row_greedy(arch):

@@ -166,7 +166,8 @@ def test_every_verb_leaves_llama_cpp_holding_exactly_the_kept_entries(shipped):
 
     def span(session, row):  # the positions llama.cpp holds for the row's sequence
         seq = session._rows[row].seq
-        return (llama_cpp.llama_memory_seq_pos_min(rt.memory, seq), llama_cpp.llama_memory_seq_pos_max(rt.memory, seq))
+        return (llama_cpp.llama_memory_seq_pos_min(rt._unified.memory, seq),
+                llama_cpp.llama_memory_seq_pos_max(rt._unified.memory, seq))
 
     session = rt.session()
     rows, out = session.open([[5, 6, 7, 8], [9, 10]])
@@ -175,14 +176,14 @@ def test_every_verb_leaves_llama_cpp_holding_exactly_the_kept_entries(shipped):
     assert fed.logits.shape == (2, 4, rt.vocab_size)
     session.keep(rows, [[0, 2], [0, 3]])  # each row keeps a path off its first branch
     assert [session.length(r) for r in rows] == [6, 4] and [span(session, r) for r in rows] == [(0, 5), (0, 3)]
-    free = len(rt._free_seqs)
+    free = len(rt._unified.free)
     session.feed(rows, [[1], [2, 3]])
     session.keep(rows, [[], [0, 1]])
-    assert [session.length(r) for r in rows] == [6, 6] and len(rt._free_seqs) == free
+    assert [session.length(r) for r in rows] == [6, 6] and len(rt._unified.free) == free
     session.rewind(rows, [2, 6])
     assert [span(session, r) for r in rows] == [(0, 1), (0, 5)]
     session.close(rows[:1])
-    assert session.rows() == rows[1:] and len(rt._free_seqs) == free + 1
+    assert session.rows() == rows[1:] and len(rt._unified.free) == free + 1
     # the surviving row reads as if alone: its next token is the one a fresh row's prefill gives
     alone = rt.session()
     ids, first = alone.open([[9, 10, 14, 17, 2, 3]])
@@ -258,7 +259,7 @@ def test_rows_share_out_the_sequences_their_trees_may_hold_and_stay_greedy(shipp
     prompts = prompts_of(tokenizer, 4)
     session = rt.session()
     rows, _ = session.open(prompts)
-    assert session.tree_leaves(len(rows)) == 1 + (sequences - 4) // 4
+    assert session.tree_leaves(rows) == [1 + (sequences - 4) // 4] * 4
     session.close(rows)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -266,3 +267,85 @@ def test_rows_share_out_the_sequences_their_trees_may_hold_and_stay_greedy(shipp
     out = jacobi_decode(rt, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id, **RECOMMENDED,
                         draft_table=table)
     assert out.new_tokens == decode_each(rt, prompts, tokenizer.eos_token_id)
+
+
+@pytest.mark.llamacpp
+def test_a_server_runtime_moves_a_row_alone_into_a_stream_when_others_join_and_every_row_stays_greedy(shipped):
+    """streams=4: the first row opens alone in the unified context (its drafts verified as a
+    tree); rows that join open in streams of their own and move it there (its entries copied);
+    a fifth row, no stream free, opens unified beside them (one decode per context a forward).
+    Every row's tokens are llama.cpp's greedy ones, and a stream row never holds a tree."""
+    from cllm.decoding import BatchDecoder
+    from cllm.runtime.llamacpp import LlamaCppRuntime
+
+    path, tokenizer, table = shipped["cllm", "f32"]
+    eos = tokenizer.eos_token_id
+    prompts = prompts_of(tokenizer, 5)
+    rt = LlamaCppRuntime(path, threads=2, streams=4)
+    decoder = BatchDecoder(rt, eos_token_id=eos, draft_table=table, **RECOMMENDED)
+    rows = {0: decoder.add(torch.tensor([prompts[0]]), max_new_tokens=NEW_TOKENS)[0]}
+    layout = decoder.session._rows
+    assert not layout[rows[0]].ctx.streams and decoder.session.tree_leaves([rows[0]])[0] > 1
+    decoder.step()
+    decoder.step()
+    for i in (1, 2, 3):
+        rows[i] = decoder.add(torch.tensor([prompts[i]]), max_new_tokens=NEW_TOKENS)[0]
+    assert all(layout[r].ctx.streams for r in rows.values())  # the first one moved
+    decoder.step()
+    rows[4] = decoder.add(torch.tensor([prompts[4]]), max_new_tokens=NEW_TOKENS)[0]
+    assert not layout[rows[4]].ctx.streams  # the streams are full
+    assert decoder.session.tree_leaves([rows[3], rows[4]])[0] == 1
+    while decoder.step():
+        pass
+    expected = llama_cpp_greedy(path, prompts, eos)
+    assert [decoder.tokens(rows[i]) for i in range(5)] == expected
+
+
+@pytest.mark.llamacpp
+def test_a_row_in_a_stream_refuses_a_tree_and_takes_a_one_leaf_tree_as_a_chain(shipped):
+    from cllm.runtime.llamacpp import LlamaCppRuntime
+
+    rt = LlamaCppRuntime(shipped["target", "f32"][0], threads=2, streams=2)
+    session = rt.session()
+    rows, _ = session.open([[5, 6, 7], [8, 9]])  # two at once: streams
+    assert session.tree_leaves(rows) == [1, 1]
+    with pytest.raises(ValueError, match="a chain, not a tree"):
+        session.feed(rows, [[1, 2, 3], [4]], parents=[[-1, 0, 0], [-1]])
+    chain = session.feed(rows, [[1, 2], [4]], parents=[[-1, 0], [-1]]).logits
+    session.keep(rows, [[0, 1], [0]])
+    assert [session.length(r) for r in rows] == [5, 3]
+    _, alone = rt.session().open([[5, 6, 7, 1, 2]])  # the streams are taken: unified
+    assert torch.allclose(chain[0, 1], alone.logits[0, -1], atol=1e-4)
+
+
+def test_free_streams_between_fed_rows_are_filled_only_when_every_row_feeds_as_many():
+    from types import SimpleNamespace
+
+    from cllm.runtime.llamacpp import _gaps, _merged
+
+    streams = SimpleNamespace(streams=True, free=[1, 4, 6, 7])
+    assert _gaps(streams, [0, 2, 3, 5], [4, 4, 4, 4]) == [1, 4]  # not 6, 7: past the last fed stream
+    assert _gaps(streams, [0, 2, 3, 5], [4, 2, 4, 4]) == []  # unequal chains are split anyway
+    assert _gaps(SimpleNamespace(streams=True, free=[]), [0, 2], [4, 4]) == []  # held by another session's row
+    assert _gaps(SimpleNamespace(streams=False, free=[1]), [0, 2], [4, 4]) == []
+    assert _merged([7, 3, 9], [0, 2, 5], [1, 4]) == [7, -2, 3, -5, 9]
+
+
+@pytest.mark.llamacpp
+def test_a_filled_gap_leaves_no_entries_and_the_rows_read_as_if_alone(shipped):
+    import llama_cpp
+
+    from cllm.runtime.llamacpp import LlamaCppRuntime
+
+    rt = LlamaCppRuntime(shipped["target", "f32"][0], threads=2, streams=4)
+    session = rt.session()
+    rows, _ = session.open([[5, 6, 7], [8, 9], [10, 11, 12, 13]])  # streams 0, 1, 2
+    session.close(rows[1:2])  # stream 1 free, between the other two
+    fed = session.feed([rows[0], rows[2]], [[1, 2], [3, 4]]).logits
+    memory = rt._streams.memory
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == -1  # the filler is gone
+    session.keep([rows[0], rows[2]], [[0, 1], [0, 1]])
+    for row, prompt, out in ((rows[0], [5, 6, 7, 1, 2], fed[0]), (rows[2], [10, 11, 12, 13, 3, 4], fed[1])):
+        _, alone = rt.session().open([prompt])
+        assert torch.allclose(out[-1], alone.logits[0, -1], atol=1e-4)
+        assert session.length(row) == len(prompt)

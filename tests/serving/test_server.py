@@ -782,15 +782,17 @@ def test_open_app_loads_the_model_off_the_calling_thread(model_dir, monkeypatch)
 
 
 @pytest.mark.llamacpp
-def test_the_llama_cpp_runtime_serves_16_concurrent_requests_each_as_alone(model_dir, oracle, tmp_path):
-    """Continuous batching over llama.cpp's sequences (rows joining and leaving one context):
-    every answer equals the oracle's greedy text; the batches held several rows at once."""
+@pytest.mark.parametrize("streams", [0, 4])
+def test_the_llama_cpp_runtime_serves_16_concurrent_requests_each_as_alone(model_dir, oracle, tmp_path, streams):
+    """Continuous batching over llama.cpp's sequences (rows joining and leaving: one unified
+    context, or a server's streams, a row alone unified): every answer equals the oracle's greedy
+    text; the batches held several rows at once, and no more than the streams."""
     from fastapi.testclient import TestClient
 
     from cllm.models import load_for_decoding
 
     assert main(["export", "--model", str(model_dir), "--gguf", str(tmp_path / "m.gguf")]) == 0
-    fast = load_for_decoding(tmp_path / "m.gguf", threads=2)
+    fast = load_for_decoding(tmp_path / "m.gguf", threads=2, streams=streams)
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS) % 3) for i in range(16)]
     expected = {p: oracle.text(p, max_new_tokens=16) for p in set(prompts)}
     with TestClient(create_app(fast.model, fast.tokenizer, _settings(model_dir), fast.draft_table),
@@ -803,4 +805,4 @@ def test_the_llama_cpp_runtime_serves_16_concurrent_requests_each_as_alone(model
             results = list(pool.map(one, range(16)))
         batching = http.get("/metrics").json()["batching"]
     assert results == [expected[p] for p in prompts]
-    assert batching["max_batch"] > 1
+    assert batching["max_batch"] > 1 and (not streams or batching["max_batch"] <= streams)

@@ -53,6 +53,7 @@ from typing import Any, Literal
 from cllm.core.config import is_off
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.evaluation.humaneval import QUALITIES
+from cllm.runtime.llamacpp import QUANT_TYPES
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
@@ -123,6 +124,13 @@ class BenchConfig:
         "transformers'), at each --forward-batches (empty: not timed)"})
     forward_batches: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "batch sizes of those "
         "forward timings"})
+    forward_shapes: list[str] = field(default_factory=list, metadata={"help": "also time llama.cpp's forward at "
+        "--forward-tokens on a random Llama of each of these shapes (cllm profile's: small, 1b, 3b, 7b, 13b; or a "
+        "config.json), exported with the target's tokenizer and quantized to --forward-quantize, and project the "
+        "speed the llamacpp Jacobi methods' tokens per forward would give there (needs llama-cpp-python; the model "
+        "is built in float32 first: ~5 GB of memory and disk for 1b)"})
+    forward_quantize: str = field(default="q8_0", metadata={"help": "--forward-shapes: the weights' type "
+        "(llama.cpp's quantizer: q8_0, q4_k_m, q4_0, ...; f32: none)"})
     methods: list[str] = field(default_factory=list, metadata={"help": "methods to run (default: all available of "
         f"{', '.join(METHODS)}); the references they are measured against are added: target_ar always, cllm_ar "
         "beside any other cllm_* method"})
@@ -186,6 +194,9 @@ class BenchConfig:
         for name in ("forward_tokens", "forward_batches"):
             if any(not isinstance(n, int) or n < 1 for n in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be ints >= 1, got {getattr(self, name)}")
+        if self.forward_quantize != "f32" and self.forward_quantize not in QUANT_TYPES:
+            raise ValueError(f"--forward-quantize must be f32 or one of {', '.join(QUANT_TYPES)}, "
+                             f"got {self.forward_quantize!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
             raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
         unknown = [m for m in self.methods if m not in METHODS]

@@ -25,6 +25,7 @@ default f16 cache would round what transformers keeps in f32.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from itertools import pairwise
@@ -33,13 +34,15 @@ from pathlib import Path
 import torch
 
 from cllm.bench.config import LLAMACPP_METHODS, BenchConfig
-from cllm.core.errors import UserError
+from cllm.core.errors import UserError, first_line
+from cllm.core.progress import Progress
 from cllm.decoding.inputs import position_limit
 from cllm.models import fingerprint, tokenizer_fingerprint
 from cllm.models.gguf import cached_gguf
+from cllm.profiling.steptime import parameter_count, random_model, shape_config, time_steps
 from cllm.runtime import llamacpp as llamacpp_module
-from cllm.runtime.gguf import OUT_TYPE_OF_DTYPE, import_gguf
-from cllm.runtime.llamacpp import LlamaCppRuntime
+from cllm.runtime.gguf import OUT_TYPE_OF_DTYPE, import_gguf, write_gguf
+from cllm.runtime.llamacpp import LlamaCppRuntime, quantize
 
 # method -> (role of the model it decodes, prompt-lookup drafting)
 METHOD_MODELS = {"llamacpp_ar": ("target", False), "llamacpp_lookup": ("target", True),
@@ -187,3 +190,73 @@ def llamacpp_decoders(config: BenchConfig, models: dict[str, torch.nn.Module | N
             eos=tokenizer.eos_token_id, lookup=config.llamacpp_lookup_tokens if METHOD_MODELS[name][1] else 0,
             f32_cache=out_type == "f32")
     return decoders
+
+
+SHAPE_CONTEXT = 2048  # KV cells of the runtime a shape's forward is timed on
+
+
+def shape_costs(config: BenchConfig, tokenizer, prefix: int, progress: Progress) -> dict[str, dict]:
+    """--forward-shapes: per shape, a random Llama of it exported to GGUF with `tokenizer`
+    (its ids; the rest of the vocabulary padded), quantized to --forward-quantize by llama.cpp,
+    and llama.cpp's milliseconds of one causal forward of each --forward-tokens after `prefix`
+    cached tokens (one row, the min over --repeats rounds). The files live in a temporary
+    folder (under --gguf-dir when given) while timed."""
+    if not config.forward_shapes:
+        return {}
+    reason = unavailable()
+    if reason is not None:
+        raise UserError(f"--forward-shapes: {reason.removeprefix('no llamacpp_* methods: ')}")
+    out = {}
+    with progress.stage("llama.cpp on model shapes", len(config.forward_shapes),
+                        detail=f"{', '.join(config.forward_shapes)}, {config.forward_quantize}, "
+                               f"k = {config.forward_tokens}") as stage:
+        for shape in config.forward_shapes:
+            shape_cfg = shape_config(shape)
+            with tempfile.TemporaryDirectory(prefix="cllm-shape-", dir=config.gguf_dir) as folder:
+                try:
+                    path = write_gguf(random_model(shape_cfg, torch.float32, torch.device("cpu")), tokenizer,
+                                      Path(folder) / "f32.gguf").path
+                    if config.forward_quantize != "f32":
+                        quantize(path, Path(folder) / "q.gguf", config.forward_quantize, threads=config.threads)
+                        path.unlink()
+                        path = Path(folder) / "q.gguf"
+                    runtime = LlamaCppRuntime(path, threads=config.threads, context=SHAPE_CONTEXT)
+                except ValueError as exc:
+                    raise UserError(f"--forward-shapes {shape}: {first_line(exc)}") from None
+                times = time_steps(runtime, config.forward_tokens, prefix=prefix, rounds=config.repeats, tree=False,
+                                   seed=config.seed)
+                del runtime
+            out[shape] = {"parameters": parameter_count(shape_cfg), "weights": config.forward_quantize,
+                          "ms": {str(k): round(1e3 * min(v), 3) for k, v in times.causal.items()}}
+            stage.advance()
+            stage.note(f"{shape}: " + ", ".join(f"k = {k}: {ms:.1f} ms" for k, ms in out[shape]["ms"].items()))
+    return out
+
+
+def project(costs: dict[str, dict], metrics: dict[str, dict]) -> None:
+    """Adds to each shape's costs the speed the llamacpp Jacobi methods measured in this run
+    would give at that size, a projection: their tokens per forward, at the step cost of their
+    mean fed tokens (interpolated between the timed ones), over greedy's one-token forward.
+    Nothing is projected beyond the timed fed tokens, or without a one-token forward."""
+    for cost in costs.values():
+        ms = {int(k): v for k, v in cost["ms"].items()}
+        cost["projection"] = {}
+        for name in ENGINE_METHODS:
+            m = metrics.get(name)
+            if m is None or 1 not in ms or not m.get("tokens_per_forward") or not m.get("mean_fed_tokens"):
+                continue
+            fed = m["mean_fed_tokens"]
+            step = _interpolate(ms, fed)
+            if step is not None:
+                tpf = m["tokens_per_forward"]
+                cost["projection"][name] = dict(tokens_per_forward=tpf, mean_fed_tokens=fed, ms_per_step=round(step, 3),
+                                                speedup_vs_greedy=round(tpf * ms[1] / step, 3))
+
+
+def _interpolate(ms: dict[int, float], k: float) -> float | None:
+    """ms at `k` fed tokens, linear between the timed points; None outside them."""
+    points = sorted(ms.items())
+    for (k0, t0), (k1, t1) in pairwise(points):
+        if k0 <= k <= k1:
+            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+    return points[0][1] if points and k == points[0][0] else None

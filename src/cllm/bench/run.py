@@ -25,7 +25,7 @@ import transformers
 
 from cllm.bench import report
 from cllm.bench.config import LLAMACPP_METHODS, BenchConfig, with_references
-from cllm.bench.llamacpp import llamacpp_runtime, skipped_note
+from cllm.bench.llamacpp import llamacpp_runtime, project, shape_costs, skipped_note
 from cllm.bench.log import BenchLog, run_key
 from cllm.bench.methods import Decoded, ForwardCounter, Method, build_methods, engine_decoder
 from cllm.bench.metrics import ExactnessError, all_metrics, check_exact, check_promises, exact_match, merge_stats
@@ -89,6 +89,7 @@ class _Run:
     trajectories: dict[str, Any] = field(default_factory=dict)
     val: dict[str, float | None] = field(default_factory=dict)
     forward_cost: dict[str, Any] = field(default_factory=dict)
+    shape_cost: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trajectory_prompt(self) -> Prompt:
@@ -113,7 +114,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | 
         run.val = validation_losses(models, config, run.val_set, run.progress, run.log)  # 6. each model's
     run.forward_cost = forward_cost(run.runtimes["target"], config, run.progress, run.compiled,
                                     llamacpp_for_cost(config, models, run.runtimes))  # 7. one forward
-    return _result(run)  # 8. the bench JSON
+    run.shape_cost = shape_costs(config, models.tokenizer, FORWARD_PREFIX, run.progress)  # 8. ... at other sizes
+    return _result(run)  # 9. the bench JSON
 
 
 def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | None, progress: Progress,
@@ -289,6 +291,9 @@ def _result(run: _Run) -> BenchResult:
     }
     if quality is not None:
         data["quality"] = quality
+    if run.shape_cost:
+        project(run.shape_cost, metrics)
+        data["shape_cost"] = run.shape_cost
     return BenchResult(data, run.prompts, run.outputs, run.trajectories, run.violations)
 
 

@@ -55,6 +55,7 @@ def load_for_decoding(
     runtime: str = "auto",
     threads: int | None = None,
     sequences: int | None = None,
+    streams: int = 0,
 ) -> DecodingModel:
     """One call for the fast path: the model (a shipped name, a local folder or a hub id
     `owner/name`) on its runtime, its tokenizer, its draft table and the decode setting of the CLI.
@@ -73,6 +74,9 @@ def load_for_decoding(
             runtimes use torch's.
         sequences: the llama.cpp runtime's sequences, a row's own and one per tree leaf past the
             first (None: its default, for a few rows at a time; a server wants more, 256 at most).
+        streams: the llama.cpp runtime's layout (`cllm.runtime.llamacpp`): 0, unified (one
+            row's recycled drafts verified as a tree); N, a KV stream per row for N rows at most
+            (a row's attention over its own cells only: wide batches cost less; chains, no trees).
 
     Example:
         fast = load_for_decoding("stdlib-coder-cllm")
@@ -82,7 +86,8 @@ def load_for_decoding(
     """
     if gguf.is_gguf(name_or_path) or runtime == "llamacpp":
         return _load_for_llamacpp(name_or_path, dtype=dtype, draft_table=draft_table, runtime=runtime,
-                                  threads=threads, sequences=sequences, trust_remote_code=trust_remote_code)
+                                  threads=threads, sequences=sequences, streams=streams,
+                                  trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     table = load_draft_table(name_or_path, draft_table)
     module = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
@@ -119,7 +124,7 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
 
 
 def _load_for_llamacpp(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype, draft_table: str | None,
-                       runtime: str, threads: int | None, sequences: int | None,
+                       runtime: str, threads: int | None, sequences: int | None, streams: int,
                        trust_remote_code: bool) -> DecodingModel:
     """`load_for_decoding` on the llama.cpp runtime: a GGUF file with its side folder (if any),
     or a checkpoint folder exported once into the user's cache (`cllm.models.gguf`)."""
@@ -127,7 +132,7 @@ def _load_for_llamacpp(name_or_path: str | os.PathLike, *, dtype: str | torch.dt
         if runtime not in ("auto", "llamacpp"):
             raise UserError(f"--runtime {runtime}: {name_or_path} is a GGUF file, which decodes on the llamacpp "
                             "runtime only")
-        decoding = gguf.open_gguf(name_or_path, threads=threads, sequences=sequences,
+        decoding = gguf.open_gguf(name_or_path, threads=threads, sequences=sequences, streams=streams,
                                   why="a GGUF file" if runtime == "auto" else "asked for")
         side = gguf.side_folder(name_or_path)
         tokenizer = gguf.gguf_tokenizer(name_or_path, decoding, load_tokenizer)
@@ -148,7 +153,8 @@ def _load_for_llamacpp(name_or_path: str | os.PathLike, *, dtype: str | torch.dt
         file, written = gguf.cached_gguf(module, tokenizer, out_type, model_fingerprint=fingerprint(path),
                                          tokenizer_fingerprint=tokenizer_fingerprint(path))
         del module  # llama.cpp holds the weights from here on
-        decoding = gguf.open_gguf(file, threads=threads, sequences=sequences, why=f"asked for; {Path(path).name} "
+        decoding = gguf.open_gguf(file, threads=threads, sequences=sequences, streams=streams,
+                                  why=f"asked for; {Path(path).name} "
                                   f"{'exported now' if written else 'as exported before'} to {file}")
         tuned = tuned_defaults(path, "cpu", runtime="llamacpp")
     settings = {**RECOMMENDED, **tuned, "draft_table": table}

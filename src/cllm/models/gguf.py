@@ -59,13 +59,13 @@ def cached_gguf(model: torch.nn.Module, tokenizer, out_type: str, folder: str | 
 
 
 def open_gguf(path: str | os.PathLike, *, threads: int | None, why: str,
-              sequences: int | None = None) -> LlamaCppRuntime:
+              sequences: int | None = None, streams: int = 0) -> LlamaCppRuntime:
     """A GGUF file on the llama.cpp runtime; a one-line UserError when it cannot be."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"no GGUF file at {file}")
     try:
-        return LlamaCppRuntime(file, threads=threads or 0, why=why,
+        return LlamaCppRuntime(file, threads=threads or 0, why=why, streams=streams,
                                **({"sequences": sequences} if sequences else {}))
     except ValueError as exc:
         raise UserError(f"--runtime llamacpp: {first_line(exc)}") from None

@@ -1,13 +1,29 @@
 """The llama.cpp runtime: a GGUF model decoding through llama.cpp's own forward, by
 llama-cpp-python's low-level API (the one adapter between cllm and `llama_cpp`, version-checked).
 
-The protocol maps onto llama.cpp's sequences:
+The protocol maps onto llama.cpp's sequences. A runtime holds one or two contexts on its model,
+each a layout of llama.cpp's KV memory:
 
-- a row is a sequence of llama.cpp's KV memory (one context per runtime, its cells shared by
-  every session; `kv_unified`, so that one token may belong to several sequences);
-- `feed` is one `llama_decode` for every row of the session: token i of a row at its position,
-  in the row's sequence, logits out for every fed token;
-- a tree is fed with its branches as sequences: each leaf but the first gets a sequence of its
+- unified (always): every row's cells in one pool, so that one token may belong to several
+  sequences (a tree's shared prefix, below); each fed token's attention runs over every row's
+  cells, masked, which grows dear as rows are added;
+- streams (`streams=N`, a server's): each row a stream of its own (llama.cpp's non-unified
+  cache, as llama-server's slots), attending to its own cells only; a token belongs to one
+  sequence, so such a row verifies a chain, not a tree (`tree_leaves` 1: the engine puts its
+  best recycled draft in the tail's place). llama.cpp computes the rows of one decode together
+  when their sequence ids run consecutively and each feeds as many tokens, so ids are handed out
+  lowest first and the batch is laid out in id order.
+
+A row alone opens unified (its tree buys most at one row); rows opening beside others open in
+streams, and a unified row is moved into one when they do (its entries copied, `move_in`), so
+that a busy server runs one decode a step. A forward of rows in both is one decode per context.
+
+In both:
+
+- a row is a sequence;
+- `feed` is one `llama_decode` for every row of the session in a context: token i of a row at
+  its position, in the row's sequence, logits out for every fed token;
+- a (unified) tree is fed with its branches as sequences: each leaf but the first gets a sequence of its
   own (a copy of the row's entries so far, which costs llama.cpp a bit per cell, no data) and
   every fed token belongs to the sequences of the leaves below it (the row's own for those on
   the first leaf's path). llama.cpp lets a token attend to the cells of its first sequence at
@@ -30,6 +46,7 @@ a logit by a rounding step now and then), and is not the float model it came fro
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
 import os
 import weakref
@@ -48,7 +65,8 @@ from cllm.runtime.protocol import Forward, check_tree
 
 LLAMA_CPP_RANGE = ("0.3.36", "0.4")  # the low-level API relied on below (llama_memory_*, kv_unified)
 INSTALL = "pip install 'cllm[llamacpp]'"
-CONTEXT = 8192  # KV cells shared by a runtime's rows, by default
+CONTEXT = 8192  # KV cells shared by a runtime's rows, by default (unified)
+ROW_CONTEXT = 4096  # KV cells per row at most, by default (streams: the model's trained context if shorter)
 UBATCH = 512  # tokens llama.cpp computes at once (llama.cpp's default; a longer decode is sliced)
 # llama.cpp sequences of a runtime: a row's own, and one per tree leaf past the first while it is
 # fed (rows that cannot have as many get smaller trees: `tree_leaves`). llama.cpp checks every
@@ -119,74 +137,45 @@ class _Batch:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)))
 
 
-class LlamaCppRuntime:
-    """A GGUF file on llama.cpp's forward (`Runtime`). `threads`: llama.cpp's threads (0: its
-    default); `context`: KV cells shared by every open row of every session, tree drafts
-    included; `f32_cache`: an f32 KV cache (the default; False: llama.cpp's f16, half the
-    memory, whose attention rounds differently with the number of fed tokens: a wide forward's
-    logits then differ from a one-token forward's by up to ~0.06 on a q8_0 file here);
-    `extra_buffers`: llama.cpp's repacked and AMX weight buffers (`use_extra_bufts`), off by
-    default: its AMX matrix multiply crashed (a segfault) on quantized models on an Intel Xeon
-    with AMX (llama-cpp-python 0.3.36). A ValueError names why the file cannot be loaded."""
+class _Context:
+    """One llama.cpp context on the runtime's model, in one layout: its KV memory, its free
+    sequence ids (a heap: lowest first, so that busy streams run consecutively) and the batch
+    arrays its decodes read."""
 
-    name = "llamacpp"
-    offers_hidden = False
-    device = torch.device("cpu")
-
-    def __init__(self, path: str | os.PathLike, *, threads: int = 0, context: int = CONTEXT,
-                 sequences: int = SEQUENCES, f32_cache: bool = True, extra_buffers: bool = False,
-                 why: str = "asked for") -> None:
-        llama_cpp = self._llama_cpp = _api()
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ValueError(f"no GGUF file at {self.path}")
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0
-        params.use_extra_bufts = extra_buffers
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
-        if not self._model:
-            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it knows)")
-        ftype = llama_cpp.llama_model_ftype(self._model)
-        self.f32_cache = f32_cache
-        self.seq_max = min(sequences, int(llama_cpp.llama_max_parallel_sequences()))
+    def __init__(self, llama_cpp, model, *, cells: int, sequences: int, streams: bool, threads: int,
+                 f32_cache: bool, path: Path) -> None:
+        self._llama_cpp, self.streams = llama_cpp, streams
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = context  # one decode takes any feed that fits the cells
-        cparams.n_ubatch = min(UBATCH, context)  # computed in slices of this many tokens (its buffers scale with it)
-        cparams.n_seq_max = self.seq_max
-        cparams.kv_unified = True  # one token in several sequences (a tree's shared prefix)
-        cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
-        cache_type = llama_cpp.GGML_TYPE_F32 if self.f32_cache else llama_cpp.GGML_TYPE_F16
-        cparams.type_k = cparams.type_v = cache_type
+        cparams.n_ctx = cparams.n_batch = cells  # one decode takes any feed that fits the cells
+        cparams.n_ubatch = min(UBATCH, cells)  # computed in slices of this many tokens (its buffers scale with it)
+        cparams.n_seq_max = sequences
+        cparams.kv_unified = not streams  # unified: one token in several sequences (a tree's shared prefix)
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32 if f32_cache else llama_cpp.GGML_TYPE_F16
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            llama_cpp.llama_model_free(self._model)
-            raise ValueError(f"llama.cpp could not make a context of {context} cells for {self.path}")
-        self._finalizer = weakref.finalize(self, _free, llama_cpp, self._ctx, self._model)
-        self.memory = llama_cpp.llama_get_memory(self._ctx)
-        self.vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
-        self.position_limit = min(int(llama_cpp.llama_model_n_ctx_train(self._model)), context)
-        self.context, self.threads = context, cparams.n_threads
-        self.ftype = llama_cpp.llama_ftype_name(ftype).decode()  # "all F32", "Q8_0", ...
-        self.forwards = 0
-        self.why = why
-        self._free_seqs = list(range(self.seq_max - 1, -1, -1))  # sequence ids no row or branch holds
-        self._batch = _Batch(llama_cpp, 64, 4)
+        self.ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp could not make a context of {cells} cells for {path}")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.cells = int(llama_cpp.llama_n_ctx(self.ctx))  # llama.cpp rounds a stream's cells up to 256
+        self.row_cells = self.cells // sequences if streams else self.cells
+        self.seq_max = sequences
+        self.free = list(range(sequences))  # sequence ids no row or branch holds
+        self.rows: set[_Row] = set()  # the open rows whose entries are here, of every session
+        self.batch = _Batch(llama_cpp, 64, 4)
 
-    # -- sequences and decodes, for the sessions
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            what = "rows at once" if self.streams else "rows at once, or fewer recycled drafts per row"
+            raise ValueError(f"llama.cpp has {self.seq_max} sequences, and this needs {n} more than are free "
+                             f"(fewer {what})")
+        return [heapq.heappop(self.free) for _ in range(n)]
 
-    def take_seqs(self, n: int) -> list[int]:
-        if n > len(self._free_seqs):
-            raise ValueError(f"llama.cpp has {self.seq_max} sequences, and this feed needs {n} more than are free "
-                             "(fewer rows at once, or fewer recycled drafts per row)")
-        return [self._free_seqs.pop() for _ in range(n)]
-
-    def give_seqs(self, seqs: Sequence[int]) -> None:
+    def give(self, seqs: Sequence[int]) -> None:
         for s in seqs:
             self._llama_cpp.llama_memory_seq_rm(self.memory, s, -1, -1)
-        self._free_seqs.extend(seqs)
+            heapq.heappush(self.free, s)
 
     def seq_rm(self, seq: int, start: int, end: int = -1) -> None:
         self._llama_cpp.llama_memory_seq_rm(self.memory, seq, start, end)
@@ -194,26 +183,129 @@ class LlamaCppRuntime:
     def seq_cp(self, source: int, target: int, start: int, end: int = -1) -> None:
         self._llama_cpp.llama_memory_seq_cp(self.memory, source, target, start, end)
 
-    def batch(self, tokens: int, seq_max: int) -> _Batch:
+    def move_in(self, row: _Row) -> bool:
+        """Copy a unified row's entries into a free stream here, which becomes the row's
+        sequence; False, the row left where it was, when llama.cpp does not take them.
+
+        `llama_state_seq_get_data` writes a header (a magic number, the sequence id), its
+        context's stream count, then per stream the sequence's cells; a unified context has one
+        stream, and a context of N streams reads N (those of other streams empty), so the copy
+        gets N as its count and N - 1 empty streams after the row's (`llama_context::
+        state_seq_get_data`, `llama_kv_cache::state_write` / `state_read`, llama.cpp of 0.3.36)."""
+        lib, source = self._llama_cpp, row.ctx
+        if not self.free or source.streams or not self.streams:
+            return False
+        size = lib.llama_state_seq_get_size(source.ctx, row.seq)
+        data = (ctypes.c_ubyte * size)()
+        written = lib.llama_state_seq_get_data(source.ctx, data, size, row.seq)
+        header = 8  # the magic number and the sequence id
+        if written < header + 4 or int.from_bytes(bytes(data[header : header + 4]), "little") != 1:
+            return False
+        blob = (bytes(data[:header]) + self.seq_max.to_bytes(4, "little") + bytes(data[header + 4 : written])
+                + bytes(4 * (self.seq_max - 1)))
+        seq = self.take(1)[0]
+        copied = (ctypes.c_ubyte * len(blob)).from_buffer_copy(blob)
+        if lib.llama_state_seq_set_data(self.ctx, copied, len(blob), seq) != len(blob):
+            self.give([seq])
+            return False
+        source.give([row.seq])
+        source.rows.discard(row)
+        row.ctx, row.seq = self, seq
+        self.rows.add(row)
+        return True
+
+    def grow(self, tokens: int, seq_max: int) -> _Batch:
         """The batch arrays, grown to hold `tokens` tokens of up to `seq_max` sequences each."""
-        b = self._batch
+        b = self.batch
         if tokens > b.capacity or seq_max > b.seq_max:
-            self._batch = b = _Batch(self._llama_cpp, max(tokens, b.capacity), max(seq_max, b.seq_max))
+            self.batch = b = _Batch(self._llama_cpp, max(tokens, b.capacity), max(seq_max, b.seq_max))
         return b
 
-    def decode(self, n_tokens: int, outputs: int) -> torch.Tensor:
+    def decode(self, n_tokens: int, outputs: int, vocab_size: int) -> torch.Tensor:
         """`llama_decode` over the first `n_tokens` of the batch; the logits (outputs, V) of the
         tokens marked, in batch order."""
-        b = self._batch
+        b = self.batch
         b.struct.n_tokens = n_tokens
-        status = self._llama_cpp.llama_decode(self._ctx, b.struct)
+        status = self._llama_cpp.llama_decode(self.ctx, b.struct)
         if status != 0:
-            why = (f"its {self.context} KV cells are full (fewer rows, or a larger context)" if status == 1
-                   else f"llama_decode returned {status}")
+            why = (f"its {self.row_cells} KV cells {'per row ' if self.streams else ''}are full (fewer rows, or a "
+                   "larger context)" if status == 1 else f"llama_decode returned {status}")
             raise RuntimeError(f"llama.cpp could not run a forward of {n_tokens} tokens: {why}")
-        self.forwards += 1
-        view = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(self._ctx), shape=(outputs, self.vocab_size))
+        view = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(self.ctx), shape=(outputs, vocab_size))
         return torch.from_numpy(view.copy())  # llama.cpp's buffer is rewritten by the next decode
+
+
+class LlamaCppRuntime:
+    """A GGUF file on llama.cpp's forward (`Runtime`). `threads`: llama.cpp's threads (0: its
+    default); `context`: KV cells of the unified layout, shared by its rows and their tree
+    drafts; `sequences`: its sequences (a row's own and one per tree leaf past the first);
+    `streams`: 0, every row unified; N, a server's: also a stream per row for N rows of
+    `row_context` cells each (default: `ROW_CONTEXT`, or the model's trained context when
+    shorter), where a row opens when others are open (`open`); `f32_cache`: an f32 KV cache (the
+    default; False: llama.cpp's f16, half the memory, whose attention rounds differently with
+    the number of fed tokens: a wide forward's logits then differ from a one-token forward's by
+    up to ~0.06 on a q8_0 file here); `extra_buffers`: llama.cpp's repacked and AMX weight
+    buffers (`use_extra_bufts`), off by default: its AMX matrix multiply crashed (a segfault) on
+    quantized models on an Intel Xeon with AMX (llama-cpp-python 0.3.36). A ValueError names why
+    the file cannot be loaded."""
+
+    name = "llamacpp"
+    offers_hidden = False
+    device = torch.device("cpu")
+
+    def __init__(self, path: str | os.PathLike, *, threads: int = 0, context: int = CONTEXT,
+                 sequences: int = SEQUENCES, streams: int = 0, row_context: int | None = None,
+                 f32_cache: bool = True, extra_buffers: bool = False, why: str = "asked for") -> None:
+        llama_cpp = self._llama_cpp = _api()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"no GGUF file at {self.path}")
+        most = int(llama_cpp.llama_max_parallel_sequences())
+        if not 0 <= streams <= most:
+            raise ValueError(f"streams must be 0..{most}, got {streams}")
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = extra_buffers
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it knows)")
+        contexts: list = []  # llama.cpp's, freed with the model
+        self._finalizer = weakref.finalize(self, _free, llama_cpp, contexts, self._model)
+        trained = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        self.threads = threads or os.cpu_count() or 1
+        self.f32_cache, self.streams = f32_cache, streams
+        made = dict(threads=self.threads, f32_cache=f32_cache, path=self.path)
+        self._unified = _Context(llama_cpp, self._model, cells=context, sequences=min(sequences, most),
+                                 streams=False, **made)
+        contexts.append(self._unified.ctx)
+        self._streams = None
+        if streams:
+            per_row = row_context or min(trained, ROW_CONTEXT)
+            self._streams = _Context(llama_cpp, self._model, cells=streams * per_row, sequences=streams,
+                                     streams=True, **made)
+            contexts.append(self._streams.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.context = self._unified.cells
+        self.row_context = min(c.row_cells for c in (self._unified, self._streams) if c is not None)
+        self.position_limit = min(trained, self.row_context)
+        self.max_rows = streams or None  # a server's rows at most; unified only: as many as its sequences hold
+        self.ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self._model)).decode()  # "all F32", ...
+        self.forwards = 0
+        self.why = why
+
+    def context_for(self, rows: int) -> _Context:
+        """Where `rows` new rows open (between forwards): alone, unified (a tree per step);
+        beside other rows, a stream each when there are streams, the unified rows moved into
+        streams too (one decode a step, every row's attention over its own cells)."""
+        streams, unified = self._streams, self._unified
+        if streams is None or len(unified.rows) + len(streams.rows) + rows <= 1:
+            return unified
+        for row in sorted(unified.rows, key=lambda row: row.seq):
+            if len(streams.free) <= rows or row.fed:
+                break
+            streams.move_in(row)
+        return streams if len(streams.free) >= rows else unified
 
     # -- the protocol
 
@@ -228,18 +320,22 @@ class LlamaCppRuntime:
 
     def describe(self) -> str:
         version = installed_version("llama-cpp-python")
+        layout = (f"unified for a row alone, else a stream per row ({self.streams} rows)" if self.streams
+                  else "unified")
         return (f"llama.cpp (llama-cpp-python {version}) on {self.path.name}, {self.ftype}, {self.threads} threads, "
-                f"{'f32' if self.f32_cache else 'f16'} KV cache ({self.why})")
+                f"{'f32' if self.f32_cache else 'f16'} KV cache, {layout} ({self.why})")
 
 
-def _free(llama_cpp, ctx, model) -> None:
-    llama_cpp.llama_free(ctx)
+def _free(llama_cpp, contexts, model) -> None:
+    for ctx in contexts:
+        llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
 
 
-@dataclass
+@dataclass(eq=False)  # in sets by identity
 class _Row:
-    seq: int  # the row's own sequence
+    ctx: _Context  # the context holding its entries
+    seq: int  # the row's own sequence there
     length: int  # its entries (the position of its next token)
     fed: int = 0  # tokens of the last feed not yet kept or dropped
     leaves: list[int] = field(default_factory=list)  # a tree feed's branch sequences (leaf 1, 2, ...)
@@ -248,7 +344,7 @@ class _Row:
 
 class LlamaCppSession:
     """Rows decoding together on a `LlamaCppRuntime`, one llama.cpp sequence each (module
-    docstring)."""
+    docstring); a forward is one `llama_decode` per context its rows are in."""
 
     def __init__(self, runtime: LlamaCppRuntime) -> None:
         self.runtime = runtime
@@ -264,9 +360,10 @@ class LlamaCppSession:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every row opens with a prompt of at least one token")
         rt = self.runtime
-        seqs = rt.take_seqs(len(prompts))
+        ctx = rt.context_for(len(prompts))
+        seqs = ctx.take(len(prompts))
         total = sum(len(p) for p in prompts)
-        b = rt.batch(total, 1)
+        b = ctx.grow(total, 1)
         at, outputs = 0, 0
         for prompt, seq in zip(prompts, seqs, strict=True):
             n = len(prompt)
@@ -279,15 +376,17 @@ class LlamaCppSession:
             outputs += n if every else 1
             at += n
         try:
-            logits = rt.decode(total, outputs)
+            logits = ctx.decode(total, outputs, rt.vocab_size)
         except RuntimeError:
-            rt.give_seqs(seqs)
+            ctx.give(seqs)
             raise
+        rt.forwards += 1
         self.forwards += 1
         ids = list(range(self._next, self._next + len(prompts)))
         self._next += len(prompts)
         for i, prompt, seq in zip(ids, prompts, seqs, strict=True):
-            self._rows[i] = _Row(seq, len(prompt))
+            self._rows[i] = row = _Row(ctx, seq, len(prompt))
+            ctx.rows.add(row)
         if not every:
             return ids, Forward(logits[:, None])
         width = max(len(p) for p in prompts)  # left-padded to the longest prompt
@@ -308,49 +407,75 @@ class LlamaCppSession:
             raise ValueError("every fed row needs at least one token")
         for r in rows:
             self._drop_fed(self._rows[r])  # a feed never kept is forgotten
+        rt = self.runtime
         layouts = [None] * len(rows) if parents is None else [_tree(p, len(t)) for p, t in zip(parents, tokens,
                                                                                                 strict=True)]
-        rt = self.runtime
+        for i, r in enumerate(rows):
+            lay = layouts[i]
+            if self._rows[r].ctx.streams and lay is not None:  # a stream holds a chain: a one-leaf tree
+                if len(lay.leaves) > 1:
+                    raise ValueError("a row in a llama.cpp stream of its own verifies a chain, not a tree")
+                layouts[i] = None
         fed = [len(t) for t in tokens]
-        total = sum(fed)
-        b = rt.batch(total, max((len(lay.leaves) for lay in layouts if lay is not None), default=1))
-        at = 0
+        width = max(fed)
+        out = None
         try:
-            for r, toks, lay in zip(rows, tokens, layouts, strict=True):
-                row = self._rows[r]
-                n = len(toks)
-                b.token[at : at + n] = toks
-                b.logits[at : at + n] = 1
-                if lay is None:
-                    b.pos[at : at + n] = np.arange(row.length, row.length + n)
-                    b.n_seq[at : at + n] = 1
-                    b.seq[at : at + n, 0] = row.seq
-                else:
-                    self._lay_tree(row, lay, b, at)
-                row.fed = n
-                at += n
-            logits = rt.decode(total, total)
+            for ctx in {self._rows[r].ctx: None for r in rows}:  # a decode per context, rows in sequence order
+                mine = sorted((i for i, r in enumerate(rows) if self._rows[r].ctx is ctx),
+                              key=lambda i: self._rows[rows[i]].seq)
+                gaps = _gaps(ctx, [self._rows[rows[i]].seq for i in mine], [fed[i] for i in mine])
+                total = sum(fed[i] for i in mine)
+                b = ctx.grow(total + len(gaps) * fed[mine[0]],
+                             max((len(layouts[i].leaves) for i in mine if layouts[i] is not None), default=1))
+                at = 0
+                for i in _merged(mine, [self._rows[rows[i]].seq for i in mine], gaps):
+                    if i < 0:  # a free stream's filler: the decode's streams run consecutively
+                        n = fed[mine[0]]
+                        b.token[at : at + n], b.logits[at : at + n] = 0, 0
+                        b.pos[at : at + n] = np.arange(n)
+                        b.n_seq[at : at + n], b.seq[at : at + n, 0] = 1, -1 - i
+                        at += n
+                        continue
+                    row, toks, lay = self._rows[rows[i]], tokens[i], layouts[i]
+                    n = len(toks)
+                    b.token[at : at + n] = toks
+                    b.logits[at : at + n] = 1
+                    if lay is None:
+                        b.pos[at : at + n] = np.arange(row.length, row.length + n)
+                        b.n_seq[at : at + n] = 1
+                        b.seq[at : at + n, 0] = row.seq
+                    else:
+                        self._lay_tree(row, lay, b, at)
+                    row.fed = n
+                    at += n
+                try:
+                    logits = ctx.decode(at, total, rt.vocab_size)
+                finally:
+                    for seq in gaps:
+                        ctx.seq_rm(seq, -1)
+                if len(mine) == len(rows) and mine == list(range(len(rows))) and all(f == width for f in fed):
+                    out = logits.view(len(rows), width, rt.vocab_size)
+                    break
+                if out is None:
+                    out = logits.new_zeros(len(rows), width, rt.vocab_size)
+                at = 0
+                for i in mine:
+                    out[i, : fed[i]] = logits[at : at + fed[i]]
+                    at += fed[i]
         except (RuntimeError, ValueError):
             for r in rows:
                 self._drop_fed(self._rows[r])
             raise
+        rt.forwards += 1
         self.forwards += 1
-        width = max(fed)
-        if all(f == width for f in fed):
-            return Forward(logits.view(len(rows), width, rt.vocab_size))
-        out = logits.new_zeros(len(rows), width, rt.vocab_size)
-        at = 0
-        for i, f in enumerate(fed):
-            out[i, :f] = logits[at : at + f]
-            at += f
         return Forward(out)
 
     def _lay_tree(self, row: _Row, lay: _Tree, b: _Batch, at: int) -> None:
         """A row's tree into the batch from `at`: the leaves past the first get sequences that
         hold the row's past, every token the sequences of the leaves below it."""
-        extra = self.runtime.take_seqs(len(lay.leaves) - 1)
+        extra = row.ctx.take(len(lay.leaves) - 1)
         for s in extra:
-            self.runtime.seq_cp(row.seq, s, 0, row.length)
+            row.ctx.seq_cp(row.seq, s, 0, row.length)
         row.leaves = extra
         seq_of_leaf = [row.seq, *extra]
         n = len(lay.depth)
@@ -368,27 +493,28 @@ class LlamaCppSession:
                 raise ValueError("keep follows a feed")
             if k and (k[0] != 0 or k[-1] >= row.fed):
                 raise ValueError(f"row {r} keeps {k} of {row.fed} fed entries: a chain from the first")
+            ctx = row.ctx
             if not row.leaves and not row.first:  # a chain: its first len(k) entries
                 if k != list(range(len(k))):
                     raise ValueError(f"row {r} keeps {k} of a chain feed: its first entries only")
-                self.runtime.seq_rm(row.seq, row.length + len(k))
+                ctx.seq_rm(row.seq, row.length + len(k))
             elif k:
                 source = row.first[k[-1]]  # a sequence the whole kept path belongs to
                 if source != row.seq:
-                    self.runtime.seq_rm(row.seq, row.length)
-                    self.runtime.seq_cp(source, row.seq, row.length, row.length + len(k))
+                    ctx.seq_rm(row.seq, row.length)
+                    ctx.seq_cp(source, row.seq, row.length, row.length + len(k))
                 else:
-                    self.runtime.seq_rm(row.seq, row.length + len(k))
+                    ctx.seq_rm(row.seq, row.length + len(k))
             else:
-                self.runtime.seq_rm(row.seq, row.length)
-            self.runtime.give_seqs(row.leaves)
+                ctx.seq_rm(row.seq, row.length)
+            ctx.give(row.leaves)
             row.length += len(k)
             row.fed, row.leaves, row.first = 0, [], []
 
     def _drop_fed(self, row: _Row) -> None:
         if row.fed:
-            self.runtime.seq_rm(row.seq, row.length)
-            self.runtime.give_seqs(row.leaves)
+            row.ctx.seq_rm(row.seq, row.length)
+            row.ctx.give(row.leaves)
             row.fed, row.leaves, row.first = 0, [], []
 
     def rewind(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
@@ -396,7 +522,7 @@ class LlamaCppSession:
             row = self._rows[r]
             self._drop_fed(row)
             if n < row.length:
-                self.runtime.seq_rm(row.seq, n)
+                row.ctx.seq_rm(row.seq, n)
                 row.length = n
 
     def close(self, rows: Sequence[int]) -> None:
@@ -404,7 +530,8 @@ class LlamaCppSession:
             row = self._rows.pop(r, None)
             if row is not None:
                 self._drop_fed(row)
-                self.runtime.give_seqs([row.seq])
+                row.ctx.give([row.seq])
+                row.ctx.rows.discard(row)
 
     def rows(self) -> list[int]:
         return list(self._rows)
@@ -412,16 +539,37 @@ class LlamaCppSession:
     def length(self, row: int) -> int:
         return self._rows[row].length
 
-    def tree_leaves(self, rows: int) -> int | None:
-        """Each leaf past the first holds a free sequence while its tree is fed: the free ones
-        shared out over `rows` rows."""
-        return 1 + len(self.runtime._free_seqs) // max(rows, 1)
+    def tree_leaves(self, rows: Sequence[int]) -> list[int | None]:
+        """A row in a stream of its own: a chain. Unified: each leaf past the first holds a free
+        sequence while its tree is fed, the free ones shared out over the unified rows fed."""
+        unified = [r for r in rows if not self._rows[r].ctx.streams]
+        share = 1 + len(self.runtime._unified.free) // max(len(unified), 1)
+        return [1 if self._rows[r].ctx.streams else share for r in rows]
 
     def __del__(self) -> None:
         try:
             self.close(list(self._rows))
         except Exception:  # noqa: BLE001 - the runtime may be gone at interpreter exit
             pass
+
+
+def _gaps(ctx: _Context, seqs: Sequence[int], fed: Sequence[int]) -> list[int]:
+    """The free streams between the lowest and the highest of `seqs` (sorted) when every row
+    feeds as many tokens: filled with as many of no one's tokens, the decode's streams run
+    consecutively and llama.cpp computes them in one pass, of the same shape from step to step
+    (its graph reused), where a gap would split it in two. None in a unified context, or where
+    another session's row holds the gap."""
+    if not ctx.streams or len(set(fed)) != 1 or not seqs:
+        return []
+    free = set(ctx.free)
+    return [s for s in range(seqs[0] + 1, seqs[-1]) if s in free]
+
+
+def _merged(mine: Sequence[int], seqs: Sequence[int], gaps: Sequence[int]) -> list[int]:
+    """The feed's entries in sequence order: row indices (`mine`, whose sequences are `seqs`,
+    sorted), and -1 - s for the filler of free stream s."""
+    entries = sorted([*zip(seqs, mine, strict=True), *((s, -1 - s) for s in gaps)])
+    return [i for _, i in entries]
 
 
 @dataclass

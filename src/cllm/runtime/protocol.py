@@ -21,8 +21,8 @@ logits it gets back.
 - `rewind(rows, lengths)` forgets every entry of a row past `lengths[b]` tokens (a drafter's
   rejected drafts).
 - `close(rows)` ends rows; their entries are freed.
-- `tree_leaves(rows)`: how many leaves each row's tree may have in a forward of that many rows
-  (None: any; a runtime whose trees cost it a resource per leaf says so).
+- `tree_leaves(rows)`: per row of `rows` fed together, how many leaves its tree may have
+  (None: any; a runtime whose trees cost it a resource per leaf says so; 1: a chain only).
 
 How entries are stored (a rectangular cache with holes, a paged cache, llama.cpp's sequences)
 is each runtime's business: a decoder never sees it. `rows()` gives the open rows in the order
@@ -87,9 +87,10 @@ class Session(Protocol):
         """The tokens in a row's sequence (the position its next token takes)."""
         ...
 
-    def tree_leaves(self, rows: int) -> int | None:
-        """How many leaves the tree of each of `rows` rows fed together may have (None: any);
-        llama.cpp's runtime holds a sequence per leaf while a tree is fed."""
+    def tree_leaves(self, rows: Sequence[int]) -> list[int | None]:
+        """Per row of `rows` (fed together), how many leaves its tree may have (None: any; 1: a
+        chain only). llama.cpp's runtime holds a sequence per leaf while a tree is fed, and a row
+        in a stream of its own verifies chains."""
         ...
 
 

@@ -373,8 +373,8 @@ class BatchedSession:
         batch = self._batch()
         return batch.lengths[batch.ids.index(row)]
 
-    def tree_leaves(self, rows: int) -> int | None:
-        return None  # a tree is a mask here: any number of leaves
+    def tree_leaves(self, rows: Sequence[int]) -> list[int | None]:
+        return [None] * len(rows)  # a tree is a mask here: any number of leaves
 
     def _batch(self) -> Batch:
         if self.batch is None:

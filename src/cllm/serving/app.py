@@ -237,7 +237,7 @@ def open_app(config: ServeConfig) -> BoundApp:
     def load() -> tuple[ServedModel, FastAPI]:
         served = load_served(config.model, dtype=config.dtype, device=config.device,
                              threads=config.threads or free_cores(), draft_table=config.draft_table,
-                             compile=config.compile, runtime=config.runtime)
+                             compile=config.compile, runtime=config.runtime, max_rows=config.max_batch_size)
         return served, create_app(served.model, served.codec.tokenizer, config, served.draft_table)
 
     try:  # off the main thread: the decode thread is then the only one with torch CPU threads

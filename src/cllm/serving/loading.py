@@ -32,7 +32,7 @@ from cllm.models.gguf import is_gguf
 from cllm.runtime import Runtime, open_runtime
 from cllm.serving.completion import TextCodec
 
-SERVER_SEQUENCES = 256  # llama.cpp's most: batches of rows, each with a tree of drafts
+SERVER_STREAMS = 16  # llama.cpp: a KV stream per row, 16 rows at once at most (llama-server's -np 16)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ServedModel:
 
 def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", threads: int = 0,
                 draft_table: str = "auto", medusa: str = "none", compile: bool = False,
-                batches: bool = True, runtime: str = "auto") -> ServedModel:
+                batches: bool = True, runtime: str = "auto", max_rows: int = SERVER_STREAMS) -> ServedModel:
     """Load `model` (a shipped name, a folder or a hub id) for decoding.
 
     Args:
@@ -63,7 +63,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
             time, the first time for a model: later processes load both from the compile cache).
         runtime: "auto", "transformers", "lean" (`cllm.runtime.open_runtime`) or "llamacpp"
             (a GGUF file, or the checkpoint exported once: `cllm.models.load_for_decoding`,
-            whose `threads` are llama.cpp's).
+            whose `threads` are llama.cpp's; with `batches`, a KV stream per row for `max_rows`
+            rows, `SERVER_STREAMS` at most).
     """
     hf_logging.disable_progress_bar()  # stderr is for our own one-line summaries
     if threads:
@@ -72,7 +73,7 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         if not is_off(medusa) and medusa != "auto":
             raise UserError("--medusa: Medusa heads read hidden states, which the llamacpp runtime does not give")
         fast = load_for_decoding(model, dtype=dtype, draft_table=draft_table, runtime=runtime, threads=threads or None,
-                                 sequences=SERVER_SEQUENCES if batches else None)
+                                 streams=max(1, min(max_rows, SERVER_STREAMS)) if batches else 0)
         return ServedModel(fast.model, TextCodec(fast.tokenizer), fast.draft_table, None,
                            fast.model.compile() if compile else None)
     tokenizer = load_tokenizer(model)

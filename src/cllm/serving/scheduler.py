@@ -113,7 +113,9 @@ class Scheduler:
         # a streamed job's text is sent at most once per `stream_interval` seconds (0: per step)
         self.stream_interval = stream_interval
         self._sending = threading.Lock()  # a job's unsent text: the worker's, and `stop`'s
-        self.queue_size, self.max_batch_size = queue_size, max_batch_size
+        # a runtime with a fixed number of rows (llama.cpp's streams) runs no more at once
+        self.queue_size = queue_size
+        self.max_batch_size = min(max_batch_size, getattr(self.model, "max_rows", None) or max_batch_size)
         self.max_tokens_in_flight = max_tokens_in_flight
         self.forward_width = forward_width
         self.device = self.model.device  # where its logits, and the draws, are

@@ -12,7 +12,8 @@ drafters in two ways, both built once from the settings (`Drafters.from_settings
   `LookupGuess`);
 - with recycling, extra **branches** verified beside the Jacobi tail in one tree forward
   (`branches`): `PoolDrafter` (the n-gram pool: prompt, output, earlier Jacobi states), then
-  `TableDrafter`; when sampling, one pool draft *replaces* the tail's drafts instead (`swap`).
+  `TableDrafter`; when sampling, one pool draft *replaces* the tail's drafts instead (`swap`),
+  as it does for greedy recycling on a runtime that verifies chains only (`chain`).
 
 A new drafter is a class with `source` (where its tokens are credited, one of `rule.SOURCES`),
 `most` (branches it may add) and `propose`, added to `Drafters.from_settings`; the loop that
@@ -287,17 +288,19 @@ class Drafters:
     ahead: tuple[Drafter, ...]  # multi-block: drafts of the blocks in flight behind it (`fill`)
     tree: tuple[Drafter, ...] = ()  # greedy recycling: branches beside the tail (`branches`)
     swap: Drafter | None = None  # sampling with recycling: the draft that replaces the tail's
+    chain: Drafter | None = None  # greedy recycling where a runtime verifies no trees: the same
 
     @classmethod
     def from_settings(cls, config: JacobiConfig, draft_table: DraftTable | None, sampling: bool) -> Drafters:
         guess = GUESS_DRAFTERS[config.guess]
         table = (TableDrafter(draft_table),) if draft_table is not None else ()
         tree: tuple[Drafter, ...] = ()
-        swap = None
+        swap = chain = None
         if config.recycle and not sampling:
             tree = (PoolDrafter(config.recycle, config.recycle_min_ngram),)
             if draft_table is not None:  # one more branch: the table's chain, a block long
                 tree += (TableDrafter(draft_table, max_width=config.block_size),)
+            chain = PoolDrafter(1, config.recycle_min_ngram, spare=0, halve_shorter=False)
         elif config.recycle:
             swap = PoolDrafter(1, config.recycle_min_ngram, spare=0, halve_shorter=False, skip_current=True)
-        return cls(block=(CarriedDrafts(), *table, guess), ahead=(guess,), tree=tree, swap=swap)
+        return cls(block=(CarriedDrafts(), *table, guess), ahead=(guess,), tree=tree, swap=swap, chain=chain)

@@ -11,6 +11,8 @@ moves the row (`state.advance`) and has the session keep exactly those tokens' e
 - `TreeVerifier` (greedy recycling): each row feeds its tail and the tree drafters' branches as
   one token trie (`tree.Tree`, fed by its parent list); the longest path whose tokens all equal
   their predictions is final (`Tree.accept`), and the branch it lies on becomes the tail.
+  A row whose session verifies chains only for it (`tree_leaves` 1: a llama.cpp stream of its
+  own) feeds a chain instead, its best pool draft in the tail's draft positions (`chain_of`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from cllm.decoding.argmax import argmax
-from cllm.decoding.jacobi.drafters import branches
+from cllm.decoding.jacobi.drafters import Drafter, branches, fill
+from cllm.decoding.jacobi.rule import accepted_length
 from cllm.decoding.jacobi.state import Row, Settings, advance, isolated, last_token, set_drafts, swap_in_draft, tail
 from cllm.decoding.sampling import verify_drafts
 from cllm.decoding.stats import DecodeStats
@@ -73,9 +76,15 @@ class TreeVerifier:
     prefixes fed once); the longest verified path is final, its entries are kept."""
 
     def step(self, session: Session, rows: list[Row], cfg: Settings, stats: DecodeStats) -> None:
-        leaves = session.tree_leaves(len(rows))  # None, or the most a runtime holds per row
+        ids = [row.index for row in rows]
+        leaves = session.tree_leaves(ids)  # per row: None, or the most leaves its runtime holds for it
+        chained = [cfg.drafters.chain is not None and n == 1 for n in leaves]  # rows that verify a chain
+        between = [row.block is None for row in rows]
 
         def trie_of(r: int, row: Row) -> tuple[Tree, list[str]]:
+            if chained[r]:
+                chain, source = chain_of(row, cfg, cfg.drafters.chain)
+                return Tree.trie(chain, []), [source]
             t = tail(row)
             drafts, kinds = [], []
             # a draft may reach past the tail (its surplus rides as drafts of the next block);
@@ -86,25 +95,33 @@ class TreeVerifier:
             if room and (row.block is not None or cfg.blocks_in_flight == 1):
                 width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
                 drafts, kinds = branches(cfg.drafters.tree, row.context(cfg), t, width)
-                if leaves is not None:  # the tail's leaf, and one per draft at most
-                    drafts, kinds = drafts[: leaves - 1], kinds[: leaves - 1]
+                if leaves[r] is not None:  # the tail's leaf, and one per draft at most
+                    drafts, kinds = drafts[: leaves[r] - 1], kinds[: leaves[r] - 1]
             return Tree.trie(t, drafts, cfg.recycle_budget), ["jacobi", *kinds]  # kinds: per branch
 
         # a row that fails (here or below) feeds its last token and keeps it alone
         built = isolated(rows, trie_of, lambda row: (Tree.trie(last_token(row), []), ["jacobi"]))
         trees, branch_kinds = [tree for tree, _ in built], [kinds for _, kinds in built]
-        if all(len(tree.tokens) == len(tree.path(tree.leaves[0])) for tree in trees):
+        chains = all(len(tree.tokens) == len(tree.path(tree.leaves[0])) for tree in trees)
+        if chains and not any(chained):
             # no draft added a token: a plain Jacobi step (a chain, no tree mask to build)
             LinearVerifier().step(session, rows, cfg, stats)
             return
-        ids = [row.index for row in rows]
-        logits = session.feed(ids, [tree.tokens for tree in trees], parents=[tree.parent for tree in trees]).logits
+        logits = session.feed(ids, [tree.tokens for tree in trees],
+                              parents=None if chains else [tree.parent for tree in trees]).logits
         out = argmax(logits).tolist()
         stats.forward_passes += 1
         stats.fed.append(max(len(tree.tokens) for tree in trees))
 
         def accept(r: int, row: Row) -> list[int]:
             tree = trees[r]
+            if chained[r]:
+                if not between[r]:  # the tail's outputs (not the padding's)
+                    return list(range(advance(row, out[r][: len(tail(row))], cfg, stats)))
+                outputs = out[r][: len(tree.tokens)]
+                row.ahead = outputs  # the fed draft's outputs draft the next block
+                return list(range(advance(row, outputs, cfg, stats, accepted=accepted_length(tree.tokens, outputs),
+                                          draft_source=branch_kinds[r][0])))
             accepted = tree.accept(out[r])
             # the first branch (the tail's, else a draft's) the accepted path lies on: its tokens
             # become the tail, its outputs the next state
@@ -120,3 +137,29 @@ class TreeVerifier:
             return accepted
 
         session.keep(ids, isolated(rows, accept, lambda row: [0]))
+
+
+def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]:
+    """What a row verifying chains only feeds, and where its draft came from: its tail, the
+    drafter's best draft in the tail's draft positions (its surplus runs past the block), then
+    padding; between blocks, the last final token and a draft of the next block (the drafter's,
+    else the block drafters'), whose outputs then draft that block. The guess pads a chain to
+    `block_size` tokens, so that every row feeds as many: llama.cpp computes the equal chains of
+    consecutive streams in one pass, where unequal ones cost it more than the padding. Padding
+    after a tail is fed and never kept (its outputs would draft the next block from guessed
+    tokens)."""
+    width = cfg.block_size
+    found = drafter.propose(row.context(cfg), width - 1)
+    draft, source = (found[0], drafter.source) if found else ([], drafter.source)
+    if row.block is None:
+        if not draft:
+            draft, origin = fill(cfg.drafters.block, row.context(cfg), width - 1)
+            source = origin[0] if origin else source
+        chain = [row.known[-1], *draft]
+    else:
+        if draft:
+            set_drafts(row, draft, source)
+        chain = tail(row)
+    if len(chain) < width:
+        chain += fill(cfg.drafters.ahead, row.context(cfg).after(chain[1:]), width - len(chain))[0]
+    return chain, source
