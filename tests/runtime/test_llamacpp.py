@@ -50,7 +50,7 @@ def shipped(tmp_path_factory):
     """(role, type) -> (GGUF path, tokenizer, draft table) for the shipped target and CLLM, f32
     and q8_0 (llama.cpp's quantizer)."""
     from cllm.runtime.gguf import write_gguf
-    from cllm.runtime.llamacpp import quantize
+    from cllm.runtime.llamacpp_files import quantize
 
     folder, out = tmp_path_factory.mktemp("gguf"), {}
     for role, name in (("target", "stdlib-coder"), ("cllm", "stdlib-coder-cllm")):

@@ -53,7 +53,7 @@ from typing import Any, Literal
 from cllm.core.config import is_off
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.evaluation.humaneval import QUALITIES
-from cllm.runtime.llamacpp import QUANT_TYPES
+from cllm.runtime.llamacpp_files import QUANT_TYPES
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",

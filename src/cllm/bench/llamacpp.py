@@ -42,7 +42,8 @@ from cllm.models.gguf import cached_gguf
 from cllm.profiling.steptime import parameter_count, random_model, shape_config, time_steps
 from cllm.runtime import llamacpp as llamacpp_module
 from cllm.runtime.gguf import OUT_TYPE_OF_DTYPE, import_gguf, write_gguf
-from cllm.runtime.llamacpp import LlamaCppRuntime, quantize
+from cllm.runtime.llamacpp import LlamaCppRuntime
+from cllm.runtime.llamacpp_files import quantize
 
 # method -> (role of the model it decodes, prompt-lookup drafting)
 METHOD_MODELS = {"llamacpp_ar": ("target", False), "llamacpp_lookup": ("target", True),

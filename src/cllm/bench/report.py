@@ -241,6 +241,31 @@ def _rivals_text(data: dict[str, Any]) -> str:
     return (" " + "; ".join(said) + ".") if said else ""
 
 
+def _shape_cost_section(costs: dict | None) -> list[str]:
+    """--forward-shapes: llama.cpp's forward on each shape, and the projection onto it."""
+    if not costs:
+        return []
+    ks = sorted({int(k) for c in costs.values() for k in c["ms"]})
+    parts = ["", "## llama.cpp's forward on random models of other shapes (ms), and a projection", "",
+             "One causal forward of k fed tokens after the same cached tokens, llama.cpp at the run's threads, "
+             "the min over the rounds (`--forward-shapes`):", "",
+             _md_table(["shape", "parameters", "weights", *(f"k = {k}" for k in ks)],
+                       [[shape, f"{c['parameters']:,}", c["weights"], *(_cell(c["ms"].get(str(k)), "{:.1f}")
+                                                                        for k in ks)]
+                        for shape, c in costs.items()])]
+    rows = [[shape, f"`{name}`", f"{p['tokens_per_forward']:.2f}", f"{p['mean_fed_tokens']:.1f}",
+             f"{p['ms_per_step']:.1f}", f"{p['speedup_vs_greedy']:.2f}x"]
+            for shape, c in costs.items() for name, p in c.get("projection", {}).items()]
+    if rows:
+        parts += ["", "**A projection, not a measurement**: the tokens per forward measured above (on the "
+                  "benched models), at the step cost of their mean fed tokens on that shape, over one-token "
+                  "greedy forwards; random weights decode no text, and a model of that size makes its own "
+                  "tokens per forward.", "",
+                  _md_table(["shape", "method", "tokens/forward (here)", "fed tokens", "ms per step there",
+                             "projected speed vs greedy"], rows)]
+    return parts
+
+
 def markdown_report(data: dict[str, Any]) -> str:
     """report.md: the tables of the bench JSON, the settings, and links to the pictures."""
     cfg, mach = data["config"], data["machine"]
@@ -287,26 +312,7 @@ def markdown_report(data: dict[str, Any]) -> str:
                   _md_table(["forward", "batch", *(f"k = {k}" for k in ks)],
                             [[path, B, *(_cell(per_k.get(str(k)), "{:.3f}") for k in ks)]
                              for path, per_b in cost["ms"].items() for B, per_k in per_b.items()])]
-    if data.get("shape_cost"):
-        costs = data["shape_cost"]
-        ks = sorted({int(k) for c in costs.values() for k in c["ms"]})
-        parts += ["", "## llama.cpp's forward on random models of other shapes (ms), and a projection", "",
-                  "One causal forward of k fed tokens after the same cached tokens, llama.cpp at the run's threads, "
-                  "the min over the rounds (`--forward-shapes`):", "",
-                  _md_table(["shape", "parameters", "weights", *(f"k = {k}" for k in ks)],
-                            [[shape, f"{c['parameters']:,}", c["weights"], *(_cell(c["ms"].get(str(k)), "{:.1f}")
-                                                                             for k in ks)]
-                             for shape, c in costs.items()])]
-        rows = [[shape, f"`{name}`", f"{p['tokens_per_forward']:.2f}", f"{p['mean_fed_tokens']:.1f}",
-                 f"{p['ms_per_step']:.1f}", f"{p['speedup_vs_greedy']:.2f}x"]
-                for shape, c in costs.items() for name, p in c.get("projection", {}).items()]
-        if rows:
-            parts += ["", "**A projection, not a measurement**: the tokens per forward measured above (on the "
-                      "benched models), at the step cost of their mean fed tokens on that shape, over one-token "
-                      "greedy forwards; random weights decode no text, and a model of that size makes its own "
-                      "tokens per forward.", "",
-                      _md_table(["shape", "method", "tokens/forward (here)", "fed tokens", "ms per step there",
-                                 "projected speed vs greedy"], rows)]
+    parts += _shape_cost_section(data.get("shape_cost"))
     if data.get("quality"):
         q = data["quality"]
         parts += ["", "## HumanEval tests (pass@1)", "",

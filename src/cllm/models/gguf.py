@@ -16,7 +16,8 @@ import torch
 
 from cllm.core.errors import UserError, first_line
 from cllm.runtime.gguf import read_source, write_gguf
-from cllm.runtime.llamacpp import LlamaCppRuntime, LlamaCppTokenizer
+from cllm.runtime.llamacpp import LlamaCppRuntime
+from cllm.runtime.llamacpp_files import LlamaCppTokenizer
 
 SIDE = ".cllm"  # OUT.gguf's side folder: OUT.cllm/
 

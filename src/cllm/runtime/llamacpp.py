@@ -1,5 +1,6 @@
 """The llama.cpp runtime: a GGUF model decoding through llama.cpp's own forward, by
-llama-cpp-python's low-level API (the one adapter between cllm and `llama_cpp`, version-checked).
+llama-cpp-python's low-level API (with `llamacpp_files`, the one adapter between cllm and
+`llama_cpp`, version-checked: `checked_api`).
 
 The protocol maps onto llama.cpp's sequences. A runtime holds one or two contexts on its model,
 each a layout of llama.cpp's KV memory:
@@ -59,7 +60,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from packaging.version import Version
-from transformers import BatchEncoding
 
 from cllm.runtime.protocol import Forward, check_tree
 
@@ -72,9 +72,7 @@ UBATCH = 512  # tokens llama.cpp computes at once (llama.cpp's default; a longer
 # fed (rows that cannot have as many get smaller trees: `tree_leaves`). llama.cpp checks every
 # pair of them on every decode, so one request at a time wants few; a server, llama.cpp's most.
 SEQUENCES = 64
-# `cllm export --quantize` types: llama.cpp's own quantizer, by the names its llama-quantize takes
-QUANT_TYPES = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15,
-               "q4_k_s": 14, "q3_k_m": 12, "q2_k": 10, "f16": 1, "bf16": 32}
+
 
 
 def unavailable() -> str | None:
@@ -90,31 +88,19 @@ def unavailable() -> str | None:
     return None
 
 
-def _api():
+def checked_api():
     """The `llama_cpp` module, once it is known to be one this adapter was written against."""
     reason = unavailable()
     if reason is not None:
         raise ValueError(f"the llamacpp runtime cannot run: {reason}")
     import llama_cpp
 
-    if not getattr(_api, "ready", False):
+    if not getattr(checked_api, "ready", False):
         llama_cpp.llama_backend_init()
         # llama.cpp's own log, silent: llama-cpp-python's callback prints its warnings as errors
         logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
-        _api.ready = True
+        checked_api.ready = True
     return llama_cpp
-
-
-def quantize(source: str | os.PathLike, out: str | os.PathLike, kind: str, *, threads: int = 0) -> None:
-    """Write `source` (a GGUF file) quantized to `kind` (`QUANT_TYPES`) at `out`, with llama.cpp's
-    own quantizer; a ValueError when it fails."""
-    if kind not in QUANT_TYPES:
-        raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANT_TYPES)}")
-    llama_cpp = _api()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = QUANT_TYPES[kind], threads
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-        raise ValueError(f"llama.cpp could not quantize {source} to {kind}")
 
 
 class _Batch:
@@ -256,7 +242,7 @@ class LlamaCppRuntime:
     def __init__(self, path: str | os.PathLike, *, threads: int = 0, context: int = CONTEXT,
                  sequences: int = SEQUENCES, streams: int = 0, row_context: int | None = None,
                  f32_cache: bool = True, extra_buffers: bool = False, why: str = "asked for") -> None:
-        llama_cpp = self._llama_cpp = _api()
+        llama_cpp = self._llama_cpp = checked_api()
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"no GGUF file at {self.path}")
@@ -599,67 +585,3 @@ def _tree(parents: Sequence[int], n: int) -> _Tree:
             below[i].append(leaf_index)
             i = parents[i]
     return _Tree(depth, below, leaves)
-
-
-class LlamaCppTokenizer:
-    """A GGUF file's own tokenizer (llama.cpp's), as far as cllm's commands use a Hugging Face
-    one: callable (`input_ids`, `attention_mask`, `return_tensors`), `encode`, `decode`,
-    `eos_token_id` / `bos_token_id` / `pad_token_id`, `len()`. For a GGUF without the side
-    folder `cllm export` writes (which holds the model's own tokenizer)."""
-
-    chat_template = None
-
-    def __init__(self, runtime: LlamaCppRuntime) -> None:
-        self._llama_cpp, self._vocab, self._runtime = runtime._llama_cpp, runtime.vocab, runtime
-        eos, bos = self._llama_cpp.llama_vocab_eos(self._vocab), self._llama_cpp.llama_vocab_bos(self._vocab)
-        self.eos_token_id = eos if eos >= 0 else None
-        self.bos_token_id = bos if bos >= 0 else None
-        self.pad_token_id = self.eos_token_id
-        self.name_or_path = str(runtime.path)
-        self._add_bos = bool(self._llama_cpp.llama_vocab_get_add_bos(self._vocab))
-
-    def __len__(self) -> int:
-        return self._runtime.vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        size = len(data) + 8
-        while True:
-            tokens = (ctypes.c_int32 * size)()
-            n = self._llama_cpp.llama_tokenize(self._vocab, data, len(data), tokens, size,
-                                               add_special_tokens and self._add_bos, True)
-            if n >= 0:
-                return list(tokens[:n])
-            size = -n
-
-    def __call__(self, text: str | list[str], return_tensors: str | None = None, add_special_tokens: bool = True,
-                 **_: object):
-        texts = [text] if isinstance(text, str) else list(text)
-        ids = [self.encode(t, add_special_tokens) for t in texts]
-        if return_tensors is not None and len({len(i) for i in ids}) > 1:
-            raise ValueError("prompts of different lengths: tokenize them one at a time")
-        data = {"input_ids": ids if not isinstance(text, str) else ids[0]}
-        data["attention_mask"] = [[1] * len(i) for i in ids] if not isinstance(text, str) else [1] * len(ids[0])
-        if return_tensors is not None and isinstance(text, str):
-            data = {k: [v] for k, v in data.items()}
-        return BatchEncoding(data, tensor_type=return_tensors)
-
-    def decode(self, ids, skip_special_tokens: bool = False, **_: object) -> str:
-        """Each token's piece, as llama.cpp's tools print them (`llama_detokenize` would also
-        apply llama.cpp's clean-up of spaces for some vocabularies, which the text never had)."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        if ids and isinstance(ids[0], list):
-            raise ValueError("decode takes one sequence of ids")
-        lib, vocab, out = self._llama_cpp, self._vocab, bytearray()
-        size = 64
-        buf = ctypes.create_string_buffer(size)
-        for token in ids:
-            if skip_special_tokens and lib.llama_vocab_is_control(vocab, token):
-                continue
-            n = lib.llama_token_to_piece(vocab, token, buf, size, 0, not skip_special_tokens)
-            if n < 0:  # a longer piece: a buffer that holds it
-                size = -n
-                buf = ctypes.create_string_buffer(size)
-                n = lib.llama_token_to_piece(vocab, token, buf, size, 0, not skip_special_tokens)
-            out += buf.raw[:n]
-        return out.decode("utf-8", errors="replace")

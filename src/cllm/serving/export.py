@@ -35,7 +35,8 @@ from cllm.models import (
 )
 from cllm.models.gguf import side_folder
 from cllm.runtime.gguf import OUT_TYPES, GgufSummary, import_gguf, write_gguf
-from cllm.runtime.llamacpp import QUANT_TYPES, quantize, unavailable
+from cllm.runtime.llamacpp import unavailable
+from cllm.runtime.llamacpp_files import QUANT_TYPES, quantize
 from cllm.serving.lookup_cache import write_lookup_cache
 
 
