@@ -42,7 +42,7 @@ class ServeConfig:
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
     max_prompt_tokens: int = field(default=2048, metadata={"help": "longest prompt accepted, in tokens"})
     max_batch_size: int = field(default=64, metadata={"help": "requests decoded together at most (continuous "
-        "batching); more wait in the queue"})
+        "batching; on llama.cpp 16 at most, a KV stream each); more wait in the queue"})
     max_tokens_in_flight: int = field(default=65536, metadata={"help": "prompt + max_tokens summed over the batch at "
         "most (bounds the KV cache); a request alone always runs"})
     forward_width: int = field(default=64, metadata={"help": "Jacobi with recycling, batched: tokens a forward feeds "
