@@ -409,12 +409,13 @@ class LlamaCppSession:
             for ctx in {self._rows[r].ctx: None for r in rows}:  # a decode per context, rows in sequence order
                 mine = sorted((i for i, r in enumerate(rows) if self._rows[r].ctx is ctx),
                               key=lambda i: self._rows[rows[i]].seq)
-                gaps = _gaps(ctx, [self._rows[rows[i]].seq for i in mine], [fed[i] for i in mine])
+                seqs = [self._rows[rows[i]].seq for i in mine]
+                gaps = _gaps(ctx, seqs, [fed[i] for i in mine])
                 total = sum(fed[i] for i in mine)
                 b = ctx.grow(total + len(gaps) * fed[mine[0]],
                              max((len(layouts[i].leaves) for i in mine if layouts[i] is not None), default=1))
                 at = 0
-                for i in _merged(mine, [self._rows[rows[i]].seq for i in mine], gaps):
+                for i in _merged(mine, seqs, gaps):
                     if i < 0:  # a free stream's filler: the decode's streams run consecutively
                         n = fed[mine[0]]
                         b.token[at : at + n], b.logits[at : at + n] = 0, 0

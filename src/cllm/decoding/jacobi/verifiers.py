@@ -149,11 +149,12 @@ def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]
     after a tail is fed and never kept (its outputs would draft the next block from guessed
     tokens)."""
     width = cfg.block_size
-    found = drafter.propose(row.context(cfg), width - 1)
+    context = row.context(cfg)  # the prompt and final tokens: what set_drafts below leaves as it is
+    found = drafter.propose(context, width - 1)
     draft, source = (found[0], drafter.source) if found else ([], drafter.source)
     if row.block is None:
         if not draft:
-            draft, origin = fill(cfg.drafters.block, row.context(cfg), width - 1)
+            draft, origin = fill(cfg.drafters.block, context, width - 1)
             source = origin[0] if origin else source
         chain = [row.known[-1], *draft]
     else:
@@ -161,5 +162,5 @@ def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]
             set_drafts(row, draft, source)
         chain = tail(row)
     if len(chain) < width:
-        chain += fill(cfg.drafters.ahead, row.context(cfg).after(chain[1:]), width - len(chain))[0]
+        chain += fill(cfg.drafters.ahead, context.after(chain[1:]), width - len(chain))[0]
     return chain, source
