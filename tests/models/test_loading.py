@@ -272,9 +272,12 @@ def test_a_tokenizer_with_an_empty_vocabulary_is_one_line_naming_the_folder(tmp_
 
 
 def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config(tmp_path, monkeypatch):
-    """A tokenizer saved by transformers 5 (class TokenizersBackend) read by transformers 4: the
-    failure is in tokenizer_config.json, and tokenizer.json (which `tokenizers` reads) is fine."""
+    """A tokenizer saved by transformers 5 (class TokenizersBackend) read by transformers 4: with
+    a tokenizer.json the class is not used (the file is read as it is); without one, transformers
+    fails on it, and the failure is said to be in tokenizer_config.json."""
     import json
+
+    from tokenizers import Tokenizer
 
     from cllm.models import loading as models
     from tests.commands.test_generate import save_tiny_model
@@ -282,6 +285,10 @@ def test_a_tokenizer_class_this_transformers_lacks_is_blamed_on_tokenizer_config
     directory = save_tiny_model(tmp_path / "m")
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "FromTheFuture"}))
+    raw = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert load_tokenizer(directory).encode("def f(x):", add_special_tokens=False) == raw.encode("def f(x):").ids
+    (directory / "tokenizer.json").unlink()  # vocabulary files only: the class the config names builds them
+    (directory / "vocab.json").write_text("{}")
 
     class Transformers4:  # what AutoTokenizer 4.x raises on a class name it does not know
         @staticmethod
@@ -326,3 +333,71 @@ def test_a_checkpoint_that_lacks_a_weight_is_refused_not_filled_with_random_weig
         assert len(err.strip().splitlines()) == 1 and name in err, err
     if damage == "missing":  # a user who knows the checkpoint is partial can still take it
         assert load_model(directory, allow_missing=True) is not None
+
+
+def _qwen2_folder_with_gpt2_split(directory):
+    """A tiny qwen2-config model whose tokenizer.json is a byte-level BPE with GPT-2's split
+    (digit runs kept whole), unlike the Qwen2 tokenizer's own pre-tokenizer (one digit a piece,
+    NFC); its tokenizer_config.json names Qwen2Tokenizer, as a Qwen2 fine-tune's would."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny import CODE_TEXTS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CODE_TEXTS * 5 + ["x = 12345 + 2024\n", "total = 99 * 2024\n"], trainer=trainer)
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "unk_token": None, "model_max_length": 4096,
+        "chat_template": "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"}))
+    config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+TEXTS_TO_SPLIT = ["x = 12345 + 2024", "total = 99 * 2024\n", "  def f(a, b):\n\treturn a+b  ", "caf\u0065\u0301 \u00e9 \u2126",
+                  "<|endoftext|>x = 1<|endoftext|>"]
+
+
+def test_the_tokenizer_encodes_as_the_folders_tokenizer_json_and_its_save_is_the_same_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    from cllm.models import save_tokenizer, tokenizer_fingerprint
+
+    source = _qwen2_folder_with_gpt2_split(tmp_path / "qwen2-custom")
+    raw = Tokenizer.from_file(str(source / "tokenizer.json"))
+    assert raw.encode("x = 12345 + 2024").ids[:4] != raw.encode("x = 1").ids  # the case under test: digits kept whole
+    tokenizer = load_tokenizer(source)
+    for text in TEXTS_TO_SPLIT:
+        assert tokenizer.encode(text, add_special_tokens=False) == raw.encode(text).ids, text
+        assert tokenizer(text)["input_ids"] == raw.encode(text).ids, text
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.chat_template is not None
+
+    out = tmp_path / "trained"
+    out.mkdir()
+    save_tokenizer(tokenizer, out)  # what `cllm train` and `cllm medusa --joint` write beside the weights
+    saved = load_tokenizer(out)
+    for text in TEXTS_TO_SPLIT:
+        assert saved.encode(text, add_special_tokens=False) == raw.encode(text).ids, text
+    assert tokenizer_fingerprint(out) == tokenizer_fingerprint(source)
+    assert saved.chat_template == tokenizer.chat_template
+
+
+def test_a_tokenizer_changed_in_memory_is_saved_as_it_now_is(tmp_path):
+    from cllm.models import save_tokenizer
+
+    source = _qwen2_folder_with_gpt2_split(tmp_path / "qwen2-custom")
+    tokenizer = load_tokenizer(source)
+    tokenizer.add_tokens(["<extra>"])
+    out = tmp_path / "out"
+    save_tokenizer(tokenizer, out)
+    saved = load_tokenizer(out)
+    for text in [*TEXTS_TO_SPLIT, "a <extra> b"]:
+        assert saved.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), text

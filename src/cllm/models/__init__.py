@@ -30,6 +30,7 @@ from cllm.models.loading import (
     pad_token_id,
     resolve_dtype,
     resolve_model_path,
+    save_tokenizer,
     tokenizer_fingerprint,
     vocab_size,
 )
@@ -37,5 +38,5 @@ from cllm.models.loading import (
 __all__ = ["DECODE_DEFAULTS", "DECODE_DEFAULTS_LLAMACPP", "DRAFT_TABLE", "DTYPES", "EMBEDDED_TARGET", "HUB_ID",
            "MODEL_READS", "REPO_ROOT", "SHIPPED", "TOKENIZER_FILES", "TOKENIZER_READS", "DecodingModel", "fingerprint",
            "load_draft_table", "load_eagle", "load_for_decoding", "load_heads", "load_model", "load_tokenizer",
-           "looks_like_hub_id", "model_config", "pad_token_id", "resolve_dtype", "resolve_model_path",
+           "looks_like_hub_id", "model_config", "pad_token_id", "resolve_dtype", "resolve_model_path", "save_tokenizer",
            "tokenizer_fingerprint", "tuned_defaults", "vocab_size"]

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import transformers
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from safetensors import safe_open
 from tokenizers import Tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 from transformers.utils import logging as transformers_logging
 
@@ -74,6 +75,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # The files each loader reads, in its order (glob patterns), for naming the one it failed on:
 # transformers reads tokenizer_config.json to choose the tokenizer class, which then reads the rest.
 MODEL_READS = ("config.json", "generation_config.json", "*.safetensors.index.json", "*.safetensors")
+# what a tokenizer folder holds beside its vocabulary: copied with it (`save_tokenizer`)
+TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 TOKENIZER_READS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
                    "vocab.json", "config.json")
 
@@ -180,9 +183,18 @@ def vocab_size(name_or_path: str | os.PathLike) -> int | None:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool = False):
-    """The tokenizer saved with a model. A folder without one, or one without a vocabulary, is a
-    one-line `UserError` naming the folder: transformers 5 would build an empty tokenizer, and
-    every prompt would then encode to nothing far from the cause. A config.json transformers
+    """The tokenizer saved with a model, encoding exactly as its folder's tokenizer.json does.
+
+    A folder with a tokenizer.json is read as that file (`PreTrainedTokenizerFast`, with the
+    special tokens and chat template of tokenizer_config.json): `AutoTokenizer` would build the
+    class the model type maps to, and some (transformers 5's Qwen2Tokenizer) rebuild the
+    pre-tokenizer and normalizer of their own, so the user's text would be split otherwise than
+    the model was trained on. Other folders (sentencepiece or vocab files only, remote code) and
+    hub ids go through `AutoTokenizer`.
+
+    A folder without a tokenizer, or one without a vocabulary, is a one-line `UserError` naming
+    the folder: transformers 5 would build an empty tokenizer, and every prompt would then encode
+    to nothing far from the cause. A config.json transformers
     cannot use is said as such first (`model_config`)."""
     path = resolve_folder(name_or_path)
     if (Path(path) / "config.json").is_file():
@@ -191,7 +203,10 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
         raise UserError(f"{path} has no tokenizer (no tokenizer.json, tokenizer.model or vocab files): save one "
                         f"there with tokenizer.save_pretrained({path!r})")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if _own_pipeline(Path(path)):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise UserError(f"cannot load tokenizer {path!r}: {first_line(exc)}") from None
     except Exception as exc:  # noqa: BLE001 - a damaged file (JSON, protobuf...): say which
@@ -200,6 +215,47 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
         raise UserError(f"{path} has a tokenizer with an empty vocabulary (only its special tokens): save the "
                         f"model's tokenizer there with tokenizer.save_pretrained({path!r})")
     return tokenizer
+
+
+def _own_pipeline(folder: Path) -> bool:
+    """Whether `folder` holds a tokenizer.json to read as it is: not when its tokenizer_config.json
+    names remote code (`auto_map`: that class is what the model's authors chose)."""
+    if not (folder / "tokenizer.json").is_file():
+        return False
+    config_file = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except ValueError:
+        return True  # the loader names the damaged file
+    return not (isinstance(config, dict) and "auto_map" in config)
+
+
+def save_tokenizer(tokenizer, out: str | os.PathLike) -> None:
+    """Write `tokenizer` into the model folder `out` as the same tokenizer it was loaded as: the
+    tokenizer files of the folder it came from, copied byte for byte, when it still encodes as
+    that folder's tokenizer.json (so the new model's tokenizer fingerprint is its source's);
+    otherwise (a hub id, a tokenizer changed in memory) `save_pretrained`."""
+    source = Path(str(getattr(tokenizer, "name_or_path", "") or "")).expanduser()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    out = Path(out)
+    if source.is_dir() and source.resolve() == out.resolve():
+        return
+    if backend is not None and _own_pipeline(source):
+        try:  # what loading the source gives now (transformers adds its post-processor to the file's)
+            fresh = PreTrainedTokenizerFast.from_pretrained(str(source))
+            same = (fresh.backend_tokenizer.to_str() == backend.to_str()
+                    and fresh.special_tokens_map == tokenizer.special_tokens_map
+                    and fresh.chat_template == tokenizer.chat_template)
+        except Exception:  # noqa: BLE001 - a source that no longer loads: save from memory
+            same = False
+        if same:
+            out.mkdir(parents=True, exist_ok=True)
+            for pattern in (*TOKENIZER_FILES, *TOKENIZER_SIDE_FILES):
+                for file in sorted(source.glob(pattern)):
+                    if file.is_file():
+                        shutil.copyfile(file, out / file.name)
+            return
+    tokenizer.save_pretrained(out)
 
 
 def load_model(

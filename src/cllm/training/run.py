@@ -23,7 +23,7 @@ from cllm.core.outputs import check_folder, share_like_siblings
 from cllm.core.runs import check_same_run
 from cllm.data.prompts import load_prompts
 from cllm.data.trajectories import TrajectoryMeta, TrajectoryReader, TrajectoryRecord
-from cllm.models import fingerprint, resolve_model_path, tokenizer_fingerprint, vocab_size
+from cllm.models import fingerprint, resolve_model_path, save_tokenizer, tokenizer_fingerprint, vocab_size
 from cllm.training.batches import check_text_source
 from cllm.training.config import NO_EVAL_PROMPTS, TrainConfig, default_eval_set, one_length, with_one_length
 
@@ -219,5 +219,5 @@ def export(accelerator, model, tokenizer, out: Path, *, lora: bool) -> None:
         if accelerator.is_main_process:
             unwrapped.save_pretrained(out, state_dict=weights, safe_serialization=True)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)  # the source's files: the same tokenizer, the same fingerprint
         share_like_siblings(out)

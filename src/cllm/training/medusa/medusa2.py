@@ -48,6 +48,7 @@ from cllm.models import (
     load_tokenizer,
     pad_token_id,
     resolve_model_path,
+    save_tokenizer,
     tokenizer_fingerprint,
 )
 from cllm.training.cards import medusa2_card
@@ -191,7 +192,7 @@ def _save(run: JointRun) -> dict:
     model.eval().requires_grad_(False)
     heads.eval()
     model.save_pretrained(out, safe_serialization=True)
-    run.tokenizer.save_pretrained(out)
+    save_tokenizer(run.tokenizer, out)
     share_like_siblings(out)
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
     states = hidden_states(model, run.held_texts, pad_id=pad, eos_token_id=eos)  # the new model's
