@@ -3,6 +3,8 @@ self-contained and escaped, plots and tables come out of any bench JSON."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -142,3 +144,38 @@ def test_the_methods_table_fits_80_columns_with_no_cell_cut():
     for figure in ("12345.6", "12.34x", "123.4", "1234.5", "4.25", "50%", "25%", "cllm_jacobi_sampling"):
         assert figure in text, figure
     assert len(methods_tables(data, width=200)) == 1
+
+
+def test_every_plot_with_data_has_a_legend_naming_what_it_shows():
+    from cllm.bench.report import accepted_figure, speedup_figure, tpf_figure
+
+    data = fake_bench_json()
+    labels = {}
+    for name, fig in (("speedup", speedup_figure(data["methods"])), ("accepted", accepted_figure(data["methods"])),
+                      ("tpf", tpf_figure(data["sweep"]))):
+        legend = fig.axes[0].get_legend()
+        assert legend is not None, name
+        labels[name] = [t.get_text() for t in legend.get_texts()]
+    assert "target AR (1.00x)" in labels["speedup"] and any("cllm_" in t for t in labels["speedup"])
+    assert any(t.startswith("cllm_jacobi (mean 1.50)") for t in labels["accepted"])
+    assert {"target", "AR"} <= set(labels["tpf"])
+
+
+def test_the_printed_table_has_a_legend_line_per_column_and_sampling_rows_read_in_law():
+    from rich.console import Console
+
+    from cllm.bench.report import LEGEND, legend_lines, results_renderables
+
+    data = fake_bench_json()
+    data["methods"]["cllm_jacobi_sampling"] = dict(data["methods"]["cllm_jacobi"], exact_match_own_ar=0.0)
+    lines = legend_lines(data)
+    shown = ["tok/s", "×AR", "tok/fwd", "=AR", "agree", "ff", "stat", "ms/fwd"]
+    assert [line.split()[0] for line in lines] == shown and all(LEGEND[s] in "\n".join(lines) for s in shown)
+    console = Console(width=200, record=True)
+    for item in results_renderables(data, width=200):
+        console.print(item)
+    text = console.export_text()
+    sampling_row = next(line for line in text.splitlines() if "cllm_jacobi_sampling" in line)
+    assert "in law" in sampling_row and re.search(r"(?<!\d)0%", sampling_row) is None  # not a 0% "failure"
+    assert "exact in law" in text and "stationary" in text
+    assert "| in law |" in markdown_report(data)

@@ -80,3 +80,19 @@ def test_demo_output_in_a_log_shows_progress_the_engine_and_a_whole_table(tiny, 
     assert table_lines and max(map(len, table_lines)) <= 80
     assert "live[/]" not in printed and "cllm_jacobi, the CLLM on the engine (n = 4, 8 recycled drafts" in printed
     assert "tokens: " in printed and "one per forward (as AR)" in printed
+
+
+def test_demo_ends_with_the_verdict_of_its_own_table_and_a_legend_under_it(tiny, tmp_path, capsys):
+    """The last line is the verdict, one line, computed from the bench.json the demo wrote; the
+    table has its legend (one line per column)."""
+    from cllm.bench.verdict import verdict
+
+    out = tmp_path / "demo"
+    config = DemoConfig(target=str(tiny["target"]), cllm=str(tiny["cllm"]), prompts=str(tiny["prompts"]),
+                        out=str(out), **SMALL)
+    assert run(config) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    methods = json.loads((out / "bench.json").read_text())["methods"]
+    assert lines[-1] == verdict(methods) and lines[-1].startswith("verdict: ")
+    assert f"{methods['target_lookahead']['tokens_per_forward']:.2f} tok/fwd" in lines[-1]
+    assert any(line.split()[:1] == ["tok/fwd"] and "forward pass" in line for line in lines)

@@ -43,20 +43,40 @@ def _empty(ax, text: str) -> None:
     ax.set_axis_off()
 
 
-def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
-    """Wall-clock speedup over target AR per method, tokens per forward annotated."""
-    fig, ax = _figure(6.4, 0.5 + 0.45 * max(len(methods), 1))
+# bar colours of the speedup plot: the CLLM's methods, the target's on our decoders, the rest
+GROUP_COLORS = {"cllm": ("#2d6a4f", "the CLLM (cllm_*)"), "target": ("#4c78a8", "the target, our decoders (target_*)"),
+                "other": ("#999", "other methods (rivals)")}
+
+
+def _group(method: str) -> str:
+    return "cllm" if method.startswith("cllm") else "target" if method.startswith("target") else "other"
+
+
+def speedup_figure(methods: dict[str, dict]):
+    """Wall-clock speedup over target AR per method, tokens per forward annotated; a legend
+    says what the colours and the dashed line are."""
+    from matplotlib.patches import Patch
+
+    fig, ax = _figure(6.4, 1.2 + 0.45 * max(len(methods), 1))
     names = list(methods)[::-1]
     values = [methods[m]["speedup_vs_ar"] for m in names]
-    colors = ["#2d6a4f" if m.startswith("cllm") else "#4c78a8" if m.startswith("target") else "#999" for m in names]
-    ax.barh(names, values, color=colors)
-    ax.axvline(1.0, color="#333", lw=1, ls="--")
+    ax.barh(names, values, color=[GROUP_COLORS[_group(m)][0] for m in names])
+    line = ax.axvline(1.0, color="#333", lw=1, ls="--")
     for y, m in enumerate(names):
         ax.text(values[y], y, f" {values[y]:.2f}x · {methods[m]['tokens_per_forward']:.2f} tok/fwd", va="center",
                 fontsize=8)
     ax.set_xlim(0, max(values + [1.0]) * 1.45)
     ax.set_xlabel("speedup over target AR (wall clock, same prompts and budget)")
-    fig.savefig(path, dpi=120)
+    groups = [g for g in GROUP_COLORS if any(_group(m) == g for m in names)]
+    handles = [Patch(color=GROUP_COLORS[g][0], label=GROUP_COLORS[g][1]) for g in groups]
+    line.set_label("target AR (1.00x)")
+    ax.legend(handles=[*handles, line], loc="best", fontsize=8)
+    return fig
+
+
+def plot_speedup(methods: dict[str, dict], path: str | Path) -> Path:
+    """`speedup_figure` as a PNG."""
+    speedup_figure(methods).savefig(path, dpi=120)
     return Path(path)
 
 
@@ -66,8 +86,15 @@ HISTOGRAM_COLORS = {"target_jacobi": "#9ecae1", "cllm_jacobi_plain": "#a1d99b", 
 
 def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
                              which: Sequence[str] = tuple(HISTOGRAM_COLORS)) -> Path:
+    """`accepted_figure` as a PNG."""
+    accepted_figure(methods, which).savefig(path, dpi=120)
+    return Path(path)
+
+
+def accepted_figure(methods: dict[str, dict], which: Sequence[str] = tuple(HISTOGRAM_COLORS)):
     """Share of forwards that made k tokens final: target vs CLLM, plain Jacobi (the paper's
-    picture, light) and on the engine (drafts and tables, dark); one colour per method."""
+    picture, light) and on the engine (drafts and tables, dark); one colour per method, named
+    in the legend with its mean."""
     fig, ax = _figure()
     shown = [m for m in which if methods.get(m, {}).get("accepted_histogram")]
     if not shown:
@@ -83,12 +110,17 @@ def plot_accepted_histograms(methods: dict[str, dict], path: str | Path,
         ax.set_xticks(sorted({int(k) for m in shown for k in methods[m]["accepted_histogram"]}))
         ax.set_xlabel("tokens made final by one forward pass")
         ax.set_ylabel("share of forward passes")
-        ax.legend()
-    fig.savefig(path, dpi=120)
-    return Path(path)
+        ax.legend(title="method (mean tokens per forward)", fontsize=8)
+    return fig
 
 
 def plot_tpf_vs_block_size(sweep: dict[str, dict], path: str | Path) -> Path:
+    """`tpf_figure` as a PNG."""
+    tpf_figure(sweep).savefig(path, dpi=120)
+    return Path(path)
+
+
+def tpf_figure(sweep: dict[str, dict]):
     """Tokens per forward of plain Jacobi decoding (no drafts, no table: the paper's setting)
     against block size n, target and CLLM; the y axis starts at 0 so small gaps look small."""
     fig, ax = _figure()
@@ -108,9 +140,8 @@ def plot_tpf_vs_block_size(sweep: dict[str, dict], path: str | Path) -> Path:
         ax.set_ylabel("tokens per forward")
         ax.set_ylim(0, max(1.0, *(v["tokens_per_forward"] for per_n in sweep.values() for v in per_n.values())) * 1.15)
         ax.set_title("plain Jacobi (no drafts, no table) against block size", fontsize=10)
-        ax.legend()
-    fig.savefig(path, dpi=120)
-    return Path(path)
+        ax.legend(title="model", fontsize=8)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------
@@ -149,15 +180,43 @@ def _cell(value: Any, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def sampled(name: str) -> bool:
+    """A sampling method (`*_sampling`): exact in law, so its text is not its greedy text."""
+    return name.endswith("_sampling")
+
+
+IN_LAW = "in law"  # the `= own AR` cell of a sampling method: its promise is the law of AR sampling
+
+
+def _row_cells(name: str, m: dict[str, Any], columns: Sequence[tuple[str, str, str]]) -> list[str]:
+    """One method's cells; a sampling method's `= own AR` reads "in law", not a 0% that looks
+    like a failure (sampled text equals greedy text only by chance)."""
+    return [IN_LAW if key == "exact_match_own_ar" and sampled(name) else _cell(m.get(key), fmt)
+            for key, _, fmt in columns]
+
+
 # when one table is wider than the terminal: speed first, then what the text is like
 SPEED = ("tokens_per_second", "speedup_vs_ar", "tokens_per_forward", "mean_fed_tokens", "ms_per_forward",
          "added_mb", "exact_match_own_ar")
-CAPTION = {"tok/s": "tokens/s", "×AR": "speedup over target AR", "tok/fwd": "tokens per forward",
-           "=AR": "outputs equal to own greedy", "¬loop": "tok/fwd over completions that do not end in a loop",
-           "loop": "completions ending in a loop", "degen": "completions repeating one token 10+ times",
-           "agree": "token agreement with target greedy", "ff": "mean fast-forwarded", "stat": "stationary tokens",
-           "fed": "tokens fed per forward (a step's cost grows with it)", "ms/fwd": "milliseconds per forward",
-           "+MB": "memory beside the model (draft model, heads, draft table)", "pass@1": "HumanEval tests passed"}
+# the legend printed under the methods table(s), one line per column
+LEGEND = {
+    "tok/s": "new tokens per second, wall clock (median of the rounds per prompt)",
+    "×AR": "tokens/s over target_ar's (our greedy decoder on the target), same prompts, same run",
+    "tok/fwd": "new tokens per forward pass of the verifying model, prefill included (greedy: 1.00)",
+    "¬loop": "tok/fwd over the completions that do not end in a loop (a loop decodes fast)",
+    "loop": "share of completions that end in a loop (their last tokens repeat a short pattern)",
+    "degen": "share of completions that repeat one token 10+ times in a row",
+    "=AR": "share of outputs equal, token for token, to the same model's greedy output (exact methods: 100%); "
+           f"sampling methods show '{IN_LAW}': they are exact in law (the distribution of AR sampling), not token "
+           "for token",
+    "agree": "share of token positions equal to the target's greedy output (a CLLM changes the model)",
+    "ff": "fast-forwarded: growth of a block's correct leading run per Jacobi update, mean over updates",
+    "stat": "stationary: tokens that became correct and stayed so while a token before them was wrong (sum)",
+    "fed": "tokens fed per forward after the prefill (block + drafts): a step's cost grows with it",
+    "ms/fwd": "milliseconds per forward of the verifying model, its drafting included",
+    "+MB": "memory beside the model: draft model, heads or draft table",
+    "pass@1": "share of HumanEval problems whose tests the completion passed",
+}
 
 
 def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):
@@ -167,24 +226,42 @@ def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):
     for _, header, _ in columns:
         table.add_column(SHORT.get(header, header), justify="right", no_wrap=True)
     for name, m in data["methods"].items():
-        table.add_row(name, *(_cell(m.get(key), fmt) for key, _, fmt in columns))
-    shown = [SHORT.get(h, h) for _, h, _ in columns]
-    table.caption = " · ".join(f"{s}: {CAPTION[s]}" for s in shown if s in CAPTION)
+        table.add_row(name, *_row_cells(name, m, columns))
     return table
+
+
+def legend_lines(data: dict[str, Any]) -> list[str]:
+    """The legend printed under the methods table(s): one line per column shown."""
+    shown = [SHORT.get(h, h) for _, h, _ in _shown(data, [k for k, _, _ in COLUMNS])]
+    return [f"  {s:>7}  {LEGEND[s]}" for s in shown if s in LEGEND]
 
 
 def methods_tables(data: dict[str, Any], width: int = 80) -> list:
     """The methods as rich Tables (printed by `cllm bench` and `cllm demo`): one table when it
-    fits `width` columns, else two (speed, then the text's quality), so no cell is cut."""
+    fits `width` columns, else as few as fit (speed first, then the text's quality), so no cell
+    is cut."""
     cfg = data["config"]
     title = (f"{len(data['prompt_ids'])} prompts · {cfg['max_new_tokens']} new tokens · n = {cfg['block_size']} · "
              f"{data['machine']['threads']} threads · median of {cfg['repeats']}")
-    whole = _table(data, [k for k, _, _ in COLUMNS], title)
     console = Console(width=10_000)
-    if Measurement.get(console, console.options, whole).maximum <= width:
-        return [whole]
-    return [_table(data, SPEED, title + " · speed"),
-            _table(data, [k for k, _, _ in COLUMNS if k not in SPEED], "what the text is like")]
+
+    def fits(keys: list[str]) -> bool:
+        return Measurement.get(console, console.options, _table(data, keys, None)).maximum <= width
+
+    keys = [k for k, _, _ in COLUMNS]
+    if fits(keys):
+        return [_table(data, keys, title)]
+    groups: list[list[str]] = []  # speed columns first, then the rest, packed greedily
+    for key in [k for k in keys if k in SPEED] + [k for k in keys if k not in SPEED]:
+        if not _shown(data, [key]):
+            continue
+        if groups and fits(groups[-1] + [key]) and (key in SPEED) == (groups[-1][0] in SPEED):
+            groups[-1].append(key)
+        else:
+            groups.append([key])
+    titles = [title + " · speed" if group[0] in SPEED else "what the text is like" for group in groups]
+    return [_table(data, group, t if i == 0 or t != titles[i - 1] else None)
+            for i, (group, t) in enumerate(zip(groups, titles, strict=True))]
 
 
 def methods_table(data: dict[str, Any]):
@@ -195,7 +272,8 @@ def methods_table(data: dict[str, Any]):
 def results_renderables(data: dict[str, Any], width: int = 80) -> list:
     """What `cllm bench` and `cllm demo` print of a run: the methods table(s) fitted to `width`
     columns, then one line (rich markup) per note."""
-    return [*methods_tables(data, width), *(f"[yellow]note:[/] {escape(note)}" for note in data["notes"])]
+    legend = "\n".join(escape(line) for line in legend_lines(data))
+    return [*methods_tables(data, width), legend, *(f"[yellow]note:[/] {escape(note)}" for note in data["notes"])]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -290,7 +368,7 @@ def markdown_report(data: dict[str, Any]) -> str:
         f"load average {_cell(mach.get('load_average_1min'), '{:.2f}')} at start, {mach['date']}.",
         "", f"Counting: {data['counting']}.", "", "## Methods", "",
         _md_table(["method", *(h for _, h, _ in _shown(data, [c[0] for c in COLUMNS]))],
-                  [[f"`{n}`", *(_cell(m.get(k), f) for k, _, f in _shown(data, [c[0] for c in COLUMNS]))]
+                  [[f"`{n}`", *_row_cells(n, m, _shown(data, [c[0] for c in COLUMNS]))]
                    for n, m in data["methods"].items()]),
         "", "## Models", "",
         _md_table(["role", "model", "parameters", f"val loss ({data['val_set']['name'] or 'no set'}, nats/token)"],

@@ -3,7 +3,9 @@
 1. a short `cllm bench` (8 HumanEval prompts, 128 tokens, n = 4): every method on the same
    prompts, the table printed, the report folder written (JSON, Markdown, PNGs, HTML);
 2. one prompt decoded live by Jacobi iteration (the CLLM when there is one), then its first
-   blocks' trajectories coloured: final / correct / wrong, fast-forwarded and stationary marked.
+   blocks' trajectories coloured: final / correct / wrong, fast-forwarded and stationary marked;
+3. the verdict (`cllm.bench.verdict`): what made the speed in the table above, drafting or
+   consistency training, and what to expect on your own model.
 
 What it falls back to, so that `make demo` never fails on a fresh clone: without the shipped
 CLLM, the target-only story (vanilla Jacobi, ~1.0x: docs/method.md#jacobi-decoding); without the
@@ -35,8 +37,9 @@ from cllm.bench.pictures import (
     token_marks,
     trajectory_legend,
 )
-from cllm.bench.report import results_renderables
+from cllm.bench.report import IN_LAW, results_renderables, sampled
 from cllm.bench.run import BenchResult, raise_on_violations, run_bench, write_report
+from cllm.bench.verdict import verdict
 from cllm.core.config import write_config
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.core.outputs import check_folder
@@ -163,8 +166,13 @@ def _headline(data: dict) -> str:
         if m.get(name, {}).get("token_sources"):
             lines.append(f"{name}'s {sources_summary(m[name]['token_sources'])}")
     exact = all(e["ok"] for e in data["exactness"].values())
+    sampling = [name for name in m if sampled(name)]
     lines.append("[bold green]every exact method reproduced greedy decoding token for token[/]" if exact
                  else "[bold red]an exactness promise broke (see the report)[/]")
+    if exact and sampling:
+        lines.append(f"{' and '.join(sampling)} sample at temperature {data['config'].get('temperature', '?')}: "
+                     "exact in law (the distribution of AR sampling), not token for token, so their =AR reads "
+                     f"'{IN_LAW}'")
     return "\n".join(lines)
 
 
@@ -178,6 +186,9 @@ def run(config: Config) -> int:
     bench_config, models = _models(config, threads, console)
     result = _short_bench(config, bench_config, models, console)
     _live(config, bench_config, models, result, console)
+    if (line := verdict(result.data["methods"])) is not None:  # 3. what made the speed, from the table above
+        console.rule("[bold]verdict[/]")
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     raise_on_violations(result)
     return 0
 
