@@ -554,3 +554,12 @@ def test_humaneval_exec_needs_the_humaneval_prompts(capsys):
                                                          (None, 2, 2), (1.4, 4, 2)])
 def test_the_demo_takes_one_thread_when_others_keep_the_cpu_busy(load, cores, threads):
     assert threads_for_load(load, cores) == threads
+
+
+def test_the_bench_progress_line_counts_decodes_done_and_left_and_the_time_to_go():
+    from cllm.bench.timing import eta_text
+
+    assert eta_text(10, 40, 20.0) == "10/40 method x prompt decodes done, 30 left · 20 s elapsed, about 60 s to go"
+    assert eta_text(5, 10, 300.0) == "5/10 method x prompt decodes done, 5 left · 5.0 min elapsed, about 5.0 min to go"
+    assert eta_text(40, 40, 80.0) == "40/40 method x prompt decodes done, 0 left · 80 s elapsed"
+    assert eta_text(0, 0, 0.0) == "0/0 method x prompt decodes done, 0 left · 0 s elapsed"

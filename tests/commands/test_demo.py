@@ -74,7 +74,10 @@ def test_demo_output_in_a_log_shows_progress_the_engine_and_a_whole_table(tiny, 
     lines = printed.splitlines()
     stamped = [line for line in lines if re.match(r"\[\s*\d+\.\d s\] ", line)]
     assert any("bench done in" in line for line in stamped) and any("sweep done in" in line for line in stamped)
-    assert sum(": 1" in line and "methods x 1 rounds" in line for line in stamped) == 2  # one per prompt
+    per_prompt = [line for line in stamped if ": 1" in line and "methods x 1 rounds" in line]
+    assert len(per_prompt) == 2  # one per prompt, with where the bench stands and the time to go
+    assert "about" in per_prompt[0] and "to go" in per_prompt[0] and " 0 left" in per_prompt[1]
+    assert all("method x prompt decodes done" in line for line in per_prompt)
     assert "…" not in printed and "━" in printed
     table_lines = [line for line in lines if line.startswith(("┃", "│", "┏", "└"))]
     assert table_lines and max(map(len, table_lines)) <= 80

@@ -88,3 +88,18 @@ def test_a_set_that_is_not_python_has_no_parse_gate_and_says_so():
                             "cllm": dict(result["sets"]["a"]["cllm"], parse_rate=0.4)}
     parse = {g.name: g for g in gates(result, "cllm")}["parses"]
     assert parse.value == pytest.approx(0.4) and not parse.passed
+
+
+def test_failed_gates_are_named_with_their_numbers_and_one_advice_line_each():
+    from cllm.evaluation.gates import gates_verdict
+
+    mixed = fake_result(looping_rate=0.4, tpf_not_looping={"16": 1.5, "32": 2.5})
+    results = gates(mixed, "cllm")
+    lines = gates_verdict([g.__dict__ for g in results])  # as evaluation.json stores them
+    failed = [g for g in results if not g.passed]
+    assert [g.name for g in failed] == ["looping", "TPF n=16, not looping"]
+    assert lines[0].startswith(f"gates: 2 of {len(results)} failed (looping, TPF n=16, not looping)")
+    assert len(lines) == 3 and lines[1].startswith("  looping 0.400, needs <= 0.250") and "--lr" in lines[1]
+    assert lines[2].startswith("  TPF n=16, not looping 1.500, needs >= 2.0") and "--block-size" in lines[2]
+    ok = fake_result(tpf_not_looping={"16": 2.0, "32": 2.3})
+    assert gates_verdict(gates(ok, "cllm")) == [f"gates: all {len(gates(ok, 'cllm'))} passed"]

@@ -398,3 +398,19 @@ def test_augmented_states_are_new_and_closer_to_the_fixed_point():
 def test_bad_options_are_user_errors(bad):
     with pytest.raises(UserError):
         CollectConfig(**bad)
+
+
+def test_most_blocks_dropped_is_called_a_bad_sign_with_the_share_and_what_it_means():
+    from cllm.training.collect import CollectSummary, dropped_warning
+
+    def summary(records: int, dropped: int, loops: int = 0) -> CollectSummary:
+        return CollectSummary(out="o", prompts=3, skipped=0, records=records, states=4 * records, augmented_states=0,
+                              dropped=dropped, dropped_loops=loops, new_tokens=100, forward_passes=10, seconds=1.0)
+
+    line = dropped_warning(summary(records=3, dropped=237))
+    assert line.startswith("237 of 240 blocks (99%) were dropped (237 degenerate)") and "\n" not in line
+    assert "bad sign" in line and "loops or repeats" in line and "3 trajectories kept will teach little" in line
+    assert "looping" in dropped_warning(summary(records=2, dropped=1, loops=5))
+    assert dropped_warning(summary(records=0, dropped=8)).startswith("no trajectory was kept: 8 of 8 blocks")
+    assert dropped_warning(summary(records=120, dropped=120)) is None  # half: not most
+    assert dropped_warning(summary(records=230, dropped=10)) is None

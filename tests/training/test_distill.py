@@ -1,6 +1,7 @@
 """`cllm distill` end to end on the synthetic language of tests/training/test_train.py: one command
 collects, trains and evaluates; a rerun skips every finished stage."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -142,6 +143,10 @@ def test_the_command_prints_the_evaluation_with_its_held_out_set_and_measures(se
     assert f"distilled {setup[1]} -> {setup[0] / 'out' / 'model'} (skipped: train" in out
     assert evaluation_table(evaluation) in out
     assert f"held-out sets: {setup[3]} (12 prompts, not Python, no parse rate)" in out
+    from cllm.evaluation.gates import gates_verdict
+
+    verdict = gates_verdict(evaluation["gates"])  # which gates failed, one advice line each
+    assert verdict[0].startswith("gates: ") and "\n".join(verdict) in out
 
 
 def test_distill_trains_one_epoch_of_the_collected_records_by_default():
@@ -186,3 +191,18 @@ def test_every_input_is_checked_before_collection(setup, tmp_path, case, message
     with pytest.raises(UserError, match=message):
         distill(config(setup, out=str(out), **overrides))
     assert not (out / "trajectories").exists()
+
+
+def test_each_stages_time_left_says_it_is_that_stages_and_estimates_the_later_ones():
+    """distill's own lines name the stages after the one whose time left the bar or train gives,
+    and at collection's speed, roughly how long evaluation and the draft table decode."""
+    from cllm.training.distill import later_stages
+
+    cfg = DistillConfig(eval_count=10, eval_block_sizes=[16, 32], drafts_prompts=100, drafts_max_new_tokens=64)
+    assert later_stages(cfg, 1, "collect") == "then: train, evaluate, the draft table"
+    decoded = 2 * 10 * cfg.recipe.eval_max_new_tokens * 3 + 100 * 64
+    line = later_stages(cfg, 1, "train", tokens_per_second=decoded / 30)
+    assert line == f"then: evaluate, the draft table (evaluation and draft table: roughly 30 s more at " \
+                   f"collection's {decoded / 30:.0f} tokens/s)"
+    assert later_stages(dataclasses.replace(cfg, rounds=3, drafts_prompts=0), 1, "train") == \
+        "then: 2 more collect + train rounds, evaluate"

@@ -508,7 +508,6 @@ def foreign_model(world: World, kind: str) -> Path:
     ("other model", "collected with another model"),
     ("other tokenizer", "another tokenizer"),
     ("no labels", "no ground-truth labels"),
-    ("batch too big", "fewer than batch-size"),
     ("bad option", "consistency must be one of"),
     ("foreign out", "did not write"),
 ])
@@ -527,8 +526,6 @@ def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
                               block_size=BLOCK, max_new_tokens=NEW, batch_size=16))
         overrides["data"] = str(tmp_path / "bare")
         overrides["ar_target"] = "labels"  # asked for explicitly (auto falls back to the fixed points)
-    elif case == "batch too big":
-        overrides["batch_size"] = 4096
     elif case == "foreign out":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "notes.txt").write_text("mine")
@@ -549,6 +546,27 @@ def test_bad_input_is_a_one_line_error(world, tmp_path, capsys, case, message):
     assert cli_main(cli_args(cfg)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cllm train: error:") and "\n" not in err and message in err
+
+
+def test_fewer_records_than_the_batch_size_train_as_one_batch_with_a_note(world, tmp_path, caplog):
+    """A user's first small data set: --batch-size larger than the records is cut to all of them
+    (a note says so), not refused; the saved config says what ran."""
+    from cllm.training.train import fit_batch_size
+
+    cfg = config(world, tmp_path / "out", batch_size=4096, micro_batch_size=1024, max_steps=2, eval_count=0)
+    records = len(TrajectoryReader(world.data).records())
+    with caplog.at_level(logging.INFO, logger="cllm"):
+        summary = train(cfg)
+    assert summary.finished and summary.steps == 2
+    assert f"holds {records} records, fewer than batch-size 4096: each step uses all {records} as one batch" \
+        in caplog.text
+    saved = json.loads((tmp_path / "out" / "train_config.json").read_text())
+    assert (saved["batch_size"], saved["micro_batch_size"]) == (records, None)
+    # several processes: a multiple of them; enough records: unchanged
+    assert fit_batch_size(cfg, 7, processes=2).recipe.batch_size == 6
+    assert fit_batch_size(cfg, 5000).recipe.batch_size == 4096
+    with pytest.raises(UserError, match="fewer than the 2 processes"):
+        fit_batch_size(cfg, 1, processes=2)
 
 
 # ------------------------------------------------------------------------------------------

@@ -37,6 +37,19 @@ def _from_record(record: dict) -> Decoded:
                    record["draft_forward_passes"])
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def eta_text(done: int, total: int, elapsed: float) -> str:
+    """Where the timed decodes stand: (method, prompt) pairs done and left, time elapsed, and the
+    time left at the pace so far (pairs an earlier run recorded cost nothing and are not counted)."""
+    text = f"{done}/{total} method x prompt decodes done, {total - done} left · {_duration(elapsed)} elapsed"
+    if done and done < total:
+        text += f", about {_duration(elapsed / done * (total - done))} to go"
+    return text
+
+
 def measure(methods: list[Method], prompts: list[Prompt], *, repeats: int, warmup: int,
             device: torch.device, progress: Progress | None = None,
             log: BenchLog | None = None) -> tuple[dict[str, list[Decoded]], dict[str, list[float]]]:
@@ -57,6 +70,8 @@ def measure(methods: list[Method], prompts: list[Prompt], *, repeats: int, warmu
     decoded: dict[str, list[Decoded]] = {m.name: [] for m in methods}
     seconds: dict[str, list[float]] = {m.name: [] for m in methods}
     detail = f"{len(prompts)} prompts x {len(methods)} methods x {repeats} rounds, interleaved"
+    fresh_total = sum(r is None for r in recorded.values())  # the decodes this run times
+    fresh_done, bench_start = 0, time.perf_counter()
     with progress.stage("bench", len(prompts) * len(methods) * repeats, detail=detail) as stage:
         for i, prompt in enumerate(prompts):
             began = time.perf_counter()
@@ -84,8 +99,10 @@ def measure(methods: list[Method], prompts: list[Prompt], *, repeats: int, warmu
                     stage.advance(repeats)
                     decoded[method.name].append(_from_record(record))
                 seconds[method.name].append(statistics.median(record["seconds"]))
+            fresh_done += len(todo)
             stage.note(f"{prompt.id}: " + (f"{len(todo)} methods x {repeats} rounds in "
-                                            f"{time.perf_counter() - began:.1f} s" if todo else "recorded earlier"))
+                                            f"{time.perf_counter() - began:.1f} s" if todo else "recorded earlier")
+                       + " · " + eta_text(fresh_done, fresh_total, time.perf_counter() - bench_start))
     if log is not None:
         log.reused += sum(r is not None for r in recorded.values())
     return decoded, seconds

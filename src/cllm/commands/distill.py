@@ -1,13 +1,14 @@
 """`cllm distill`: from a target model to a CLLM in one command (`cllm.training.distill`):
 collect, train, evaluate target against CLLM on held-out prompts, build the CLLM's draft
 table. Each stage's lines as it ends, then the evaluation: its table, the held-out set and the
-measures it applied, and a warning when the CLLM loops far more than its target.
+measures it applied, a warning when the CLLM loops far more than its target, and the verdict
+of its gates: which failed, with one line of advice each.
 """
 
 from __future__ import annotations
 
 from cllm.core.progress import echo_log, is_main_process
-from cllm.evaluation.gates import measures_line
+from cllm.evaluation.gates import gates_verdict, measures_line
 from cllm.training.cards import evaluation_table
 from cllm.training.distill import DistillConfig, DistillSummary, distill, repetition_warning
 
@@ -31,3 +32,5 @@ def _print_summary(config: Config, summary: DistillSummary) -> None:
     print(measures_line(evaluation["quality"]))
     if (warning := repetition_warning(evaluation)) is not None:
         print(warning)
+    for line in gates_verdict(evaluation.get("gates", [])) if evaluation.get("gates") else ():
+        print(line)  # which gates failed, and what to change for each

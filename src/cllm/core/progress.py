@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as Bar
 from tqdm.auto import tqdm
 
@@ -79,7 +79,8 @@ class Progress:
             return
         if self.live:
             self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=self.console, transient=True)
+                            TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=self.console,
+                            transient=True)
             self._bar.start()
         else:
             self.line(f"{title}: {detail or f'{total} steps'} ...")

@@ -239,3 +239,42 @@ def gates_table(result: dict, models: Sequence[str], *, target: str = "target") 
             cell(result["val_loss"].get(m)) for m in models) + " |")
     return "\n".join(lines)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# What a failed gate asks a user to change
+
+
+def gate_advice(name: str) -> str:
+    """One line of advice for a failed gate, from what it measures (the distill / train flags
+    that move it). Speed gates ask for more or larger training; text gates for a gentler one."""
+    if name.startswith("TPF"):
+        return ("plain Jacobi makes too few tokens per forward: train on more trajectories (more --prompts / "
+                "--max-prompts) or longer (--max-steps), or collect a larger block (--block-size 32); on a small "
+                "model most speed comes from drafting (`cllm generate`'s default), not from training")
+    return {
+        "looping": ("its greedy text ends in loops more often than the target's: train shorter (--max-steps) or at a "
+                    "lower --lr, and keep the distillation terms that hold it to the target (--kd-weight, "
+                    "--rollout-prompts)"),
+        "degenerate": ("its greedy text repeats one token 10+ times: train shorter or at a lower --lr; if `collect` "
+                       "warned that most blocks were dropped, the target itself repeats on these prompts"),
+        "parses": ("its code parses less often than the target's: it drifted from the target; train shorter or at a "
+                   "lower --lr, with text of your domain (--ar-text)"),
+        "validation loss": ("it models text worse than the target: more weight on real text (--ar-text, "
+                            "--kd-weight), or train shorter"),
+    }.get(name, "see the evaluation table")
+
+
+def gates_verdict(results: Sequence[Gate | dict]) -> list[str]:
+    """The verdict on a CLLM's gates: one line saying how many failed and which, then one line
+    of advice per failed gate (none when every gate passed)."""
+    items = [g if isinstance(g, Gate) else Gate(**g) for g in results]
+    failed = [g for g in items if not g.passed]
+    if not failed:
+        return [f"gates: all {len(items)} passed"]
+    lines = [f"gates: {len(failed)} of {len(items)} failed ({', '.join(g.name for g in failed)}): the CLLM is kept, "
+             "but check it before using it"]
+    for g in failed:
+        value = "-" if g.value is None else f"{g.value:.3f}"
+        lines.append(f"  {g.name} {value}, needs {g.bar}: {gate_advice(g.name)}")
+    return lines

@@ -338,11 +338,28 @@ def collect(config: CollectConfig) -> CollectSummary:
         states=t.states, augmented_states=t.augmented, dropped=t.dropped, dropped_loops=t.dropped_loops,
         new_tokens=t.new_tokens, forward_passes=t.row_forwards, seconds=seconds, processes=state.num_processes,
     )
-    if summary.prompts and not summary.records:
-        log.warning("no trajectory was kept: every block was dropped (%d degenerate, %d looping), so `cllm train` "
-                    "has nothing to learn from; the model's greedy text repeats itself on these prompts",
-                    summary.dropped, summary.dropped_loops)
+    if (warning := dropped_warning(summary)) is not None:
+        log.warning("%s", warning)
     return summary
+
+
+DROPPED_WARNING = 0.5  # warn when more than this share of the blocks was dropped
+
+
+def dropped_warning(summary: CollectSummary) -> str | None:
+    """One line when most blocks were dropped as degenerate or looping: the model repeats itself
+    on these prompts, and the few trajectories kept will teach little."""
+    dropped = summary.dropped + summary.dropped_loops
+    blocks = summary.records + dropped
+    if not summary.prompts or not blocks or dropped <= DROPPED_WARNING * blocks:
+        return None
+    what = f"{dropped} of {blocks} blocks ({dropped / blocks:.0%}) were dropped ({summary.dropped} degenerate" + (
+        f", {summary.dropped_loops} looping)" if summary.dropped_loops else ")")
+    if not summary.records:
+        return (f"no trajectory was kept: {what}, so `cllm train` has nothing to learn from; the model's greedy text "
+                "repeats itself on these prompts")
+    return (f"{what}: a bad sign: the model loops or repeats one token on these prompts, so the "
+            f"{summary.records} trajectories kept will teach little; try other prompts (or a better model)")
 
 
 def check_inputs(config: CollectConfig) -> None:

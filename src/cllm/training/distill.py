@@ -291,6 +291,9 @@ def _round(config: DistillConfig, plan: EvalPlan, round_: int, skipped: list[str
            write_config_file: bool) -> Path:
     """Collect round `round_`'s trajectories (collect skips the prompts it already finished) and
     train its CLLM (train resumes from its checkpoint; a finished run with this config is kept)."""
+    rounds = f" (round {round_} of {config.rounds})" if config.rounds > 1 else ""
+    log.info("distill: collect%s: its progress bar's time left is collection's alone; %s", rounds,
+             later_stages(config, round_, "collect"))
     summary = collect(config.collect_config(round_, limit=plan.limit))
     for line in summary.lines():
         log.info("%s", line)
@@ -300,9 +303,35 @@ def _round(config: DistillConfig, plan: EvalPlan, round_: int, skipped: list[str
     if _train_done(train_config):
         skipped.append("train" if config.rounds == 1 else f"train round {round_}")
     else:
+        rate = summary.tokens_per_second if summary.new_tokens else None
+        log.info("distill: train%s: the time left it gives is training's alone; %s", rounds,
+                 later_stages(config, round_, "train", tokens_per_second=rate))
         for line in train(train_config).lines():
             log.info("%s", line)
     return Path(train_config.out)
+
+
+STAGES = ("collect", "train", "evaluate", "drafts")
+
+
+def later_stages(config: DistillConfig, round_: int, stage: str, *, tokens_per_second: float | None = None) -> str:
+    """What comes after `stage` of round `round_`, in words, and (given the collection's
+    decoding speed) roughly how long the decoding stages take at that speed: the evaluation
+    decodes both models' greedy and Jacobi completions of the held-out prompts, the draft table
+    the CLLM's greedy completions of --drafts-prompts prompts."""
+    later = [s for s in STAGES[STAGES.index(stage) + 1:] if s != "drafts" or config.drafts_prompts]
+    rounds_left = config.rounds - round_
+    names = ([f"{rounds_left} more collect + train round{'s' if rounds_left > 1 else ''}"] if rounds_left else []) \
+        + [{"train": "train", "evaluate": "evaluate", "drafts": "the draft table"}[s] for s in later
+           if s != "train" or stage == "collect"]
+    text = "then: " + ", ".join(names)
+    if tokens_per_second:
+        decoded = 2 * config.eval_count * config.recipe.eval_max_new_tokens * (1 + len(config.eval_block_sizes)) \
+            + config.drafts_prompts * config.drafts_max_new_tokens
+        seconds = decoded / tokens_per_second
+        took = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+        text += f" (evaluation and draft table: roughly {took} more at collection's {tokens_per_second:.0f} tokens/s)"
+    return text
 
 
 def _train_done(config: TrainConfig) -> bool:
@@ -313,6 +342,8 @@ def _train_done(config: TrainConfig) -> bool:
     saved, wanted = json.loads((out / train_run.CONFIG).read_text()), config_to_dict(config)
     if wanted["ar_target"] == "auto" and saved.get("ar_target") in ("labels", "fixed_points"):
         saved["ar_target"] = "auto"  # train wrote what auto resolved to
+    if saved.get("batch_size", 0) < wanted["batch_size"]:  # train fitted the batch to fewer records
+        saved["batch_size"], saved["micro_batch_size"] = wanted["batch_size"], wanted["micro_batch_size"]
     return one_length(saved) == one_length(wanted)
 
 

@@ -48,6 +48,7 @@ evaluates and writes. FSDP and DeepSpeed ZeRO run the same loop from an accelera
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -157,14 +158,13 @@ def _open_run(config: TrainConfig) -> RunState:
     reader, records = open_data(config, base_fingerprint)
     config = resolve_ar_target(config, records)
     config, eval_line = resolve_eval_set(config, reader.meta)
+    units = prompt_chains(records) if recipe.layout == "packed" else records
+    config = fit_batch_size(config, len(units), P)  # a user's few records: all of them, one batch
+    recipe = config.recipe
     micro = recipe.micro_batch_size or max(recipe.batch_size // P, 1)
     if recipe.batch_size % (micro * P):
         raise UserError(f"batch-size {recipe.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
-    units = prompt_chains(records) if recipe.layout == "packed" else records
-    if len(units) < recipe.batch_size:  # (records: `open_data` checked them)
-        raise UserError(f"{config.data} holds {len(units)} prompts, fewer than batch-size {recipe.batch_size} "
-                        "(--layout packed counts prompts)")
     per_epoch = len(units) // recipe.batch_size
     run = RunState(config=config, accelerator=accelerator, engine=engine, out=out, meta=reader.meta,
                    records=records, units=units, micro=micro, accumulation=recipe.batch_size // (micro * P),
@@ -182,6 +182,23 @@ def _open_run(config: TrainConfig) -> RunState:
         claim_folder(out, "train")
         write_config(config, out / CONFIG)
     return run
+
+
+def fit_batch_size(config: TrainConfig, units: int, processes: int = 1) -> TrainConfig:
+    """`config`, its batch size cut to `units` (records; prompts with --layout packed) when the
+    data hold fewer, rounded down to a multiple of the processes, with a one-line note: a
+    user's first small data set trains as one batch instead of being refused."""
+    recipe = config.recipe
+    if units >= recipe.batch_size:
+        return config
+    unit = "prompts" if recipe.layout == "packed" else "records"
+    fitted = units - units % processes
+    if fitted < 1:
+        raise UserError(f"{config.data} holds {units} {unit}, fewer than the {processes} processes")
+    micro = recipe.micro_batch_size if recipe.micro_batch_size and fitted % recipe.micro_batch_size == 0 else None
+    log.info("train: %s holds %d %s, fewer than batch-size %d: each step uses all %d as one batch", config.data,
+             units, unit, recipe.batch_size, fitted)
+    return dataclasses.replace(config, recipe=dataclasses.replace(recipe, batch_size=fitted, micro_batch_size=micro))
 
 
 def _find_checkpoint(run: RunState) -> None:
