@@ -102,9 +102,8 @@ def open_data(config: TrainConfig, base_fingerprint: str) -> tuple[TrajectoryRea
                             f"{readers[0].meta.block_size}: train on one block size at a time")
         readers.append(reader)
         records += _within_vocabulary(reader.records(), path, vocab_size(config.model))
-    batch_size = config.recipe.batch_size
-    if len(records) < batch_size:
-        raise UserError(f"{config.data} holds {len(records)} records, fewer than batch-size {batch_size}")
+    if not records:  # fewer than --batch-size: train fits the batch to them (`fit_batch_size`)
+        raise UserError(f"{config.data} holds no records")
     if config.recipe.ar_on_labels and not any(r.labels for r in records):
         raise UserError(f"{config.data} has no ground-truth labels (its prompts had no references): "
                         "use --ar-target fixed_points or auto")
