@@ -20,7 +20,7 @@ from cllm.training.eagle import eagle_loss, eagle_terms
 from tests.commands.test_generate import save_tiny_model
 from tests.training.test_drafts import run
 
-TINY = ["--max-new-tokens", "16", "--holdout", "2", "--steps", "8", "--batch-size", "3", "--eval-every", "4",
+TINY = ["--max-new-tokens", "16", "--holdout", "2", "--max-steps", "8", "--batch-size", "3", "--eval-every", "4",
         "--eval-count", "2", "--eval-max-new-tokens", "12", "--tree-nodes", "4", "--tree-depth", "3", "--top-k", "2",
         "--lr", "1e-2"]
 
@@ -41,7 +41,7 @@ def test_help_lists_the_options(capsys):
         main(["eagle", "--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0
-    for flag in ("--steps", "--prompts", "--out", "--force", "--tree-nodes", "--tree-depth", "--w-cls", "--noise"):
+    for flag in ("--max-steps", "--prompts", "--out", "--force", "--tree-nodes", "--tree-depth", "--w-cls", "--noise"):
         assert flag in out
 
 
@@ -159,12 +159,12 @@ def test_an_interrupted_run_resumes_to_the_same_head(trained, prompt_file, tmp_p
     model = load_model(directory)
     a, b = load_eagle(out, model), load_eagle(directory, model)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    assert run(capsys, *args, "--steps", "3", "--force")[0] == 0
+    assert run(capsys, *args, "--max-steps", "3", "--force")[0] == 0
     assert json.loads((out / CONFIG_FILE).read_text())["training"]["steps"] == 3
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--steps", "0"], "--steps must be an int >= 1"),
+    (["--max-steps", "0"], "--max-steps must be an int >= 1"),
     (["--noise", "-1"], "--noise must be >= 0"),
     (["--tree-depth", "0"], "--tree-depth must be an int >= 1"),
     (["--max-prompts", "4", "--holdout", "4"], "--holdout 4 leaves no prompt"),

@@ -17,7 +17,7 @@ from cllm.models import fingerprint, load_heads, load_model
 from tests.commands.test_generate import save_tiny_model
 from tests.training.test_drafts import run
 
-TINY = ["--heads", "2", "--max-new-tokens", "16", "--holdout", "2", "--steps", "6", "--batch-size", "3",
+TINY = ["--heads", "2", "--max-new-tokens", "16", "--holdout", "2", "--max-steps", "6", "--batch-size", "3",
         "--eval-every", "3", "--eval-count", "2", "--eval-max-new-tokens", "12", "--top-k", "3", "--tree-nodes", "5"]
 
 
@@ -37,7 +37,7 @@ def test_help_lists_the_options(capsys):
         main(["medusa", "--help"])
     out = capsys.readouterr().out
     assert info.value.code == 0
-    for flag in ("--heads", "--steps", "--prompts", "--out", "--force", "--tree-nodes", "--loss"):
+    for flag in ("--heads", "--max-steps", "--prompts", "--out", "--force", "--tree-nodes", "--loss"):
         assert flag in out
 
 
@@ -100,7 +100,7 @@ def test_an_interrupted_run_resumes_to_the_same_heads(trained, prompt_file, tmp_
     model = load_model(directory)
     a, b = load_heads(out, model), load_heads(directory, model)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    assert run(capsys, *args, "--steps", "3", "--force")[0] == 0
+    assert run(capsys, *args, "--max-steps", "3", "--force")[0] == 0
     assert json.loads((out / CONFIG_FILE).read_text())["training"]["steps"] == 3
 
 
@@ -205,3 +205,32 @@ def test_a_model_of_its_own_is_evaluated_on_its_held_out_texts_with_a_warning_fo
     assert "evaluating on holdout" in text and "holdout x 2" in text
     evaluation = json.loads((out / "evaluation.json").read_text())
     assert evaluation["prompt_set"] == "holdout" and evaluation["exact"] == evaluation["prompts"] == 2
+
+
+def test_a_large_holdout_is_not_warned_about_when_eval_prompts_names_the_evaluation_set(
+        trained, prompt_file, tmp_path, capsys):
+    """With --eval-prompts the evaluation does not run on the held-out texts' prompts: the
+    holdout warning of the test above is not given."""
+    directory, _ = trained
+    code, text, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY, "--holdout", 5,
+                          "--eval-prompts", prompt_file, "--out", tmp_path / "heads")
+    assert code == 0, err
+    assert not [line for line in err.splitlines() if "warning" in line], err
+
+
+def test_max_steps_is_the_steps_flag_and_steps_stays_as_its_deprecated_alias(capsys, tmp_path):
+    """`cllm train`'s name, --max-steps; the old --steps (flag or config-file key) still sets it."""
+    from cllm.cli import build_parser
+    from cllm.core.config import build_config, read_config_file
+    from cllm.training.medusa import MedusaConfig
+
+    parser = build_parser("medusa")
+    for flag in ("--max-steps", "--steps"):
+        assert vars(parser.parse_args(["medusa", flag, "7"]))["max_steps"] == 7
+    file = tmp_path / "old.json"
+    file.write_text(json.dumps({"steps": 9}))
+    assert build_config(MedusaConfig, read_config_file(file), {}).max_steps == 9
+    with pytest.raises(SystemExit):
+        main(["medusa", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--max-steps MAX_STEPS, --steps MAX_STEPS" in help_text and "--steps: its old name, deprecated" in help_text

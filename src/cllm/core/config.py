@@ -116,7 +116,16 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, defaults
         else:
             kwargs.update(type=str)
         short = [f.metadata["short"]] if "short" in f.metadata else []  # e.g. -v beside --verbose
-        parser.add_argument(*short, _flag(f.name), **kwargs)
+        old = [_flag(a) for a in f.metadata.get("aliases", ())]  # a renamed option's old names still work
+        if old:
+            kwargs["help"] += f" ({', '.join(old)}: its old name, deprecated)"
+        parser.add_argument(*short, _flag(f.name), *old, **kwargs)
+
+
+def field_aliases(cls: type) -> dict[str, str]:
+    """Old option name -> its field, for the fields of `cls` renamed since (metadata "aliases"):
+    config files and resumed runs that still say the old name."""
+    return {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -147,8 +156,10 @@ def build_config(cls: type[C], file_values: dict[str, Any] | None, cli_values: d
     for name, sub in nested.items():
         owner.update({f.name: name for f in dataclasses.fields(sub) if f.init})
     values: dict[str, Any] = {}
+    renamed = field_aliases(cls)
     for key, value in (file_values or {}).items():
         key = key.replace("-", "_")
+        key = renamed.get(key, key)
         if key not in owner:
             raise UserError(f"unknown option {key!r} in config file")
         values[key] = value

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from cllm.core.config import config_to_dict
+from cllm.core.config import config_to_dict, field_aliases
 from cllm.core.errors import UserError, first_line
 from cllm.core.outputs import replacing
 from cllm.core.progress import progress_bar
@@ -72,6 +72,8 @@ def check_same_run(saved: dict, config, *, free: frozenset[str] | set[str] = fro
     """Refuse to resume `config.out` with options other than those of the run it holds (`saved`,
     its config as written): the `free` ones may change; an option added since the run started,
     left at its default, is no change."""
+    renamed = field_aliases(type(config))  # a run written before an option was renamed
+    saved = {renamed.get(key, key): value for key, value in saved.items()}
     current, defaults = config_to_dict(config), config_to_dict(type(config)())
     for key in sorted(set(saved) | set(current)):
         if key not in saved and current.get(key) == defaults.get(key):
@@ -143,7 +145,7 @@ def begin_or_resume(run: StepRun, log_path: Path, evaluate: Callable[[], dict], 
         run.trainer.load_state_dict(state["trainer"])
         run.before, run.elapsed = state["before"], state["elapsed_s"]
         truncate_log(log_path, run.trainer.step_index)
-        logger.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, run.config.steps)
+        logger.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, run.config.max_steps)
     else:
         run.before = evaluate()
         append_jsonl(log_path, {"step": 0, "holdout": run.before})
@@ -161,11 +163,11 @@ def train_steps(run: StepRun, log_path: Path, evaluate: Callable[[], dict], *, d
         save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
                                          "elapsed_s": run.elapsed + time.perf_counter() - began})
 
-    with sigint_flag() as interrupted, progress_bar(total=config.steps, initial=trainer.step_index, unit="step",
+    with sigint_flag() as interrupted, progress_bar(total=config.max_steps, initial=trainer.step_index, unit="step",
                                                     desc=desc) as bar:
-        while trainer.step_index < config.steps:
+        while trainer.step_index < config.max_steps:
             record = trainer.step()
-            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.steps:
+            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.max_steps:
                 record["holdout"] = evaluate()
                 checkpoint()
             append_jsonl(log_path, record)

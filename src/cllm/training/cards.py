@@ -245,7 +245,7 @@ def medusa2_card(info: dict, evaluation: dict | None, section: str = "") -> str:
         "parameters",
         f"- training text: the base model's greedy continuations of `{cfg['prompts']}` ({training['texts']} texts, "
         f"{training['positions']:,} positions; {training['holdout_texts']} more held out)",
-        f"- training: {cfg['steps']} steps of {cfg['batch_size']} texts, "
+        f"- training: {cfg.get('max_steps', cfg.get('steps'))} steps of {cfg['batch_size']} texts, "
         + (f"the first {cfg['warmup_heads']} the heads alone" if cfg["warmup_heads"] else "all of them joint")
         + f"; loss = KL(base || model) + {cfg['heads_weight']} x the heads' loss (head k learns the base's "
         f"distribution k tokens on); lr heads {cfg['lr']}, model {cfg['backbone_lr']}; {training['seconds']} s",

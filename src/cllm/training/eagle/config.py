@@ -35,8 +35,8 @@ class EagleConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per training prompt"})
     decode_batch_size: int = field(default=16, metadata={"help": "prompts per forward when decoding the training text"})
     holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: the held-out loss"})
-    steps: int = field(default=400, metadata={"help": "optimizer steps (400 x 6 texts: 9 min on one CPU thread for "
-        "stdlib-coder)"})
+    max_steps: int = field(default=400, metadata={"aliases": ["steps"], "help": "optimizer steps (400 x 6 texts: "
+        "9 min on one CPU thread for stdlib-coder)"})
     batch_size: int = field(default=6, metadata={"help": "texts per step (every position of each counts: prompt and "
         "completion)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to "
@@ -74,7 +74,7 @@ class EagleConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "decode_batch_size", "holdout", "steps", "batch_size", "tree_depth", "top_k",
+        for name in ("max_new_tokens", "decode_batch_size", "holdout", "max_steps", "batch_size", "tree_depth", "top_k",
                      "eval_max_new_tokens", "eval_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")

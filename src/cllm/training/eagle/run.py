@@ -48,7 +48,7 @@ from cllm.training.eagle.config import (
     EagleConfig,
 )
 from cllm.training.eagle.trainer import EagleTrainer, FeatureRun, feature_runs, new_head, save_eagle
-from cllm.training.medusa.run import claim_run, evaluation_prompts, open_folder, split_holdout
+from cllm.training.medusa.run import claim_run, evaluation_prompts, holdout_warned, open_folder, split_holdout
 from cllm.training.medusa.texts import Text, check_texts_source, training_texts
 from cllm.training.medusa.trainer import base_model_meta
 
@@ -134,7 +134,7 @@ def _read_texts(run: _Run) -> None:
     trained on and the last --holdout ones, and the frozen model's features on both."""
     config = run.config
     texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS, command="eagle")
-    run.train_texts, run.held_texts = split_holdout(texts, config.holdout)
+    run.train_texts, run.held_texts = split_holdout(texts, config.holdout, warn=holdout_warned(config))
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
     with progress_bar(total=len(texts), unit="text", desc="eagle: features") as bar:
         run.train_runs = feature_runs(run.model, run.train_texts, pad_id=pad, eos_token_id=eos, progress=bar.update)
@@ -146,7 +146,7 @@ def _build_trainer(run: _Run) -> None:
     measures the untrained head on the held-out texts (step 0 of the log)."""
     config = run.config
     run.head = new_head(run.model, config.seed)
-    run.trainer = EagleTrainer(run.head, run.train_runs, steps=config.steps, batch_size=config.batch_size,
+    run.trainer = EagleTrainer(run.head, run.train_runs, steps=config.max_steps, batch_size=config.batch_size,
                                lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup,
                                w_cls=config.w_cls, noise=config.noise, seed=config.seed)
     runs.begin_or_resume(run, run.out / LOG, lambda: run.trainer.evaluate(run.held_runs), log)
@@ -173,7 +173,7 @@ def _save(run: _Run) -> dict:
                  **base_model_meta(run.model, run.model_dir if run.model_dir.is_dir() else None),
                  "tokenizer_fingerprint": tokenizer_fingerprint(config.model), "dtype": config.dtype,
                  "training": {"texts": len(run.train_texts), "holdout_texts": len(run.held_texts),
-                              "positions": sum(r.next_tokens.shape[0] for r in run.train_runs), "steps": config.steps,
+                              "positions": sum(r.next_tokens.shape[0] for r in run.train_runs), "steps": config.max_steps,
                               "w_cls": config.w_cls, "noise": config.noise, "seconds": round(run.elapsed, 1),
                               "holdout_before": run.before, "holdout_after": after},
                  "cllm_version": __version__}

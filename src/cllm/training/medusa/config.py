@@ -45,7 +45,7 @@ class MedusaConfig:
     decode_batch_size: int = field(default=16, metadata={"help": "prompts per forward when decoding the training text"})
     holdout: int = field(default=16, metadata={"help": "the last N texts are not trained on: held-out loss and the "
         "accuracies that shape the tree (a warning when fewer texts than this are left to train on)"})
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    max_steps: int = field(default=300, metadata={"help": "optimizer steps", "aliases": ["steps"]})
     batch_size: int = field(default=8, metadata={"help": "texts per step (every position of each counts)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW), linear warm-up then cosine decay to "
         "0 (3e-3 beat 1e-3 on stdlib-coder: held-out head-1 agreement 0.48 vs 0.38 after 300 steps)"})
@@ -92,7 +92,7 @@ class MedusaConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
 
     def __post_init__(self) -> None:
-        for name in ("heads", "max_new_tokens", "decode_batch_size", "holdout", "steps", "batch_size", "top_k",
+        for name in ("heads", "max_new_tokens", "decode_batch_size", "holdout", "max_steps", "batch_size", "top_k",
                      "eval_max_new_tokens", "eval_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")

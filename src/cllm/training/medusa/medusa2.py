@@ -146,7 +146,7 @@ def _build_trainer(run: JointRun) -> None:
     run.teacher = frozen_copy(run.model.get_output_embeddings())
     run.model.requires_grad_(True)
     run.trainer = JointTrainer(run.model, run.heads, run.train_texts, run.train_states, run.teacher,
-                               steps=config.steps, warmup_heads=config.warmup_heads, batch_size=config.batch_size,
+                               steps=config.max_steps, warmup_heads=config.warmup_heads, batch_size=config.batch_size,
                                lr=config.lr, backbone_lr=config.backbone_lr, heads_weight=config.heads_weight,
                                weight_decay=config.weight_decay, warmup=config.warmup,
                                distance="fkl" if config.loss == "soft" else "argmax", head_decay=config.head_decay,
@@ -204,7 +204,7 @@ def _save(run: JointRun) -> dict:
                   "tokenizer_fingerprint": tokenizer_fingerprint(config.model), "dtype": config.dtype,
                   "training": {"recipe": "medusa-2 (joint)", "texts": len(run.train_texts),
                                "holdout_texts": len(run.held_texts),
-                               "positions": sum(s.shape[0] for s in run.train_states), "steps": config.steps,
+                               "positions": sum(s.shape[0] for s in run.train_states), "steps": config.max_steps,
                                "warmup_heads": config.warmup_heads, "init_heads": config.init_heads,
                                "backbone_lr": config.backbone_lr,
                                "heads_weight": config.heads_weight, "loss": config.loss,

@@ -182,13 +182,14 @@ def claim_run(config, command: str, out: Path, resuming: bool, *, train_config: 
     write_config(config, out / train_config)
 
 
-def split_holdout(texts: Sequence[Text], holdout: int) -> tuple[list[Text], list[Text]]:
+def split_holdout(texts: Sequence[Text], holdout: int, *, warn: bool = True) -> tuple[list[Text], list[Text]]:
     """The texts trained on and the last `holdout` ones, held out; a warning when fewer are left
-    to train on than are held out (a drafter fit to a handful of texts)."""
+    to train on than are held out (a drafter fit to a handful of texts), but not when `warn` is
+    False (`holdout_warned`: the evaluation runs on prompts of its own)."""
     if len(texts) <= holdout:
         raise UserError(f"{len(texts)} texts leave none to train on after --holdout {holdout}")
     train, held = list(texts[:-holdout]), list(texts[-holdout:])
-    if len(train) < holdout:
+    if warn and len(train) < holdout:
         log.warning("warning: --holdout %d leaves %d of %d texts to train on, fewer than it holds out; "
                     "give more prompts or a smaller --holdout", holdout, len(train), len(texts))
     return train, held
@@ -199,7 +200,7 @@ def read_texts(run: HeadsRun) -> None:
     trained on and the last --holdout ones, and the frozen model's hidden states on both."""
     config = run.config
     texts = training_texts(config, run.model, run.tokenizer, run.out / TEXTS)
-    run.train_texts, run.held_texts = split_holdout(texts, config.holdout)
+    run.train_texts, run.held_texts = split_holdout(texts, config.holdout, warn=holdout_warned(config))
     eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
     with progress_bar(total=len(texts), unit="text", desc="medusa: hidden states") as bar:
         run.train_states = hidden_states(run.model, run.train_texts, pad_id=pad, eos_token_id=eos,
@@ -213,7 +214,7 @@ def _build_trainer(run: HeadsRun) -> None:
     one measures the untrained heads on the held-out texts (step 0 of the log)."""
     config = run.config
     run.heads = MedusaHeads.for_model(run.model, num_heads=config.heads, own_projection=config.own_projection)
-    run.trainer = HeadsTrainer(run.heads, run.train_states, steps=config.steps, batch_size=config.batch_size,
+    run.trainer = HeadsTrainer(run.heads, run.train_states, steps=config.max_steps, batch_size=config.batch_size,
                                lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup,
                                distance="fkl" if config.loss == "soft" else "argmax", head_decay=config.head_decay,
                                seed=config.seed)
@@ -242,7 +243,7 @@ def _save(run: HeadsRun) -> dict:
                   **base_model_meta(run.model, run.model_dir if run.model_dir.is_dir() else None),
                   "tokenizer_fingerprint": tokenizer_fingerprint(config.model), "dtype": config.dtype,
                   "training": {"texts": len(run.train_texts), "holdout_texts": len(run.held_texts),
-                               "positions": sum(s.shape[0] for s in run.train_states), "steps": config.steps,
+                               "positions": sum(s.shape[0] for s in run.train_states), "steps": config.max_steps,
                                "loss": config.loss, "seconds": round(run.elapsed, 1),
                                "holdout_before": run.before, "holdout_after": after},
                   "cllm_version": __version__}
@@ -257,6 +258,13 @@ def stdlib_domain(model: str) -> bool:
     models and what is trained from them), so HumanEval and the stdlib sets are its domain."""
     target = SHIPPED[EMBEDDED_TARGET]
     return (target / "tokenizer.json").is_file() and tokenizer_fingerprint(model) == tokenizer_fingerprint(target)
+
+
+def holdout_warned(config) -> bool:
+    """Whether a holdout larger than what is left to train on is worth a warning: not when
+    --eval-prompts names a prompt set, as the evaluation then does not run on the held-out
+    texts' prompts (they only give the held-out loss)."""
+    return config.eval_prompts in (AUTO, HOLDOUT_SET)
 
 
 def evaluation_prompts(run: HeadsRun, new: int, count: int | None = None) -> tuple[str, list[list[int]]]:
