@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         file_values = read_config_file(args.config) if args.config else None
         config = build_config(module.Config, file_values, vars(args))
         result = module.run(config)
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a run that resumes says so in its message
+        print(f"\n{prog}: {first_line(exc) if str(exc).strip() else 'interrupted'}", file=sys.stderr)
         return 130
     except (UserError, ValueError, FileNotFoundError) as exc:
         if os.environ.get("CLLM_DEBUG"):

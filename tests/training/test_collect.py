@@ -249,6 +249,32 @@ def test_killed_collection_resumes_to_exactly_the_uninterrupted_records(setup, r
     assert read_records(out) == reference[2]
 
 
+def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes(setup, reference, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of the second shard: one line says how many prompts are in and that
+    the same command resumes; it does, to the uninterrupted run's records."""
+    import cllm.training.collect as collecting
+    from cllm.cli import main
+
+    out = tmp_path / "out"
+    args = cli_args(config(setup, out, batch_size=1, shard_size=1))
+    decode, calls = collecting.decode_batch, []
+
+    def ctrl_c_at_the_second_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return decode(*a, **k)
+
+    monkeypatch.setattr(collecting, "decode_batch", ctrl_c_at_the_second_batch)
+    assert main(args) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == f"cllm collect: stopped with 1 prompt collected in {out}; run the same command again to resume"
+    monkeypatch.setattr(collecting, "decode_batch", decode)
+    assert main(args) == 0
+    assert "(1 already done)" in capsys.readouterr().out
+    assert read_records(out) == reference[2]
+
+
 @pytest.mark.parametrize("change, key", [
     ({"block_size": 8}, "block_size"), ({"seed": 1}, "seed"), ({"guess": "random"}, "guess"),
     ("model", "model_fingerprint"), ("tokenizer", "tokenizer_fingerprint"),

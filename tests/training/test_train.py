@@ -421,6 +421,8 @@ def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(w
             proc.kill()
     assert rc == 130, (tmp_path / "stderr.txt").read_text()[-1500:]
     saved = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["step"]
+    said = (tmp_path / "stderr.txt").read_text().strip().splitlines()[-1]
+    assert said == f"cllm train: stopped at step {saved}; run the same command again to resume", said
     assert 2 <= saved < 80
     assert not (tmp_path / "run" / "model.safetensors").exists()
     train(cfg)

@@ -20,7 +20,7 @@ def run(config: Config) -> int:
     with echo_log("cllm.training.eagle", "cllm eagle: "):
         result = eagle(config)
     if result.stopped_at is not None:
-        print(f"\ncllm eagle: stopped at step {result.stopped_at}; rerun the same command to resume")
+        print(f"\ncllm eagle: stopped at step {result.stopped_at}; run the same command again to resume")
         return 130
     print_summary(result, time.perf_counter() - started)
     return 0 if result.evaluation is None or not result.evaluation["mismatches"] else 1

@@ -290,5 +290,5 @@ def run_loop(run: RunState) -> None:
                 accelerator.wait_for_everyone()
             if interrupted["set"] and run.step < run.total:
                 bar.close()
-                raise KeyboardInterrupt(f"stopped at step {run.step}; rerun the command to resume")
+                raise KeyboardInterrupt(f"stopped at step {run.step}; run the same command again to resume")
     bar.close()

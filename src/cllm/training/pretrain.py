@@ -327,7 +327,7 @@ def _loop(run: _Run) -> None:
                 save_checkpoint(run.ckpt_path, run.snapshot())
             if interrupted["set"] and run.step < config.steps:
                 bar.close()
-                raise KeyboardInterrupt(f"stopped at step {run.step}; rerun the command to resume")
+                raise KeyboardInterrupt(f"stopped at step {run.step}; run the same command again to resume")
     bar.close()
 
 
