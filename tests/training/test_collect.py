@@ -249,6 +249,24 @@ def test_killed_collection_resumes_to_exactly_the_uninterrupted_records(setup, r
     assert read_records(out) == reference[2]
 
 
+def test_a_first_run_failing_before_its_first_shard_leaves_no_folder_but_the_users_stays(
+        setup, tmp_path, monkeypatch, capsys):
+    import cllm.training.collect as collecting
+    from cllm.cli import main
+
+    def fails(*a, **k):
+        raise UserError("decoding failed")
+
+    monkeypatch.setattr(collecting, "decode_batch", fails)
+    out = tmp_path / "new"
+    assert main(cli_args(config(setup, out))) == 2
+    assert "decoding failed" in capsys.readouterr().err and not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(cli_args(config(setup, mine))) == 2
+    assert mine.is_dir()
+
+
 def test_ctrl_c_says_where_it_stopped_and_the_same_command_resumes(setup, reference, tmp_path, monkeypatch, capsys):
     """Ctrl-C in the middle of the second shard: one line says how many prompts are in and that
     the same command resumes; it does, to the uninterrupted run's records."""

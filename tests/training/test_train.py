@@ -403,6 +403,26 @@ def test_trajectories_outside_the_vocabulary_or_from_another_collect_are_refused
     assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3))
 
 
+def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_the_users_stays(
+        world, tmp_path, monkeypatch, capsys):
+    """The folder is claimed (marker, train_config.json) before the model loads: a failure after
+    that removes the folder the run made, never one that was there before."""
+    import cllm.training.train as training
+    from cllm.cli import main
+
+    def fails(run):
+        raise UserError("the model does not load")
+
+    monkeypatch.setattr(training, "_build_model", fails)
+    out = tmp_path / "new"
+    assert main(cli_args(config(world, out, max_steps=2, eval_count=0))) == 2
+    assert "the model does not load" in capsys.readouterr().err and not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(cli_args(config(world, mine, max_steps=2, eval_count=0))) == 2
+    assert mine.is_dir()
+
+
 def test_ctrl_c_saves_a_checkpoint_and_the_rerun_matches_the_uninterrupted_run(world, tmp_path):
     cfg = config(world, tmp_path / "run", max_steps=80, eval_count=0, checkpoint_interval=1000)
     log = tmp_path / "run" / "train_log.jsonl"

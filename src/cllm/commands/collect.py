@@ -1,6 +1,7 @@
 """`cllm collect`: Jacobi-decode a prompt set with the target model and record every block's
 trajectory (`cllm.training.collect`); rank 0 prints what the run did. Ctrl-C stops it between
-shards' writes; the same command resumes it (finished prompts are skipped), and says so.
+shards' writes; the same command resumes it (finished prompts are skipped), and says so. A first
+run that fails before its first shard leaves no folder behind.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+from cllm.core.outputs import removed_on_early_failure
 from cllm.core.progress import echo_log, is_main_process
 from cllm.data import trajectories as tj
 from cllm.training.collect import CollectConfig, CollectSummary, collect
@@ -18,7 +20,7 @@ Config = CollectConfig
 def run(config: Config) -> int:
     """Collect (or resume collecting) into `config.out` and print the summary."""
     try:
-        with echo_log():
+        with echo_log(), removed_on_early_failure(config.out, "collect", useful=lambda out: bool(tj.list_shards(out))):
             summary = collect(config)
     except KeyboardInterrupt as exc:  # the CLI prints the message: where it stopped, how to go on
         traceback.clear_frames(exc.__traceback__)  # the progress bar they held closes now, not after the line

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -199,6 +200,23 @@ def claim_folder(path: str | Path, command: str) -> Path:
     except OSError as exc:
         raise UserError(f"cannot write to {path}: {exc.strerror or first_line(exc)}") from None
     return path
+
+
+@contextmanager
+def removed_on_early_failure(path: str | Path, command: str, *, useful: Callable[[Path], bool]) -> Iterator[None]:
+    """The folder `path`, when this block created it and it ends in an error (a refusal, a failed
+    load, Ctrl-C) before anything `useful` was written there (a checkpoint, a shard: what a rerun
+    resumes from), is removed: a failed first run leaves no stub folder behind. Never a folder
+    that existed before the block, nor one `command` did not mark (`claim_folder`)."""
+    path = Path(path).expanduser()
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and path.is_dir() and (read_marker(path) or {}).get("command") == command \
+                and not useful(path):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def check_new_file(path: str | Path, *, force: bool = False, flag: str = "--out",
