@@ -10,9 +10,9 @@ outputs); then, for each concurrency level C, C clients each send requests back 
 (streamed, so that the first token's arrival is seen) until the level's requests are sent:
 max(--min-requests, C x --rounds). Each output is compared with its single-request output.
 Reports per level: requests/s, completion tokens/s, p50 / p99 latency, p50 / p99 time to first
-token, mismatches, errors, and the server's mean batch size over the level (its /metrics).
-Stops by itself: after the last level, or once --time-limit seconds have passed (requests not
-sent are counted). Exits non-zero on any error or mismatch.
+token, mismatches, errors, and the server's mean batch size over the level (cllm's /metrics.json;
+none for other servers). Stops by itself: after the last level, or once --time-limit seconds
+have passed (requests not sent are counted). Exits non-zero on any error or mismatch.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ async def _complete(client: httpx.AsyncClient, prompt: str, args, method: str) -
 
 
 def _json(response: httpx.Response) -> dict:
-    """A JSON object answer, or {} (vLLM's /health is empty, its /metrics Prometheus text)."""
+    """A JSON object answer, or {} (vLLM's /health is empty; other servers have no /metrics.json)."""
     try:
         found = response.json()
     except ValueError:
@@ -111,7 +111,7 @@ def _json(response: httpx.Response) -> dict:
 async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, reference: dict[str, str],
                 deadline: float) -> dict:
     total = max(args.min_requests, concurrency * args.rounds)
-    before = _json(await _get(client, "/metrics")).get("batching", {})
+    before = _json(await _get(client, "/metrics.json")).get("batching", {})
     queue = list(range(total))
     results: list[dict] = []
     not_sent = 0
@@ -134,7 +134,7 @@ async def level(client: httpx.AsyncClient, args, method: str, concurrency: int, 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    after = _json(await _get(client, "/metrics")).get("batching", {})
+    after = _json(await _get(client, "/metrics.json")).get("batching", {})
     ok = [r for r in results if "error" not in r]
     steps = after.get("steps", 0) - before.get("steps", 0)
     rows = after.get("rows_stepped", 0) - before.get("rows_stepped", 0)

@@ -209,7 +209,7 @@ async def soak(args, server: subprocess.Popen, make: Requests) -> dict:
     await asyncio.sleep(DRAIN)
     drained = {"t": round(time.monotonic() - start), "rss_mib": rss_mib(server.pid), "requests": tally.requests}
     async with httpx.AsyncClient(base_url=args.url) as client:
-        metrics = (await client.get("/metrics")).json()
+        metrics = (await client.get("/metrics.json")).json()
     replayed, mismatches = await replay(args, greedy)
     totals = {k: v for k, v in asdict(tally).items() if k != "failures"}
     return {"rss": rows, "drained": drained, "totals": {**totals, "greedy_recorded": len(greedy),

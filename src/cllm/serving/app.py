@@ -28,7 +28,9 @@ cannot send one as a "simple" cross-origin request); the Host header must be one
 refused request is one log line.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as SSE chunks ending with
-`data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics (HEAD too).
+`data: [DONE]`, or not), GET /v1/models, GET /health, GET /metrics (Prometheus' text format:
+`cllm.serving.metrics`) and GET /metrics.json (a JSON summary, with the batching's counters);
+HEAD works wherever GET does.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
@@ -56,6 +58,7 @@ from cllm.serving.api import ApiError, chat_messages, completion_prompt
 from cllm.serving.config import ServeConfig, allowed_hosts, api_key
 from cllm.serving.http import guarded_protocol, room_for_connections
 from cllm.serving.loading import ServedModel, free_cores, load_served
+from cllm.serving.metrics import CONTENT_TYPE_LATEST
 from cllm.serving.service import Service
 
 log = logging.getLogger(__name__)
@@ -111,10 +114,10 @@ async def _fail_after_grace(app: FastAPI, service: Service) -> None:
 
 
 def _add_error_handlers(app: FastAPI, service: Service) -> None:
-    """Every failure answers with OpenAI's error shape, and is counted by status."""
+    """Every failure answers with OpenAI's error shape, and is counted by path and status."""
 
     def error_response(request: Request, err: ApiError) -> JSONResponse:
-        service.metrics.error(err.status)
+        service.metrics.answered(request.url.path, err.status)
         if err.status < 500:  # a refused request is one line in the log, whatever it sent
             log.info("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message[:200])
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -177,6 +180,7 @@ def _v1_routes(service: Service, check_key) -> APIRouter:
     @v1.get("/models")
     async def models():
         metrics.request("/v1/models")
+        metrics.answered("/v1/models", 200)
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model",
                                             "created": created, "owned_by": "cllm"}]}
 
@@ -184,7 +188,7 @@ def _v1_routes(service: Service, check_key) -> APIRouter:
 
 
 def _add_status_routes(app: FastAPI, service: Service) -> None:
-    """/health and /metrics: open to anyone who reaches the port (no key)."""
+    """/health, /metrics and /metrics.json: open to anyone who reaches the port (no key)."""
     cfg, metrics, scheduler = service.cfg, service.metrics, service.scheduler
 
     @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
@@ -192,7 +196,11 @@ def _add_status_routes(app: FastAPI, service: Service) -> None:
         return {"status": "ok", "model": cfg.model_id, "queued": scheduler.waiting, "running": scheduler.running}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
-    async def get_metrics():
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/metrics.json", methods=["GET", "HEAD"], include_in_schema=False)
+    async def json_metrics():
         return {**metrics.snapshot(), "queued": scheduler.waiting, "running": scheduler.running,
                 "batching": scheduler.stats.snapshot()}
 
