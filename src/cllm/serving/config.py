@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cllm.core.config import is_off
 from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
 from cllm.runtime import RUNTIME_HELP, RUNTIMES
 from cllm.serving.completion import METHODS
@@ -37,6 +38,10 @@ class ServeConfig:
         "settings (flags --block-size, --recycle, ...)"})
     draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
         "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+    medusa: str = field(default="none", metadata={"help": "not served: Medusa heads decode one prompt at a time, in "
+        "cllm generate / cllm chat --medusa (the server batches rows on the Jacobi engine)"})
+    eagle: str = field(default="none", metadata={"help": "not served: an EAGLE head decodes one prompt at a time, in "
+        "cllm generate / cllm chat --eagle (the server batches rows on the Jacobi engine)"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by "
         "--max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
@@ -119,6 +124,10 @@ class ServeConfig:
             raise ValueError("--speculative-tokens and --tensor-parallel-size must be >= 1")
         if self.engine == "cllm" and self.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size needs --engine vllm (the cllm engine runs on one device)")
+        for name in ("medusa", "eagle"):  # refused here, before the model loads
+            if not is_off(getattr(self, name)):
+                raise ValueError(f"--{name}: heads are decoded by cllm generate / cllm chat, not served (serve "
+                                 f"batches rows on the Jacobi engine); drop --{name}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
 
