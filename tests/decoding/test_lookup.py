@@ -181,3 +181,21 @@ def test_recycled_drafts_are_counted_as_the_pools():
     assert sum(sources.values()) == 24 and sources["ar"] <= out.forward_passes
     assert sources["pool"] > 24 / 2  # most tokens: junk guesses give Jacobi little to verify
     assert set(sources) <= {"ar", "pool", "guess", "jacobi"}
+
+
+@pytest.mark.parametrize("settings", [{}, {"recycle": 1}, {"recycle": 2, "recycle_budget": 9},
+                                      {"guess": "lookup", "temperature": 0.8}])
+def test_drafts_are_counted_by_source_as_fed_and_as_accepted(settings):
+    """At batch 1, every fed token but a forward's first is a draft, counted once by its source;
+    the drafts made final are the final tokens not credited "ar", and no source has more
+    accepted than fed (linear, tree and sampling verifiers)."""
+    model = tiny_model("llama")
+    prompt = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(24)).repeat(1, 3)
+    out = jacobi_decode(model, prompt, block_size=5, max_new_tokens=40, recycle_min_ngram=1,
+                        generator=torch.Generator().manual_seed(0), **settings)
+    stats = out.stats
+    assert sum(stats.drafted.values()) == sum(f - 1 for f in stats.fed) > 0
+    assert stats.drafts_accepted == {s: n for s, n in stats.sources.items() if s != "ar"}
+    assert all(n <= stats.drafted.get(s, 0) for s, n in stats.drafts_accepted.items())
+    if settings.get("recycle"):
+        assert stats.drafted.get("pool", 0) > 0

@@ -213,7 +213,7 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(one, range(32)))
     assert results == [expected[p] for p in prompts]
-    batching = httpx.get(f"{server}/metrics").json()["batching"]
+    batching = httpx.get(f"{server}/metrics.json").json()["batching"]
     assert batching["max_batch"] > 1 and batching["mean_batch"] > 1  # they were decoded together
 
 
@@ -235,12 +235,17 @@ def test_32_concurrent_requests_all_return_greedy_outputs(server, client, oracle
         ("/v1/completions", {"prompt": "x = 1\n" * 60}, 400, "at most"),
         ("/v1/completions", {"prompt": [5, 10**6]}, 400, "token ids"),
         ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
-        ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n = 1"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "'n' must be between 1 and 16"),
         ("/v1/completions", {"prompt": "x", "n": True}, 400, "'n' must be an integer"),
         ("/v1/completions", {"prompt": "x", "n": 1.0}, 400, "'n' must be an integer"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "'logprobs' = 0 is not supported"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "'best_of' = 3 is not supported"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "'logprobs' must be an integer"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "'logprobs' must be between 0 and 20"),
+        ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "not 'top_logprobs'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400,
-         "'logprobs' must be a boolean or an integer"),
+         "'logprobs' must be a boolean"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "needs 'logprobs': true"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "'presence_penalty'"),
         ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
          "'stream_options'"),
@@ -411,7 +416,7 @@ def test_models_health_and_metrics_by_method(server, client):
     post(server, "/v1/completions", {"prompt": "x", "max_tokens": -1})
     for extra in ({"method": "jacobi"}, {"method": "ar"}, {"temperature": 0.5}):
         assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, **extra}).status_code == 200
-    metrics = httpx.get(f"{server}/metrics").json()
+    metrics = httpx.get(f"{server}/metrics.json").json()
     assert metrics["requests"] >= 4 and metrics["errors_by_status"]["400"] >= 1
     jacobi = metrics["methods"]["jacobi"]
     assert jacobi["completion_tokens"] > 0 and jacobi["tokens_per_second"] > 0
@@ -803,6 +808,6 @@ def test_the_llama_cpp_runtime_serves_16_concurrent_requests_each_as_alone(model
 
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(one, range(16)))
-        batching = http.get("/metrics").json()["batching"]
+        batching = http.get("/metrics.json").json()["batching"]
     assert results == [expected[p] for p in prompts]
     assert batching["max_batch"] > 1 and (not streams or batching["max_batch"] <= streams)

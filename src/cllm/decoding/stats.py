@@ -84,6 +84,11 @@ class DecodeStats:
     # Jacobi only: new tokens by where they came from (`jacobi.rule.SOURCES`: "ar", "jacobi", "pool",
     # "table", "guess"); what makes a method fast
     sources: dict[str, int] = field(default_factory=dict)
+    # Jacobi only: draft tokens by source ("ar" is no draft), per row and forward as they are fed
+    # to be verified (a trie's shared node once) and as they are made final; counted as they go,
+    # so a long-running decoder's `take_stats` hands them on step by step
+    drafted: dict[str, int] = field(default_factory=dict)
+    drafts_accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def row_forwards(self) -> int:
@@ -93,6 +98,11 @@ class DecodeStats:
         """One forward of batch row `row` made `tokens` tokens final."""
         self.accepted.append(tokens)
         self.accepted_rows.append(row)
+
+    def count_drafts(self, counts: dict[str, int], sources: Sequence[str]) -> None:
+        """Add one draft token per entry of `sources` to `counts` (`drafted` or `drafts_accepted`)."""
+        for source in sources:
+            counts[source] = counts.get(source, 0) + 1
 
     def forwards_per_row(self, rows: int) -> list[int]:
         """Forward passes each of `rows` batch rows took part in (prefill included)."""

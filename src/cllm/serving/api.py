@@ -9,6 +9,7 @@ refused without being tokenized; then in tokens, after tokenizing (off the event
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from cllm.decoding.settings import JacobiConfig
 from cllm.serving.completion import METHODS, DecodeParams
 
 ROLES = ("system", "developer", "user", "assistant")
+MAX_CHOICES = 16  # `n`: choices per request, each a row of its own
+MAX_LOGPROBS = 20  # alternatives per token (`top_logprobs`; completions' `logprobs`), as OpenAI's chat
 
 
 class ApiError(Exception):
@@ -92,10 +95,6 @@ def _stop(body: dict) -> tuple[str, ...]:
 # ask for nothing). Each is checked for its type first (`n: true`, `n: 1.0` and `logprobs: "yes"`
 # are mistakes, never read as their defaults), then refused when it asks for something.
 _UNSUPPORTED = (
-    ("n", (int,), (1,)),
-    ("best_of", (int,), (1,)),
-    ("logprobs", (bool, int), (False,)),  # chat: a boolean; completions: how many alternatives (0: the token's own)
-    ("top_logprobs", (int,), ()),
     ("echo", (bool,), (False,)),
     ("suffix", (str,), ("",)),
     ("presence_penalty", (int, float), (0,)),
@@ -138,8 +137,53 @@ def check_body(body, served_names: set[str], served_id: str) -> dict:
     return body
 
 
+def _typed(body: dict, name: str, kind: type):
+    """`body[name]` if it is of `kind` (None when absent); a bool is no int here."""
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise ApiError(400, f"'{name}' must be {_TYPE_NAMES[kind]}", param=name)
+    return value
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a request wants with its tokens' log-probabilities
+    (None: no log-probabilities). Chat: `logprobs: true` and `top_logprobs: k`; completions:
+    `logprobs: k`."""
+    if chat:
+        wanted, top = _typed(body, "logprobs", bool), _number(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS,
+                                                              integer=True)
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "completions take 'logprobs': k (the alternatives per token), not 'top_logprobs'",
+                       param="top_logprobs")
+    return _number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+
+
+def choices(body: dict) -> int:
+    """`n`, the choices to return (1 to `MAX_CHOICES`). `best_of` (completions: pick the best n
+    of best_of by log-probability) is not supported beyond n: only best_of = n is accepted."""
+    n = _number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
+    best_of = _typed(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"'best_of' = {best_of} is not supported (only best_of = n, here {n}: each choice is "
+                       "returned; ask for n choices and rank them by their logprobs)", param="best_of")
+    return n
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 has the request's own
+    (the answer of n = 1), the others one derived from it (a 64-bit hash), so a seeded request
+    with n choices reproduces itself."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def parse_params(body: dict, limits: PromptLimits, n_prompt: int, *, method: str, engine: JacobiConfig,
-                 max_tokens_key: str = "max_tokens") -> DecodeParams:
+                 max_tokens_key: str = "max_tokens", chat: bool = False) -> DecodeParams:
     """The decode settings of a request whose prompt has `n_prompt` tokens. A request without
     a seed gets a fresh random one (OpenAI's behaviour: unseeded samples differ)."""
     _unsupported(body)
@@ -167,6 +211,7 @@ def parse_params(body: dict, limits: PromptLimits, n_prompt: int, *, method: str
         top_p=float(_number(body, "top_p", 1.0, lo=1e-6, hi=1.0)),
         top_k=_number(body, "top_k", None, lo=1, hi=2**31 - 1, integer=True),
         seed=secrets.randbits(63) if seed is None else seed,
+        logprobs=_logprobs(body, chat),
     )
 
 

@@ -35,6 +35,7 @@ from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
 from cllm.decoding.sampling import is_greedy
 from cllm.decoding.stats import DecodeStats
 from cllm.runtime import Runtime
+from cllm.serving.logprobs import Trail
 
 METHODS = ("jacobi", "ar")
 
@@ -155,6 +156,7 @@ class DecodeParams:
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
 
     def __post_init__(self) -> None:
         if self.temperature > 0 and is_greedy(self.temperature):  # one greedy setting, one batch group
@@ -175,6 +177,8 @@ class Completion:
     seconds: float  # wall clock of the decode
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     method: str  # DecodeParams.label
+    # with `DecodeParams.logprobs`: per token of `text` (EOS left out), what `cllm.serving.logprobs` reads
+    logprobs: list | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -219,11 +223,14 @@ def complete(
     stream = TextStream(codec, params.stop, on_text)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
     start = time.perf_counter()
+    trail = None if params.logprobs is None else Trail(codec, codec.eos_token_id)
     if heads is not None:
+        if trail is not None:
+            raise ValueError("logprobs come from the Jacobi engine's forwards, not Medusa decoding's")
         forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
     else:
         forward_passes = _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration,
-                                 cancelled, draft_table)
+                                 cancelled, draft_table, trail)
     seconds = time.perf_counter() - start
     stream.finish()
     ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
@@ -231,15 +238,17 @@ def complete(
         text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
         forward_passes=forward_passes, seconds=seconds,
         finish_reason="stop" if ended else "length", method="medusa" if heads is not None else params.label,
+        logprobs=None if trail is None else trail.whole(len(stream.text)),
     )
 
 
-def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table) -> int:
+def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draft_table, trail=None) -> int:
     """Jacobi (or AR: n = 1) on the engine, one step at a time; the tokens each step made final
-    go to the text stream at once. Returns the forward passes, the prefill included."""
+    go to the text stream at once (and their log-probabilities to `trail`). Returns the forward
+    passes, the prefill included."""
     decoder = BatchDecoder(model, eos_token_id=eos, on_iteration=on_iteration, **decoder_kwargs(params, draft_table))
     with torch.inference_mode():
-        (row,) = decoder.add(input_ids, max_new_tokens=params.max_new_tokens,
+        (row,) = decoder.add(input_ids, max_new_tokens=params.max_new_tokens, logprobs=params.logprobs,
                              generator=seeded_generator(params.seed, decoder.runtime.device))
         decoder.raise_error([row])
         stream.feed(decoder.tokens(row))  # the prefill's token
@@ -253,6 +262,8 @@ def _decode(model, input_ids, params, stream, eos, on_iteration, cancelled, draf
                 stream.feed(event.new_tokens[row])
                 if not more():
                     break
+        if trail is not None:
+            trail.add(decoder.logprobs(row))
     return decoder.forward_passes(row)
 
 

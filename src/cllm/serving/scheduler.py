@@ -37,8 +37,10 @@ from cllm.core.errors import first_line
 from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder
 from cllm.decoding.inputs import left_pad
+from cllm.decoding.stats import DecodeStats
 from cllm.runtime import as_runtime
 from cllm.serving.completion import Completion, DecodeParams, TextCodec, TextStream, decoder_kwargs
+from cllm.serving.logprobs import Trail
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ class Job:
     for its text as it becomes final (when `stream_text`; at most once per the scheduler's
     `stream_interval`, what is left before the answer), then once ("done", Completion) or
     ("error", reason), reason "timeout", "shutdown", or "failed: <why>" (this request alone
-    failed to decode; its batch mates go on); a cancelled job gets no more events."""
+    failed to decode; its batch mates go on); a cancelled job gets no more events. With
+    `params.logprobs`, each ("text", str) of a stream follows a ("logprobs", [Entry]) with the
+    entries of the tokens whose text it completes (`cllm.serving.logprobs`)."""
 
     prompt_ids: list[int]
     params: DecodeParams  # params.seed seeds the row's generator (None: 0, as in `complete`)
@@ -69,6 +73,7 @@ class Job:
     seen: int = 0  # tokens of the row fed to `text` so far
     answered: bool = False  # its "done" or "error" went out (once, from whichever thread)
     unsent: str = ""  # streamed text made final and not sent yet
+    trail: Trail | None = None  # with `params.logprobs`: its tokens' log-probabilities against its text
     sent_at: float = -math.inf  # time.monotonic() when text was last sent
 
     @property
@@ -81,6 +86,7 @@ class Job:
 class _Group:
     decoder: BatchDecoder
     recycle_budget: int | None  # the requests' own (per row, with recycling; None: no limit)
+    method: str  # its requests' `DecodeParams.label`
     jobs: dict[int, Job] = field(default_factory=dict)  # by row id
 
 
@@ -108,7 +114,8 @@ class Scheduler:
 
     def __init__(self, model, codec: TextCodec, *, draft_table=None, queue_size: int = 256,
                  max_batch_size: int = 32, max_tokens_in_flight: int = 65536,
-                 forward_width: int | None = None, stream_interval: float = 0.0) -> None:
+                 forward_width: int | None = None, stream_interval: float = 0.0,
+                 on_step: Callable[[str, int, DecodeStats], None] | None = None) -> None:
         self.model, self.codec, self.draft_table = as_runtime(model), codec, draft_table
         # a streamed job's text is sent at most once per `stream_interval` seconds (0: per step)
         self.stream_interval = stream_interval
@@ -120,6 +127,8 @@ class Scheduler:
         self.forward_width = forward_width
         self.device = self.model.device  # where its logits, and the draws, are
         self.stats = SchedulerStats()
+        # after each group's step, from this thread: (its method, rows stepped (0: none), its decoder's counters)
+        self.on_step = on_step
         self.running = 0  # rows decoding (written by the worker only)
         self._waiting: deque[Job] = deque()
         self._live: set[Job] = set()  # submitted and not answered yet: waiting, being admitted, running
@@ -220,12 +229,13 @@ class Scheduler:
             if group is None:
                 kwargs = decoder_kwargs(group_jobs[0].params, self.draft_table)
                 group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **kwargs),
-                               kwargs["config"].recycle_budget)
+                               kwargs["config"].recycle_budget, group_jobs[0].params.label)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             try:
                 generators = [seeded_generator(j.params.seed, self.device) for j in group_jobs]
                 rows = group.decoder.add(ids, mask, generator=generators,
-                                         max_new_tokens=[j.params.max_new_tokens for j in group_jobs])
+                                         max_new_tokens=[j.params.max_new_tokens for j in group_jobs],
+                                         logprobs=[j.params.logprobs for j in group_jobs])
             except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
                 log.exception("a prefill of %d request(s) failed", len(group_jobs))
                 for job in group_jobs:
@@ -238,6 +248,8 @@ class Scheduler:
                 job.row, job.started_at = row, time.monotonic()
                 on_text = (lambda text, job=job: self._hold(job, text)) if job.stream_text else None
                 job.text = TextStream(self.codec, job.params.stop, on_text)
+                if job.params.logprobs is not None:
+                    job.trail = Trail(self.codec, self.codec.eos_token_id)
                 group.jobs[row] = job
 
     def _step(self) -> None:
@@ -259,7 +271,14 @@ class Scheduler:
             if stepped:
                 self.stats.steps += 1
                 self.stats.rows_stepped += rows
-            group.decoder.take_stats()  # per-step counters: not kept (the decoder runs for good)
+            self._hand_on_stats(group, rows if stepped else 0)
+
+    def _hand_on_stats(self, group: _Group, rows: int) -> None:
+        """The group's decoder counters since the last call go to `on_step`, not kept (the
+        decoder runs for good)."""
+        stats = group.decoder.take_stats()
+        if self.on_step is not None:
+            self.on_step(group.method, rows, stats)
 
     def _drop_gone(self, group: _Group) -> None:
         """Cancelled and timed-out rows leave before the forward they would waste."""
@@ -299,6 +318,7 @@ class Scheduler:
                 if not job.cancelled:
                     self._finish(job, "done" if isinstance(result, Completion) else "error", result)
             if not group.jobs and not decoder.running:
+                self._hand_on_stats(group, 0)  # a prefill that ended its rows counts too
                 del self._groups[key]  # its cache went with its last row
         self.running = sum(len(g.jobs) for g in self._groups.values())
 
@@ -306,6 +326,8 @@ class Scheduler:
         """The row's new final tokens -> its text; its Completion once it is done, else None."""
         tokens = decoder.tokens(row)
         if len(tokens) > job.seen:
+            if job.trail is not None:  # before the text: what `feed` releases may be sent at once
+                job.trail.add(decoder.logprobs(row)[job.seen : len(tokens)])
             job.text.feed(tokens[job.seen :])
             job.seen = len(tokens)
         if not (job.text.stopped or decoder.done(row)):
@@ -318,7 +340,8 @@ class Scheduler:
         ended = job.text.stopped or (bool(tokens) and tokens[-1] == eos)
         return Completion(text=job.text.text, tokens=list(tokens), prompt_tokens=len(job.prompt_ids),
                           forward_passes=forwards, seconds=time.monotonic() - job.started_at,
-                          finish_reason="stop" if ended else "length", method=job.params.label)
+                          finish_reason="stop" if ended else "length", method=job.params.label,
+                          logprobs=None if job.trail is None else job.trail.whole(len(job.text.text)))
 
     def _hold(self, job: Job, text: str) -> None:
         """The job's text stream made `text` final: it waits for `_send_text`."""
@@ -336,6 +359,8 @@ class Scheduler:
         if job.cancelled or job.answered or not job.unsent or not (last or now - job.sent_at >= self.stream_interval):
             return
         text, job.unsent, job.sent_at = job.unsent, "", now
+        if job.trail is not None:  # the client then holds the whole text released so far
+            _emit(job, "logprobs", job.trail.take(len(job.text.text)))
         _emit(job, "text", text)
 
     def _finish(self, job: Job, kind: str, value: Any) -> None:

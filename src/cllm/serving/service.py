@@ -1,19 +1,20 @@
 """The bridge between HTTP requests and the scheduler: `Service` checks a request body, turns
 it into token ids and `DecodeParams` (`cllm.serving.api`), queues it on the decode thread
 (`cllm.serving.scheduler.Scheduler`) and answers with OpenAI's shapes, as one JSON body or as SSE
-chunks ending with `data: [DONE]`; `Metrics` counts what was served. The routes themselves are
-`cllm.serving.app`'s.
+chunks ending with `data: [DONE]`, and tells `cllm.serving.metrics.Metrics` what was served. The
+routes themselves are `cllm.serving.app`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import threading
 import time
 import uuid
-from collections import defaultdict
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,67 +23,32 @@ from starlette.requests import ClientDisconnect
 from cllm.core.errors import first_line, json_problem
 from cllm.decoding.inputs import position_limit
 from cllm.runtime import as_runtime
-from cllm.serving.api import ApiError, PromptLimits, check_body, check_prompt_ids, parse_params
+from cllm.serving.api import (
+    ApiError,
+    PromptLimits,
+    check_body,
+    check_prompt_ids,
+    choice_seed,
+    choices,
+    parse_params,
+)
 from cllm.serving.completion import Completion, TextCodec
 from cllm.serving.config import ServeConfig
+from cllm.serving.logprobs import Entry, chat_logprobs, completions_logprobs
+from cllm.serving.metrics import Metrics, completion_endpoint
 from cllm.serving.scheduler import Job, Overloaded, Scheduler
-
-
-class Metrics:
-    """Counters since start; per decoder ("jacobi", "ar", "jacobi_sample", "ar_sample")."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.started = time.time()
-        self.requests: dict[str, int] = defaultdict(int)  # by endpoint
-        self.errors: dict[int, int] = defaultdict(int)  # by status
-        self.methods: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-
-    def request(self, endpoint: str) -> None:
-        with self.lock:
-            self.requests[endpoint] += 1
-
-    def error(self, status: int) -> None:
-        with self.lock:
-            self.errors[status] += 1
-
-    def completed(self, result: Completion) -> None:
-        with self.lock:
-            m = self.methods[result.method]
-            m["requests"] += 1
-            m["prompt_tokens"] += result.prompt_tokens
-            m["completion_tokens"] += len(result.tokens)
-            m["forward_passes"] += result.forward_passes
-            m["decode_seconds"] += result.seconds
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            methods = {}
-            for name, m in self.methods.items():
-                tokens, forwards, seconds = m["completion_tokens"], m["forward_passes"], m["decode_seconds"]
-                methods[name] = {
-                    "requests": int(m["requests"]), "prompt_tokens": int(m["prompt_tokens"]),
-                    "completion_tokens": int(tokens), "forward_passes": int(forwards),
-                    "decode_seconds": round(seconds, 4),
-                    "tokens_per_second": tokens / seconds if seconds else 0.0,
-                    "tokens_per_forward": tokens / forwards if forwards else 0.0,
-                }
-            return {
-                "uptime_seconds": round(time.time() - self.started, 3),
-                "requests": sum(self.requests.values()), "requests_by_endpoint": dict(self.requests),
-                "errors": sum(self.errors.values()), "errors_by_status": {str(k): v for k, v in self.errors.items()},
-                "methods": methods,
-            }
-
 
 # ----------------------------------------------------------------------------------------------
 # Response bodies (OpenAI's shapes, plus `usage.forward_passes` and a `cllm` block)
 
 
-def _usage(result: Completion) -> dict:
-    n = len(result.tokens)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
-            "total_tokens": result.prompt_tokens + n, "forward_passes": result.forward_passes}
+def _usage(results: list[Completion]) -> dict:
+    """OpenAI's usage (the prompt counted once, every choice's tokens), plus the forward passes
+    the choices took and the tokens per forward they made (an extension)."""
+    tokens, forwards = sum(len(r.tokens) for r in results), sum(r.forward_passes for r in results)
+    prompt = results[0].prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
+            "forward_passes": forwards, "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0}
 
 
 def _cllm(result: Completion, job: Job) -> dict:
@@ -91,6 +57,12 @@ def _cllm(result: Completion, job: Job) -> dict:
             "forward_passes": result.forward_passes, "tokens_per_forward": result.tokens_per_forward,
             "decode_seconds": round(result.seconds, 6),
             "queue_seconds": round(max(0.0, job.started_at - job.queued_at), 6)}
+
+
+def _logprobs(entries: list[Entry] | None, chat: bool, top: int) -> dict | None:
+    if entries is None:
+        return None
+    return chat_logprobs(entries, top) if chat else completions_logprobs(entries)
 
 
 def _no_constant(name: str):
@@ -166,12 +138,14 @@ class Service:
             tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, max_tokens_limit=cfg.max_tokens_limit,
             default_max_tokens=cfg.default_max_tokens, context=position_limit(model),
             vocab_size=model.vocab_size)
+        self.metrics = Metrics(cfg.model_id)
         # the decode thread detokenizes with its own copy: encoding a prompt never waits for it
         self.scheduler = Scheduler(model, TextCodec(_copy(tokenizer)), draft_table=draft_table,
                                    queue_size=cfg.queue_size, max_batch_size=cfg.max_batch_size,
                                    max_tokens_in_flight=cfg.max_tokens_in_flight,
-                                   forward_width=cfg.forward_width or None, stream_interval=cfg.stream_interval)
-        self.metrics = Metrics()
+                                   forward_width=cfg.forward_width or None, stream_interval=cfg.stream_interval,
+                                   on_step=self.metrics.step)
+        self.metrics.watch(self.scheduler)
         self.names = {cfg.model_id, cfg.model}
         # one prompt tokenized at a time: a flood of long prompts takes one core, not every core
         self.tokenizing = asyncio.Semaphore(1)
@@ -201,26 +175,33 @@ class Service:
             return check_prompt_ids(await asyncio.to_thread(self.codec.chat_ids, messages))
 
     async def respond(self, request: Request, body: dict, prompt_ids: list[int], chat: bool):
+        """Queue the request's choices (`n`, each a row of its own) and answer: one JSON body
+        once every choice is done, or an SSE stream of their chunks as they come."""
         cfg = self.cfg
         params = parse_params(body, self.limits, len(prompt_ids), method=cfg.method, engine=cfg.jacobi,
-                              max_tokens_key="max_completion_tokens" if chat else "max_tokens")
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+                              max_tokens_key="max_completion_tokens" if chat else "max_tokens", chat=chat)
+        n = choices(body)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()  # (choice, kind, value)
         if self._mailbox is None or self._mailbox.loop is not loop:
             self._mailbox = _Mailbox(loop)
         mailbox = self._mailbox
-
-        def on_event(kind: str, value) -> None:  # from the decode thread
-            try:
-                mailbox.post(events, (kind, value))
-            except RuntimeError:  # the event loop is gone (shutdown)
-                job.cancelled = True
-
         stream = bool(body.get("stream"))
         deadline = time.monotonic() + cfg.request_timeout if cfg.request_timeout else None
-        job = Job(prompt_ids, params, on_event, stream_text=stream, deadline=deadline)
+
+        def on_event(index: int, kind: str, value) -> None:  # from the decode thread
+            try:
+                mailbox.post(events, (index, kind, value))
+            except RuntimeError:  # the event loop is gone (shutdown)
+                jobs[index].cancelled = True
+
+        jobs = [Job(prompt_ids, replace(params, seed=choice_seed(params.seed, i)),
+                    functools.partial(on_event, i), stream_text=stream, deadline=deadline) for i in range(n)]
         try:
-            self.scheduler.submit(job)
+            for job in jobs:
+                self.scheduler.submit(job)
         except Overloaded:
+            for job in jobs:  # the choices queued already leave the queue unanswered
+                self.scheduler.cancel(job)
             raise ApiError(503, "the server is busy (request queue full); retry later",
                            type="server_error", code="overloaded") from None
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
@@ -229,59 +210,96 @@ class Service:
         if stream:
             options = body.get("stream_options")
             usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return StreamingResponse(self.stream(job, events, head, chat, usage), media_type="text/event-stream",
+            return StreamingResponse(self.stream(jobs, events, head, chat, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         # a client that leaves stops the decode (Starlette does not cancel a plain handler)
-        watcher = asyncio.create_task(_on_disconnect(request, lambda: events.put_nowait(("gone", None))))
+        watcher = asyncio.create_task(_on_disconnect(request, lambda: events.put_nowait((0, "gone", None))))
+        results: dict[int, Completion] = {}
         try:
-            while (event := await events.get())[0] == "text":
-                pass
+            while len(results) < n:
+                index, kind, value = await events.get()
+                if kind == "gone":
+                    self.metrics.answered(completion_endpoint(chat), 499)
+                    return Response(status_code=499)  # nobody reads it; the access log shows it
+                if kind == "error":
+                    raise _worker_error(value, cfg)
+                if kind == "done":
+                    results[index] = value
         finally:
             watcher.cancel()
-            self.scheduler.cancel(job)  # a no-op when it is done
-        kind, result = event
-        if kind == "gone":
-            return Response(status_code=499)  # nobody reads it; the access log shows it
-        if kind == "error":
-            raise _worker_error(result, cfg)
-        self.metrics.completed(result)
-        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text})
-        return {**head, "choices": [choice], "usage": _usage(result), "cllm": _cllm(result, job)}
+            for job in jobs:
+                self.scheduler.cancel(job)  # a no-op when it is done
+        for job, result in zip(jobs, (results[i] for i in range(n)), strict=True):
+            self.metrics.completed(result, job)
+        self.metrics.answered(completion_endpoint(chat), 200)
+        answers = []
+        for i in range(n):
+            result = results[i]
+            choice = {"index": i, "finish_reason": result.finish_reason,
+                      "logprobs": _logprobs(result.logprobs, chat, params.logprobs or 0)}
+            choice.update({"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text})
+            answers.append(choice)
+        return {**head, "choices": answers, "usage": _usage([results[i] for i in range(n)]),
+                "cllm": _cllm(results[0], jobs[0])}
 
-    async def stream(self, job: Job, events: asyncio.Queue, head: dict, chat: bool, include_usage: bool):
-        """SSE: OpenAI's chunks (a role chunk first for chat), the finish chunk, `[DONE]`."""
+    async def stream(self, jobs: list[Job], events: asyncio.Queue, head: dict, chat: bool, include_usage: bool):
+        """SSE: OpenAI's chunks, each choice's by its index (a role chunk first for chat; text
+        chunks with the log-probabilities of the tokens they complete, when asked), each choice's
+        finish chunk, then the usage chunk (`stream_options.include_usage`) and `[DONE]`."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        top = jobs[0].params.logprobs or 0
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
+                  entries: list[Entry] | None = None) -> dict:
+            logprobs = _logprobs(entries, chat, top) if jobs[index].params.logprobs is not None else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return {**head, "choices": [choice]}
 
+        status = 499  # the client left before the end
+        first_text_at: dict[int, float] = {}
+        pending: dict[int, list[Entry]] = {}  # a choice's entries, for its next text chunk
+        sent = [0] * len(jobs)  # entries sent per choice
+        results: dict[int, Completion] = {}
         try:
             if chat:
-                yield _sse(chunk(None, role=True))
-            while True:
-                kind, value = await events.get()
+                for index in range(len(jobs)):
+                    yield _sse(chunk(index, None, role=True))
+            while len(results) < len(jobs):
+                index, kind, value = await events.get()
+                if kind == "logprobs":
+                    pending[index] = pending.get(index, []) + value
+                    continue
                 if kind == "text":
-                    yield _sse(chunk(value))
+                    first_text_at.setdefault(index, time.monotonic())
+                    entries = pending.pop(index, [])
+                    sent[index] += len(entries)
+                    yield _sse(chunk(index, value, entries=entries))
                     continue
                 if kind == "done":
-                    self.metrics.completed(value)
-                    yield _sse({**chunk(None, value.finish_reason), "cllm": _cllm(value, job)})
-                    if include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(value)})
-                else:  # the status line has gone out already: the error travels as an event
-                    err = _worker_error(value, self.cfg)
-                    self.metrics.error(err.status)
-                    yield _sse(err.body())
+                    results[index] = value
+                    self.metrics.completed(value, jobs[index], first_text_at.get(index))
+                    rest = (value.logprobs or [])[sent[index] :]  # the tokens of its last chunk, or a stop's cut
+                    yield _sse({**chunk(index, None, value.finish_reason, entries=rest),
+                                "cllm": _cllm(value, jobs[index])})
+                    continue
+                # the status line has gone out already: the error travels as an event
+                err = _worker_error(value, self.cfg)
+                status = err.status
+                yield _sse(err.body())
                 break
+            else:
+                status = 200
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage([results[i] for i in range(len(jobs))])})
             yield _sse("[DONE]")
         finally:
-            self.scheduler.cancel(job)  # a client that left (Starlette cancels the stream)
+            self.metrics.answered(completion_endpoint(chat), status)
+            for job in jobs:
+                self.scheduler.cancel(job)  # a client that left (Starlette cancels the stream)
 
 
 async def _on_disconnect(request: Request, callback) -> None:

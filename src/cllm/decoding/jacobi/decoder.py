@@ -19,9 +19,10 @@ from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set, prepare_prompt, row_generators
 from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
-from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks
+from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks, scored
 from cllm.decoding.jacobi.verifiers import choose_verifier
-from cllm.decoding.sampling import make_sampling, pick_tokens
+from cllm.decoding.logprobs import TokenLogprob
+from cllm.decoding.sampling import draw, make_sampling
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 from cllm.runtime import Runtime, as_runtime
@@ -173,13 +174,19 @@ class BatchDecoder:
         *,
         max_new_tokens: int | Sequence[int] = 128,
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
+        logprobs: int | Sequence[int | None] | None = None,
     ) -> list[int]:
         """Prefill these prompts (B, T) (left-padded when they differ in length) in one forward
         and append them to the batch; returns their row ids. Each row may have its own budget
-        (>= 1) and generator; they run from the next `step`."""
+        (>= 1) and generator; they run from the next `step`. `logprobs` (k, or one per row;
+        None: none) keeps each final token's log-probability and its position's top k
+        (`BatchDecoder.logprobs`), read off the forwards that verify them."""
         budgets = [max_new_tokens] * input_ids.shape[0] if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(budgets) != input_ids.shape[0] or not all(isinstance(m, int) and m >= 1 for m in budgets):
             raise ValueError(f"max_new_tokens must be an int >= 1 or one per row, got {max_new_tokens!r}")
+        keeps = [logprobs] * len(budgets) if logprobs is None or isinstance(logprobs, int) else list(logprobs)
+        if len(keeps) != len(budgets) or not all(k is None or (isinstance(k, int) and k >= 0) for k in keeps):
+            raise ValueError(f"logprobs must be None, an int >= 0 or one per row, got {logprobs!r}")
         prompt = prepare_prompt(self.runtime, input_ids, attention_mask, 0)
         limit = self.runtime.position_limit
         for n, m in zip(prompt.lengths, budgets, strict=True):
@@ -193,15 +200,18 @@ class BatchDecoder:
         self.stats.forward_passes += 1
         rows = [
             Row(index=ids[r], prompt_tokens=prompt.row_tokens(r), generator=generators[r],
-                max_new_tokens=budgets[r], prompt_list=list(prompt.rows[r]))
+                max_new_tokens=budgets[r], prompt_list=list(prompt.rows[r]), logprobs=keeps[r])
             for r in range(B)
         ]
         greedy = argmax(logits).tolist() if cfg.sampling is None else None
 
         def first(r: int, row: Row) -> None:  # the prefill's logits give the first new token
-            token = greedy[r] if greedy is not None else pick_tokens(logits[r : r + 1], cfg.sampling,
-                                                                     [row.generator])[0]
-            self.stats.count(row.index, make_final(row, [token], cfg))
+            if greedy is not None:
+                dist, token = logits[r : r + 1], greedy[r]
+            else:  # the distribution it is drawn from (its log-probabilities are read off it)
+                dist = cfg.sampling.probs(logits[r : r + 1])
+                token = draw(dist[0], row.generator)
+            scored(row, cfg, dist, lambda: self.stats.count(row.index, make_final(row, [token], cfg)))
             open_blocks(row, cfg, self.stats)
 
         isolated(rows, first, lambda row: None)  # a row that fails here is done, its error kept
@@ -238,6 +248,11 @@ class BatchDecoder:
     def tokens(self, row_id: int) -> list[int]:
         """The row's final new tokens so far (EOS included when produced); they never change."""
         return self._rows[row_id].known
+
+    def logprobs(self, row_id: int) -> list[TokenLogprob]:
+        """Per final new token so far, its log-probability and top alternatives (a row added
+        with `logprobs`; else empty)."""
+        return self._rows[row_id].scores
 
     def done(self, row_id: int) -> bool:
         """The row has its last token (EOS or its budget), or failed (`error`)."""

@@ -31,6 +31,7 @@ from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import finalize
 from cllm.decoding.jacobi.drafters import DraftContext, Drafters, fill
 from cllm.decoding.jacobi.rule import IterationEvent, accepted_length, jacobi_update
+from cllm.decoding.logprobs import TokenLogprob, token_logprobs
 from cllm.decoding.sampling import Sampling
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeStats
@@ -81,6 +82,8 @@ class Row:
     forwards: int = 0  # forward passes this row took part in, its prefill included
     done: bool = False
     error: Exception | None = None  # what stopped this row alone (`isolated`); its batch mates go on
+    logprobs: int | None = None  # None: none kept; k: each final token's log-probability and its top k
+    scores: list[TokenLogprob] = field(default_factory=list)  # per final new token, when `logprobs` is set
 
     def history(self) -> list[int]:
         """The prompt then the final new tokens."""
@@ -109,6 +112,21 @@ def isolated(rows: Sequence[Row], work: Callable[[int, Row], Any], fallback: Cal
     return results
 
 
+def scored(row: Row, cfg: Settings, dist: torch.Tensor, move: Callable[[], Any],
+           positions: Callable[[Any], Sequence[int]] | None = None) -> Any:
+    """`move()` (a forward's outputs applied to the row), then the log-probabilities of the
+    tokens it made final, when the row keeps them: final token j came from fed position
+    `positions(result)[j]` (by default j) of `dist` (L, V), the forward's logits for this row
+    (greedy) or the probabilities it sampled from."""
+    before = len(row.known)
+    result = move()
+    made = len(row.known) - before
+    if row.logprobs is not None and made:
+        at = list(range(made)) if positions is None else list(positions(result))[:made]
+        row.scores += token_logprobs(dist[at], row.known[before:], row.logprobs, probs=cfg.sampling is not None)
+    return result
+
+
 def last_token(row: Row) -> list[int]:
     """A failed row's filler for the forward it still shares: its last token (never kept)."""
     return (row.known or row.prompt_list)[-1:]
@@ -120,6 +138,15 @@ def tail(row: Row) -> list[int]:
     if row.block is None:
         return [row.known[-1]]
     return row.block.state[row.block.committed - 1 :] + row.ahead
+
+
+def draft_origins(row: Row) -> list[str]:
+    """Where each draft of `tail(row)` (all but its first token) came from, as `advance` credits
+    them when no branch's `draft_source` is given: the block's origins, then "jacobi"."""
+    block = row.block
+    if block is None:
+        return []
+    return block.origin[block.committed :] + ["jacobi"] * len(row.ahead)
 
 
 def set_drafts(row: Row, drafts: Sequence[int], source: str = "pool") -> None:
@@ -229,7 +256,9 @@ def advance(row: Row, outputs: list[int], cfg: Settings, stats: DecodeStats,
     beyond = draft_source or "jacobi"
     sources = [draft_source if block is None else block.origin[c + j] if c + j < len(block.state) else beyond
                for j in range(accepted - 1)] + ["ar"]
-    stats.count(row.index, make_final(row, outputs[:accepted], cfg, sources))
+    kept = make_final(row, outputs[:accepted], cfg, sources)
+    stats.count(row.index, kept)
+    stats.count_drafts(stats.drafts_accepted, sources[: min(kept, accepted - 1)])  # the last, "ar", is no draft
     # 2. Jacobi update of the block, then log it (a carry step between blocks has no block)
     if block is not None:
         old_committed = block.committed

@@ -22,7 +22,18 @@ from typing import Protocol
 from cllm.decoding.argmax import argmax
 from cllm.decoding.jacobi.drafters import Drafter, branches, fill
 from cllm.decoding.jacobi.rule import accepted_length
-from cllm.decoding.jacobi.state import Row, Settings, advance, isolated, last_token, set_drafts, swap_in_draft, tail
+from cllm.decoding.jacobi.state import (
+    Row,
+    Settings,
+    advance,
+    draft_origins,
+    isolated,
+    last_token,
+    scored,
+    set_drafts,
+    swap_in_draft,
+    tail,
+)
 from cllm.decoding.sampling import verify_drafts
 from cllm.decoding.stats import DecodeStats
 from cllm.decoding.tree import Tree
@@ -49,6 +60,8 @@ class LinearVerifier:
         # 1. every row's tail; a row that fails (here or below) feeds its last token and keeps nothing
         tails = isolated(rows, lambda r, row: tail(row), last_token)
         fed = [len(t) for t in tails]
+        for row, n in zip(rows, fed, strict=True):  # a failed row's filler holds no draft
+            stats.count_drafts(stats.drafted, draft_origins(row)[: n - 1])
         # 2. forward, argmax at every fed position: the one device sync of the iteration
         ids = [row.index for row in rows]
         logits = session.feed(ids, tails).logits  # (B, L, V)
@@ -57,7 +70,8 @@ class LinearVerifier:
         if cfg.sampling is None:
             outputs = argmax(logits).tolist()
             # 3. each row accepts what it can; the session keeps exactly the accepted entries
-            keep = isolated(rows, lambda r, row: advance(row, outputs[r][: fed[r]], cfg, stats), lambda row: 0)
+            keep = isolated(rows, lambda r, row: scored(row, cfg, logits[r], lambda: advance(
+                row, outputs[r][: fed[r]], cfg, stats)), lambda row: 0)
         else:
             probs = cfg.sampling.probs(logits)  # (B, L, V)
 
@@ -65,7 +79,7 @@ class LinearVerifier:
                 block = row.block
                 laws = block.laws[block.committed :] if block is not None else []
                 out, _, fresh = verify_drafts(tails[r], laws, probs[r, : fed[r]], row.generator)
-                return advance(row, out, cfg, stats, fresh)
+                return scored(row, cfg, probs[r], lambda: advance(row, out, cfg, stats, fresh))
 
             keep = isolated(rows, accept, lambda row: 0)
         session.keep(ids, [range(k) for k in keep])
@@ -107,6 +121,10 @@ class TreeVerifier:
             # no draft added a token: a plain Jacobi step (a chain, no tree mask to build)
             LinearVerifier().step(session, rows, cfg, stats)
             return
+        for r, row in enumerate(rows):
+            if row.error is None:
+                stats.count_drafts(stats.drafted, fed_draft_sources(row, trees[r], branch_kinds[r], chained[r],
+                                                                    between[r]))
         logits = session.feed(ids, [tree.tokens for tree in trees],
                               parents=None if chains else [tree.parent for tree in trees]).logits
         out = argmax(logits).tolist()
@@ -136,7 +154,9 @@ class TreeVerifier:
             advance(row, outputs, cfg, stats, accepted=len(accepted), draft_source=branch_kinds[r][b])
             return accepted
 
-        session.keep(ids, isolated(rows, accept, lambda row: [0]))
+        # final token j came from fed position accepted[j] (the kept indices `accept` returns)
+        session.keep(ids, isolated(rows, lambda r, row: scored(row, cfg, logits[r], lambda: accept(r, row),
+                                                               positions=lambda kept: kept), lambda row: [0]))
 
 
 def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]:
@@ -164,3 +184,16 @@ def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]
     if len(chain) < width:
         chain += fill(cfg.drafters.ahead, context.after(chain[1:]), width - len(chain))[0]
     return chain, source
+
+
+def fed_draft_sources(row: Row, tree: Tree, kinds: list[str], chained: bool, between: bool) -> list[str]:
+    """Where each draft a row feeds in `tree` came from (every node but the root; a shared
+    node once), as `advance` credits them: the tail's by their origin, a draft branch's own
+    nodes by its drafter (the first branch through a node added it). A chain verified between
+    blocks is its drafter's whole; within a block, its padding past the tail is never kept."""
+    if chained:
+        return [kinds[0]] * (len(tree.tokens) - 1) if between else draft_origins(row)
+    sources = draft_origins(row)[: tree.leaves[0]]  # the tail's nodes, 1 .. leaves[0]
+    for leaf, kind in zip(tree.leaves[1:], kinds[1:], strict=True):
+        sources += [kind] * sum(node > len(sources) for node in tree.path(leaf))
+    return sources
