@@ -190,3 +190,50 @@ def test_the_shipped_head_loads_and_decodes_greedys_text():
     expected = greedy_decode(model, prompt, max_new_tokens=40, eos_token_id=0).new_tokens
     out = eagle_decode(model, head, prompt, max_new_tokens=40, eos_token_id=0)
     assert out.new_tokens == expected and out.forward_passes < len(expected[0])
+
+
+# ------------------------------------------------------------------ cllm generate / chat --eagle
+
+
+@pytest.mark.parametrize("spec", ["auto", "folder"])
+def test_generate_with_the_head_writes_greedy_text_token_for_token(trained, capsys, spec):
+    from cllm.serving.completion import DecodeParams, TextCodec, complete
+    from tests.commands.test_generate import PROMPTS, Oracle
+
+    directory, _ = trained
+    oracle = Oracle(directory)
+    head = load_eagle(directory, load_model(directory))
+    for prompt in PROMPTS:
+        expected = oracle.tokens(oracle.ids(prompt))
+        got = complete(oracle.model, TextCodec(oracle.tokenizer), oracle.ids(prompt),
+                       DecodeParams(max_new_tokens=24), eagle=head)
+        assert got.tokens == expected and got.method == "eagle", prompt
+        code, out, err = run(capsys, "generate", "--model", directory, "--prompt", prompt, "--max-new-tokens", 24,
+                             "--eagle", directory / EAGLE_DIR if spec == "folder" else spec)
+        assert code == 0 and out == oracle.text(prompt) + "\n", (spec, prompt)
+        assert err.strip().splitlines()[-1].startswith("[eagle]")
+
+
+def test_chat_with_the_head_replies_greedys_text(trained, capsys, monkeypatch):
+    import io
+    import sys
+
+    from tests.commands.test_generate import Oracle
+
+    directory, _ = trained
+    oracle = Oracle(directory)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n/exit\n"))
+    code, out, err = run(capsys, "chat", "--model", directory, "--max-new-tokens", 24, "--eagle", "auto")
+    assert code == 0 and out == oracle.text("def f(x):") + "\n" and "[eagle]" in err, err
+
+
+def test_generate_eagle_errors_are_one_line(trained, tmp_path, capsys):
+    directory, _ = trained
+    bare = save_tiny_model(tmp_path / "bare")
+    for args, message in ((["--eagle", bare], "no EAGLE head"), (["--eagle", tmp_path / "missing"], "not found"),
+                          (["--eagle", "auto", "--temperature", "0.5"], "decodes greedily"),
+                          (["--eagle", "auto", "--medusa", "auto"], "not both")):
+        code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "x", *args)
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and last.startswith("cllm generate: error:") and message in last, err
+

@@ -112,7 +112,7 @@ def _reply(messages: list[dict], served: ServedModel, config: Config) -> None:
     try:
         result = complete(served.model, served.codec, served.codec.chat_ids(messages), config.params(),
                           on_text=functools.partial(_show, shown), draft_table=served.draft_table,
-                          heads=served.heads)
+                          heads=served.heads, eagle=served.eagle)
     except KeyboardInterrupt:  # stop this reply; what was shown stays in the conversation
         _write("\n")
         print("(reply stopped; the chat goes on)", file=sys.stderr)

@@ -36,7 +36,7 @@ class GenerateConfig(DecodeOptions):
         if self.prompt is not None and self.prompt_file is not None:
             raise ValueError("give either --prompt or --prompt-file, not both")
         if self.show_trajectory and (self.method != "jacobi" or not is_greedy(self.temperature)
-                                     or not is_off(self.medusa)):
+                                     or not is_off(self.medusa) or not is_off(self.eagle)):
             raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
 
 
@@ -100,7 +100,8 @@ def run(config: Config) -> int:
         on_iteration, console = _trajectory_printer(served.codec)
         on_text = None  # the text comes after the trajectories
     result = complete(served.model, served.codec, prompt_ids, config.params(), on_text=on_text,
-                      on_iteration=on_iteration, draft_table=served.draft_table, heads=served.heads)
+                      on_iteration=on_iteration, draft_table=served.draft_table, heads=served.heads,
+                      eagle=served.eagle)
     if config.show_trajectory:
         console.rule("text")
         _write(result.text)

@@ -8,6 +8,7 @@ scheduler all decode through it, so that they produce the same text:
   greedy decoding exactly (one token per forward);
 - Medusa heads (`heads=`, `cllm medusa`): greedy Medusa decoding, each forward's final tokens
   emitted as they come;
+- an EAGLE head (`eagle=`, `cllm eagle`): greedy EAGLE decoding, likewise;
 - temperature > 0 (with top-p / top-k): lossless sampling on the same engines: Jacobi sampling
   verifies its drafts with the speculative-sampling rule, so its text has exactly the law of
   autoregressive sampling ("ar" = n = 1); reproducible with a seed.
@@ -31,6 +32,7 @@ from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set
+from cllm.decoding.rivals import eagle as eagle_rival
 from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
 from cllm.decoding.sampling import is_greedy
 from cllm.decoding.stats import DecodeStats
@@ -205,6 +207,7 @@ def complete(
     cancelled: Callable[[], bool] | None = None,
     draft_table: DraftTable | None = None,
     heads: torch.nn.Module | None = None,
+    eagle: torch.nn.Module | None = None,
 ) -> Completion:
     """Decode one prompt, calling `on_text` with each final chunk of text.
 
@@ -219,15 +222,23 @@ def complete(
         draft_table: the model's draft table (`cllm drafts`) for Jacobi decoding, or None.
         heads: Medusa heads (`cllm.models.load_heads`): greedy Medusa decoding instead of
             `params.method` (its default tree; `on_iteration` is not called).
+        eagle: an EAGLE head (`cllm.models.load_eagle`): greedy EAGLE decoding instead of
+            `params.method`, likewise (not with `heads`).
     """
     stream = TextStream(codec, params.stop, on_text)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
     start = time.perf_counter()
     trail = None if params.logprobs is None else Trail(codec, codec.eos_token_id)
+    if heads is not None and eagle is not None:
+        raise ValueError("decode with Medusa heads or an EAGLE head, not both")
     if heads is not None:
         if trail is not None:
             raise ValueError("logprobs come from the Jacobi engine's forwards, not Medusa decoding's")
         forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
+    elif eagle is not None:
+        if trail is not None:
+            raise ValueError("logprobs come from the Jacobi engine's forwards, not EAGLE decoding's")
+        forward_passes = _decode_eagle(model, eagle, input_ids, params, stream, codec.eos_token_id, cancelled)
     else:
         forward_passes = _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration,
                                  cancelled, draft_table, trail)
@@ -237,7 +248,8 @@ def complete(
     return Completion(
         text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
         forward_passes=forward_passes, seconds=seconds,
-        finish_reason="stop" if ended else "length", method="medusa" if heads is not None else params.label,
+        finish_reason="stop" if ended else "length",
+        method="medusa" if heads is not None else "eagle" if eagle is not None else params.label,
         logprobs=None if trail is None else trail.whole(len(stream.text)),
     )
 
@@ -278,6 +290,22 @@ def _decode_medusa(model, heads, input_ids, params, stream, eos, cancelled) -> i
         stream.feed(tokens)
         if stream.stopped or (cancelled is not None and cancelled()):
             break
+    return stats.forward_passes
+
+
+@torch.inference_mode()
+def _decode_eagle(model, head, input_ids, params, stream, eos, cancelled) -> int:
+    """Greedy EAGLE decoding (the head's saved tree), each forward's final tokens streamed as
+    they come. Returns the target's forward passes, the prefill included."""
+    stats = DecodeStats()
+    nodes, depth, top_k = eagle_rival.resolve_tree(head, None, None, None)
+    steps = eagle_rival.eagle_steps(model, head, input_ids, None, nodes=nodes, depth=depth, top_k=top_k,
+                                    max_new_tokens=params.max_new_tokens, eos=eos_set(eos), stats=stats)
+    for tokens in steps:
+        stream.feed(tokens)
+        if stream.stopped or (cancelled is not None and cancelled()):
+            break
+    steps.close()  # the target's session is closed now, not when the generator is collected
     return stats.forward_passes
 
 

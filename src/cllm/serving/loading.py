@@ -1,9 +1,9 @@
 """A model loaded for decoding text, the one way `cllm generate`, `cllm chat` and `cllm serve`
 load it: on its runtime (`cllm.runtime`), with its tokenizer (as a `TextCodec`), its draft
-table and, when asked, its Medusa heads.
+table and, when asked, its Medusa heads or its EAGLE head.
 
 The loading itself is `cllm.models`' (checkpoints, tokenizers, draft tables) and
-`cllm.models.load_heads`' (Medusa heads); this module only puts them together.
+`cllm.models.load_heads`' / `load_eagle`'s (the drafters); this module only puts them together.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
 from cllm.core.machine import load_average_1min, threads_for_load
 from cllm.decoding.draft_table import DraftTable
+from cllm.modeling.eagle import EagleHead
 from cllm.modeling.heads import MedusaHeads
 from cllm.models import (
     load_draft_table,
+    load_eagle,
     load_for_decoding,
     load_heads,
     load_model,
@@ -38,17 +40,18 @@ SERVER_STREAMS = 16  # llama.cpp: a KV stream per row, 16 rows at once at most (
 @dataclass
 class ServedModel:
     """What decoding text needs: `complete(m.model, m.codec, ids, params, draft_table=m.draft_table,
-    heads=m.heads)`."""
+    heads=m.heads, eagle=m.eagle)`."""
 
     model: Runtime  # what the decoders run on
     codec: TextCodec  # its tokenizer, behind a lock
     draft_table: DraftTable | None  # `cllm drafts`: faster Jacobi, same output
     heads: MedusaHeads | None  # `cllm medusa`: greedy Medusa decoding instead of the method asked
     not_compiled: str | None = None  # why the runner's forward was not compiled, when asked (`--compile`)
+    eagle: EagleHead | None = None  # `cllm eagle`: greedy EAGLE decoding instead of the method asked
 
 
 def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", threads: int = 0,
-                draft_table: str = "auto", medusa: str = "none", compile: bool = False,
+                draft_table: str = "auto", medusa: str = "none", eagle: str = "none", compile: bool = False,
                 batches: bool = True, runtime: str = "auto", max_rows: int = SERVER_STREAMS) -> ServedModel:
     """Load `model` (a shipped name, a folder or a hub id) for decoding.
 
@@ -56,6 +59,7 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         threads: torch CPU threads to set (0: leave torch's setting).
         draft_table: "auto" (the one saved beside the checkpoint, if any), "none", or a file.
         medusa: "auto" (the heads in MODEL/medusa, if any), "none", or a heads folder.
+        eagle: "auto" (the head in MODEL/eagle, if any), "none", or a head folder.
         compile: compile the lean runtime's forward now (`cllm.runtime.lean.compiled`); where it
             cannot be, `not_compiled` says why and the eager forward decodes.
         batches: with `compile`, compile the graph for batches of two rows or more too (a
@@ -72,6 +76,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     if is_gguf(model) or runtime == "llamacpp":
         if not is_off(medusa) and medusa != "auto":
             raise UserError("--medusa: Medusa heads read hidden states, which the llamacpp runtime does not give")
+        if not is_off(eagle) and eagle != "auto":
+            raise UserError("--eagle: an EAGLE head reads hidden states, which the llamacpp runtime does not give")
         fast = load_for_decoding(model, dtype=dtype, draft_table=draft_table, runtime=runtime, threads=threads or None,
                                  streams=max(1, min(max_rows, SERVER_STREAMS)) if batches else 0)
         return ServedModel(fast.model, TextCodec(fast.tokenizer), fast.draft_table, None,
@@ -80,13 +86,14 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     table = load_draft_table(model, draft_table)
     loaded = load_model(model, dtype=dtype, device=device)
     heads = load_medusa_heads(model, loaded, medusa)
+    head = load_eagle_head(model, loaded, eagle)
     try:
         decoding = open_runtime(loaded, runtime)
     except ValueError as exc:
         raise UserError(f"--runtime {runtime}: {first_line(exc)}") from None
     not_compiled = decoding.compile(batches=batches) if compile else None
     decoding.prepare()
-    return ServedModel(decoding, TextCodec(tokenizer), table, heads, not_compiled)
+    return ServedModel(decoding, TextCodec(tokenizer), table, heads, not_compiled, eagle=head)
 
 
 def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:
@@ -101,6 +108,20 @@ def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHea
     if heads is None:
         raise UserError(f"no Medusa heads in {spec} (cllm medusa writes them)")
     return heads
+
+
+def load_eagle_head(name: str, model: torch.nn.Module, spec: str) -> EagleHead | None:
+    """The EAGLE head `spec` names for `model` (loaded from `name`), or None: "none"; "auto"
+    (the one saved in the checkpoint's `eagle/`, if any); or a head folder, which must hold one."""
+    if is_off(spec):
+        return None
+    path = Path(resolve_model_path(name))
+    if spec == "auto":
+        return load_eagle(path, model) if path.is_dir() else None
+    head = load_eagle(spec, model, model_path=path if path.is_dir() else None)
+    if head is None:
+        raise UserError(f"no EAGLE head in {spec} (cllm eagle writes it)")
+    return head
 
 
 def free_cores() -> int:

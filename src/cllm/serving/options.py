@@ -52,6 +52,8 @@ class DecodeOptions:
         "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
     medusa: str = field(default="none", metadata={"help": "decode with Medusa heads (cllm medusa) instead of --method: "
         "auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
+    eagle: str = field(default="none", metadata={"help": "decode with an EAGLE head (cllm eagle) instead of --method: "
+        "auto (the one in MODEL/eagle, if any), none, or a head folder; greedy only, the text is greedy's"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads, llama.cpp's with --runtime llamacpp (0: "
@@ -83,6 +85,10 @@ class DecodeOptions:
             raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if not is_off(self.medusa) and not is_greedy(self.temperature):
             raise ValueError("--medusa decodes greedily: use --temperature 0 (or --medusa none)")
+        if not is_off(self.eagle) and not is_greedy(self.temperature):
+            raise ValueError("--eagle decodes greedily: use --temperature 0 (or --eagle none)")
+        if not is_off(self.medusa) and not is_off(self.eagle):
+            raise ValueError("give --medusa or --eagle, not both")
 
     def params(self) -> DecodeParams:
         return DecodeParams(method=self.method, engine=self.engine,
@@ -91,12 +97,12 @@ class DecodeOptions:
                             seed=self.seed)
 
     def load(self) -> ServedModel:
-        """The model, its tokenizer (as a TextCodec), its draft table and its Medusa heads (each
-        None when not used)."""
+        """The model, its tokenizer (as a TextCodec), its draft table, its Medusa heads and its
+        EAGLE head (each None when not used)."""
         if self.compile:
             print(f"cllm: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
         served = load_served(self.model, dtype=self.dtype, device=self.device, threads=self.threads,
-                             draft_table=self.draft_table, medusa=self.medusa, compile=self.compile,
+                             draft_table=self.draft_table, medusa=self.medusa, eagle=self.eagle, compile=self.compile,
                              batches=False, runtime=self.runtime)  # one prompt at a time
         if served.not_compiled:
             print(f"cllm: note: --compile: {served.not_compiled}; the eager forward decodes", file=sys.stderr)
