@@ -99,29 +99,27 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
 def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:
     """The Medusa heads `spec` names for `model` (loaded from `name`), or None: "none"; "auto"
     (those saved in the checkpoint's `medusa/`, if any); or a heads folder, which must hold them."""
-    if is_off(spec):
-        return None
-    path = Path(resolve_model_path(name))
-    if spec == "auto":
-        return load_heads(path, model) if path.is_dir() else None
-    heads = load_heads(spec, model, model_path=path if path.is_dir() else None)
-    if heads is None:
-        raise UserError(f"no Medusa heads in {spec} (cllm medusa writes them)")
-    return heads
+    return _load_drafting(name, model, spec, load_heads, "no Medusa heads in {} (cllm medusa writes them)")
 
 
 def load_eagle_head(name: str, model: torch.nn.Module, spec: str) -> EagleHead | None:
     """The EAGLE head `spec` names for `model` (loaded from `name`), or None: "none"; "auto"
     (the one saved in the checkpoint's `eagle/`, if any); or a head folder, which must hold one."""
+    return _load_drafting(name, model, spec, load_eagle, "no EAGLE head in {} (cllm eagle writes it)")
+
+
+def _load_drafting(name: str, model: torch.nn.Module, spec: str, load, missing: str):
+    """What `load(folder, model, model_path=...)` finds as `spec` says ("none", "auto": the
+    checkpoint's own if any, or a folder that must hold it: else `missing`, a UserError)."""
     if is_off(spec):
         return None
     path = Path(resolve_model_path(name))
     if spec == "auto":
-        return load_eagle(path, model) if path.is_dir() else None
-    head = load_eagle(spec, model, model_path=path if path.is_dir() else None)
-    if head is None:
-        raise UserError(f"no EAGLE head in {spec} (cllm eagle writes it)")
-    return head
+        return load(path, model) if path.is_dir() else None
+    found = load(spec, model, model_path=path if path.is_dir() else None)
+    if found is None:
+        raise UserError(missing.format(spec))
+    return found
 
 
 def free_cores() -> int:
