@@ -206,3 +206,58 @@ def test_each_stages_time_left_says_it_is_that_stages_and_estimates_the_later_on
                    f"collection's {decoded / 30:.0f} tokens/s)"
     assert later_stages(dataclasses.replace(cfg, rounds=3, drafts_prompts=0), 1, "train") == \
         "then: 2 more collect + train rounds, evaluate"
+
+
+def test_inside_distill_the_trainings_time_left_says_it_is_trainings_and_what_comes_after(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """The loop's "about N s to go" covers training alone: run by distill it says so and ends
+    with distill's later stages and their rough estimate; run by `cllm train`, it reads as before."""
+    import logging
+    from types import SimpleNamespace
+
+    import cllm.training.distill as distilling
+    from cllm.training.distill import EvalPlan
+    from cllm.training.loop import _say_time_left
+
+    seen = {}
+
+    def fake_train(train_config, *, then=""):
+        seen["then"] = then
+        return SimpleNamespace(lines=lambda: [])
+
+    summary = SimpleNamespace(lines=lambda: [], new_tokens=3000, tokens_per_second=100.0)
+    monkeypatch.setattr(distilling, "collect", lambda collect_config: summary)
+    monkeypatch.setattr(distilling, "train", fake_train)
+    cfg = DistillConfig(out=str(tmp_path / "out"), eval_count=10, eval_block_sizes=[16, 32], drafts_prompts=100,
+                        drafts_max_new_tokens=64)
+    distilling._round(cfg, EvalPlan("stdlib-val", [], None, ""), 1, [], write_config_file=False)
+    assert seen["then"] == distilling.later_stages(cfg, 1, "train", tokens_per_second=100.0)
+    assert seen["then"].startswith("then: evaluate, the draft table (evaluation and draft table: roughly")
+
+    run = SimpleNamespace(step=1, total=11, config=SimpleNamespace(recipe=SimpleNamespace(eval_interval=100)),
+                          eval_prompts=[], eval_seconds=None, then=seen["then"])
+    with caplog.at_level(logging.INFO, logger="cllm.training.loop"):
+        _say_time_left(run, 11, 1.2)
+        _say_time_left(SimpleNamespace(**{**vars(run), "then": ""}), 11, 1.2)
+    inside, alone = [r.getMessage() for r in caplog.records if r.name == "cllm.training.loop"]
+    assert inside == f"step 1 took 1.2 s: train: about 12 s to go (10 steps); {seen['then']}"
+    assert alone == "step 1 took 1.2 s: about 12 s to go (10 steps)"
+
+
+def test_a_first_run_failing_before_its_first_shard_leaves_no_folder_but_the_users_stays(
+        setup, tmp_path, monkeypatch, capsys):
+    """The folder is claimed (marker, held-out prompts) before collection: a failure after that
+    removes the folder the run made, never one that was there before."""
+    import cllm.training.distill as distilling
+
+    def fails(collect_config):
+        raise UserError("collection failed")
+
+    monkeypatch.setattr(distilling, "collect", fails)
+    out = tmp_path / "new"
+    assert cli_main(cli_args(config(setup, out=str(out), eval_prompts=None))) == 2
+    assert "collection failed" in capsys.readouterr().err and not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert cli_main(cli_args(config(setup, out=str(mine), eval_prompts=None))) == 2
+    assert mine.is_dir()

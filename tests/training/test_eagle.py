@@ -237,3 +237,22 @@ def test_generate_eagle_errors_are_one_line(trained, tmp_path, capsys):
         last = err.strip().splitlines()[-1]
         assert code == 2 and last.startswith("cllm generate: error:") and message in last, err
 
+
+
+def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_the_users_stays(
+        prompt_file, tmp_path, monkeypatch, capsys):
+    """The folder is claimed (marker, config) once the inputs are checked: a failure after that
+    (here while the texts are decoded) removes the folder the run made, never one that was there."""
+    import importlib
+
+    def fails(*args, **kwargs):
+        raise UserError("decoding failed")
+
+    monkeypatch.setattr(importlib.import_module("cllm.training.eagle.run"), "training_texts", fails)
+    directory = save_tiny_model(tmp_path / "model")
+    code, _, err = run(capsys, "eagle", "--model", directory, "--prompts", prompt_file, *TINY)
+    assert code == 2 and "decoding failed" in err and not (directory / EAGLE_DIR).exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    code, _, err = run(capsys, "eagle", "--model", directory, "--prompts", prompt_file, *TINY, "--out", mine)
+    assert code == 2 and "decoding failed" in err and mine.is_dir()

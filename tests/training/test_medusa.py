@@ -234,3 +234,24 @@ def test_max_steps_is_the_steps_flag_and_steps_stays_as_its_deprecated_alias(cap
         main(["medusa", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--max-steps MAX_STEPS, --steps MAX_STEPS" in help_text and "--steps: its old name, deprecated" in help_text
+
+
+def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_the_users_stays(
+        prompt_file, tmp_path, monkeypatch, capsys):
+    """The folder is claimed (marker, config) once the inputs are checked: a failure after that
+    (here while the texts are decoded) removes the folder the run made, never one that was there."""
+    import importlib
+
+    from cllm.core.errors import UserError
+
+    def fails(*args, **kwargs):
+        raise UserError("decoding failed")
+
+    monkeypatch.setattr(importlib.import_module("cllm.training.medusa.run"), "training_texts", fails)
+    directory = save_tiny_model(tmp_path / "model")
+    code, _, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY)
+    assert code == 2 and "decoding failed" in err and not (directory / HEADS_DIR).exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    code, _, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY, "--out", mine)
+    assert code == 2 and "decoding failed" in err and mine.is_dir()

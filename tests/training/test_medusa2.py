@@ -285,3 +285,21 @@ def test_a_forced_rerun_stopped_early_resumes_without_force(base, joint, prompt_
     code, out_text, err = run(capsys, *args)
     assert code == 0 and "resuming" in out_text, err
     assert same_weights(load_model(out), load_model(joint))
+
+
+def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_the_users_stays(
+        base, prompt_file, tmp_path, monkeypatch, capsys):
+    """The folder is claimed (marker, config) once the inputs are checked: a failure after that
+    (here while the texts are decoded) removes the folder the run made, never one that was there."""
+    import importlib
+
+    def fails(*args, **kwargs):
+        raise UserError("decoding failed")
+
+    monkeypatch.setattr(importlib.import_module("cllm.training.medusa.run"), "training_texts", fails)
+    for out in (tmp_path / "new", tmp_path / "mine"):
+        if out.name == "mine":
+            out.mkdir()
+        code, _, err = run(capsys, "medusa", "--joint", "--model", base, "--prompts", prompt_file, "--out", out, *TINY)
+        assert code == 2 and "decoding failed" in err
+        assert out.is_dir() == (out.name == "mine")

@@ -7,7 +7,11 @@ of its gates: which failed, with one line of advice each.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from cllm.core.outputs import removed_on_early_failure
 from cllm.core.progress import echo_log, is_main_process
+from cllm.data.trajectories import list_shards
 from cllm.evaluation.gates import gates_verdict, measures_line
 from cllm.training.cards import evaluation_table
 from cllm.training.distill import DistillConfig, DistillSummary, distill, repetition_warning
@@ -16,12 +20,18 @@ Config = DistillConfig
 
 
 def run(config: Config) -> int:
-    """Distill (each finished stage skipped on a rerun) and print the evaluation."""
-    with echo_log():
+    """Distill (each finished stage skipped on a rerun) and print the evaluation. A first run
+    that fails before its first trajectory shard leaves no folder behind."""
+    with echo_log(), removed_on_early_failure(config.out, "distill", useful=_resumable):
         summary = distill(config)
     if is_main_process():
         _print_summary(config, summary)
     return 0
+
+
+def _resumable(out: Path) -> bool:
+    """What a rerun would resume from: a shard of trajectories (the model is trained after one)."""
+    return any(list_shards(folder) for folder in out.glob("trajectories*"))
 
 
 def _print_summary(config: Config, summary: DistillSummary) -> None:

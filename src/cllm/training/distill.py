@@ -304,9 +304,9 @@ def _round(config: DistillConfig, plan: EvalPlan, round_: int, skipped: list[str
         skipped.append("train" if config.rounds == 1 else f"train round {round_}")
     else:
         rate = summary.tokens_per_second if summary.new_tokens else None
-        log.info("distill: train%s: the time left it gives is training's alone; %s", rounds,
-                 later_stages(config, round_, "train", tokens_per_second=rate))
-        for line in train(train_config).lines():
+        then = later_stages(config, round_, "train", tokens_per_second=rate)
+        log.info("distill: train%s: the time left it gives is training's alone; %s", rounds, then)
+        for line in train(train_config, then=then).lines():  # its time left line ends with `then`
             log.info("%s", line)
     return Path(train_config.out)
 

@@ -79,6 +79,7 @@ class RunState:
     eval_last: dict | None = None
     best: dict | None = None  # --select gated: the fastest evaluation that passed the gates
     loss: float | None = None
+    then: str = ""  # what the command does after training (distill: evaluate...), said with the time left
 
     @property
     def is_main(self) -> bool:
@@ -232,14 +233,16 @@ def time_left(step_seconds: float, steps: int, evaluations: int, eval_seconds: f
 
 
 def _say_time_left(run: RunState, stop_at: int, step_seconds: float) -> None:
-    """After the first step this call ran: how long the rest will take."""
+    """After the first step this call ran: how long the rest will take; inside a longer command
+    (`run.then`), that the time is training's alone and what comes after it."""
     steps = stop_at - run.step
     interval = run.config.recipe.eval_interval
     evaluations = (stop_at // interval - run.step // interval + (stop_at == run.total and stop_at % interval != 0)
                    if run.eval_prompts else 0)
-    log.info("step %d took %.1f s: %s (%d steps%s)", run.step, step_seconds,
+    log.info("step %d took %.1f s: %s%s (%d steps%s)%s", run.step, step_seconds, "train: " if run.then else "",
              time_left(step_seconds, steps, evaluations, run.eval_seconds), steps,
-             f", {evaluations} evaluation{'s' if evaluations > 1 else ''}" if evaluations else "")
+             f", {evaluations} evaluation{'s' if evaluations > 1 else ''}" if evaluations else "",
+             f"; {run.then}" if run.then else "")
 
 
 def _log_step(run: RunState, sums: torch.Tensor, lr: float, grad_norm: float, seconds: float) -> None:

@@ -122,15 +122,18 @@ class TrainSummary:
         return lines
 
 
-def train(config: TrainConfig) -> TrainSummary:
+def train(config: TrainConfig, *, then: str = "") -> TrainSummary:
     """Consistency-train `config.model` on `config.data` into `config.out` (resumable).
 
     Args:
         config: a validated `TrainConfig`. Rerunning with the same config resumes from the last
             checkpoint; Ctrl-C saves one before stopping.
+        then: what the calling command does after training ("then: evaluate, ..."), said with
+            the time left so that it reads as training's alone.
     """
     check_inputs(config)  # 1. model, teacher, --ar-text, held-out prompts, output dir: before anything long
     run = _open_run(config)  # 2. processes, data, batch geometry, output dir, checkpoint to resume
+    run.then = then
     _build_model(run)  # 3. model (+ LoRA), teacher, AdamW, schedule; restored when resuming
     _load_side_inputs(run)  # 4. text windows, rollout prompts, held-out prompts
     _announce(run)  # 5. what the run will do

@@ -30,7 +30,7 @@ import torch
 
 from cllm.core import __version__, runs
 from cllm.core.errors import UserError
-from cllm.core.outputs import Input, check_folder
+from cllm.core.outputs import Input, check_folder, removed_on_early_failure
 from cllm.core.progress import progress_bar
 from cllm.decoding import greedy_decode
 from cllm.decoding.inputs import position_limit
@@ -48,7 +48,14 @@ from cllm.training.eagle.config import (
     EagleConfig,
 )
 from cllm.training.eagle.trainer import EagleTrainer, FeatureRun, feature_runs, new_head, save_eagle
-from cllm.training.medusa.run import claim_run, evaluation_prompts, holdout_warned, open_folder, split_holdout
+from cllm.training.medusa.run import (
+    claim_run,
+    evaluation_prompts,
+    holdout_warned,
+    open_folder,
+    resumable,
+    split_holdout,
+)
 from cllm.training.medusa.texts import Text, check_texts_source, training_texts
 from cllm.training.medusa.trainer import base_model_meta
 
@@ -107,20 +114,21 @@ def eagle(config: EagleConfig) -> EagleResult:
         config: a validated `EagleConfig`. Rerunning with the same config resumes an unfinished
             run from its checkpoint; Ctrl-C saves one and returns with `stopped_at` set.
     """
-    run = _open_run(config)  # 1. the head folder, a checkpoint to resume, the frozen model
-    _read_texts(run)  # 2. the model's own greedy text, held-out texts, features
-    _build_trainer(run)  # 3. head and AdamW; restored when resuming
-    if not _train(run):  # ... steps, log, held-out loss and checkpoints
-        return EagleResult(run.out, run.head, run.before, stopped_at=run.trainer.step_index)
-    after = _save(run)  # 4. head, default tree, record
-    return EagleResult(run.out, run.head, run.before, after, _evaluate(run))  # 5. greedy vs EAGLE
-
-
-def _open_run(config: EagleConfig) -> _Run:
-    """The head folder (checked before anything is loaded), whether an unfinished run is there
-    to resume, and the frozen model with its tokenizer."""
     model_dir, out, resuming = open_folder(config, "eagle", "the head", check_out_dir, files=(
-        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))
+        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))  # 1. the head folder (checked), a checkpoint to resume
+    with removed_on_early_failure(out, "eagle", useful=resumable):  # a failed first run leaves no folder
+        run = _open_run(config, model_dir, out, resuming)  # ... the frozen model; the folder claimed
+        _read_texts(run)  # 2. the model's own greedy text, held-out texts, features
+        _build_trainer(run)  # 3. head and AdamW; restored when resuming
+        if not _train(run):  # ... steps, log, held-out loss and checkpoints
+            return EagleResult(run.out, run.head, run.before, stopped_at=run.trainer.step_index)
+        after = _save(run)  # 4. head, default tree, record
+        return EagleResult(run.out, run.head, run.before, after, _evaluate(run))  # 5. greedy vs EAGLE
+
+
+def _open_run(config: EagleConfig, model_dir: Path, out: Path, resuming: bool) -> _Run:
+    """The frozen model with its tokenizer, and the head folder `out` (checked by `open_folder`
+    before anything is loaded) claimed once every input has been checked."""
     run = _Run(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)

@@ -33,7 +33,7 @@ import torch
 from cllm.core import __version__, runs
 from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError
-from cllm.core.outputs import check_folder, share_like_siblings
+from cllm.core.outputs import check_folder, removed_on_early_failure, share_like_siblings
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import Prompt
 from cllm.decoding.inputs import position_limit
@@ -72,6 +72,7 @@ from cllm.training.medusa.run import (
     evaluate_heads,
     evaluation_prompts,
     read_texts,
+    resumable,
 )
 from cllm.training.medusa.texts import check_texts_source, hidden_states, probe_lm_head
 from cllm.training.medusa.trainer import measure_accuracies, save_heads
@@ -105,13 +106,14 @@ def medusa2(config: MedusaConfig) -> MedusaResult:
             config resumes an unfinished run; Ctrl-C saves a checkpoint and returns with
             `stopped_at` set.
     """
-    run = _open_run(config)  # 1. the checkpoint folder, a checkpoint to resume, the original
-    read_texts(run)  # 2. the original's greedy text, held-out texts, its hidden states
-    _build_trainer(run)  # 3. heads, model and both optimizers; restored when resuming
-    if not _train(run):  # ... warm-up, joint steps, log, held-out loss and checkpoints
-        return MedusaResult(run.out, run.heads, run.before, stopped_at=run.trainer.step_index)
-    after = _save(run)  # 4. the new checkpoint, its heads (tree, fingerprint) and the record
-    return MedusaResult(run.out, run.heads, run.before, after, _evaluate(run))  # 5. exactness, quality
+    with removed_on_early_failure(config.out, "medusa", useful=resumable):  # a failed first run leaves no folder
+        run = _open_run(config)  # 1. the checkpoint folder, a checkpoint to resume, the original
+        read_texts(run)  # 2. the original's greedy text, held-out texts, its hidden states
+        _build_trainer(run)  # 3. heads, model and both optimizers; restored when resuming
+        if not _train(run):  # ... warm-up, joint steps, log, held-out loss and checkpoints
+            return MedusaResult(run.out, run.heads, run.before, stopped_at=run.trainer.step_index)
+        after = _save(run)  # 4. the new checkpoint, its heads (tree, fingerprint) and the record
+        return MedusaResult(run.out, run.heads, run.before, after, _evaluate(run))  # 5. exactness, quality
 
 
 def _open_run(config: MedusaConfig) -> JointRun:

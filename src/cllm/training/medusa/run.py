@@ -33,7 +33,7 @@ import torch
 from cllm.core import __version__, runs
 from cllm.core.config import write_config
 from cllm.core.errors import UserError
-from cllm.core.outputs import Input, check_folder, claim_folder
+from cllm.core.outputs import Input, check_folder, claim_folder, removed_on_early_failure
 from cllm.core.progress import progress_bar
 from cllm.data.prompts import encode_prompts
 from cllm.decoding import greedy_decode
@@ -124,20 +124,27 @@ def medusa(config: MedusaConfig) -> MedusaResult:
     """
     if config.joint:
         raise ValueError("--joint trains a Medusa-2 checkpoint: cllm.training.medusa.medusa2 runs it")
-    run = _open_run(config)  # 1. the heads folder, a checkpoint to resume, the frozen model
-    read_texts(run)  # 2. the model's own greedy text, held-out texts, hidden states
-    _build_trainer(run)  # 3. heads and AdamW; restored when resuming
-    if not _train(run):  # ... steps, log, held-out loss and checkpoints
-        return MedusaResult(run.out, run.heads, run.before, stopped_at=run.trainer.step_index)
-    after = _save(run)  # 4. accuracies shape the default tree; heads + record saved
-    return MedusaResult(run.out, run.heads, run.before, after, _evaluate(run))  # 5. greedy vs Medusa
-
-
-def _open_run(config: MedusaConfig) -> HeadsRun:
-    """Where the heads go (checked), whether an unfinished run is there to resume, and the
-    frozen model with its tokenizer; the folder claimed once every input has been checked."""
     model_dir, out, resuming = open_folder(config, "medusa", "the heads", check_out_dir, files=(
-        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))
+        CHECKPOINT, TRAIN_CONFIG, RESUME_FREE))  # 1. the heads folder (checked), a checkpoint to resume
+    with removed_on_early_failure(out, "medusa", useful=resumable):  # a failed first run leaves no folder
+        run = _open_run(config, model_dir, out, resuming)  # ... the frozen model; the folder claimed
+        read_texts(run)  # 2. the model's own greedy text, held-out texts, hidden states
+        _build_trainer(run)  # 3. heads and AdamW; restored when resuming
+        if not _train(run):  # ... steps, log, held-out loss and checkpoints
+            return MedusaResult(run.out, run.heads, run.before, stopped_at=run.trainer.step_index)
+        after = _save(run)  # 4. accuracies shape the default tree; heads + record saved
+        return MedusaResult(run.out, run.heads, run.before, after, _evaluate(run))  # 5. greedy vs Medusa
+
+
+def resumable(out: Path) -> bool:
+    """What a rerun of a drafter trainer (`cllm medusa`, `--joint`, `cllm eagle`) resumes from
+    (its checkpoint) or keeps (trained weights): once one is written, a failure keeps the folder."""
+    return (out / CHECKPOINT).exists() or any(out.rglob("*.safetensors"))
+
+
+def _open_run(config: MedusaConfig, model_dir: Path, out: Path, resuming: bool) -> HeadsRun:
+    """The frozen model with its tokenizer, and the heads folder `out` (checked by `open_folder`)
+    claimed once every input has been checked."""
     run = HeadsRun(config, out, model_dir, resuming)
     run.tokenizer = load_tokenizer(config.model)
     run.model = load_model(config.model, dtype=config.dtype, device=config.device).requires_grad_(False)
