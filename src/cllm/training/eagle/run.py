@@ -181,7 +181,8 @@ def _save(run: _Run) -> dict:
                  **base_model_meta(run.model, run.model_dir if run.model_dir.is_dir() else None),
                  "tokenizer_fingerprint": tokenizer_fingerprint(config.model), "dtype": config.dtype,
                  "training": {"texts": len(run.train_texts), "holdout_texts": len(run.held_texts),
-                              "positions": sum(r.next_tokens.shape[0] for r in run.train_runs), "steps": config.max_steps,
+                              "positions": sum(r.next_tokens.shape[0] for r in run.train_runs),
+                              "steps": config.max_steps,
                               "w_cls": config.w_cls, "noise": config.noise, "seconds": round(run.elapsed, 1),
                               "holdout_before": run.before, "holdout_after": after},
                  "cllm_version": __version__}
