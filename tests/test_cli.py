@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from cllm.cli import COMMANDS, main
+from cllm.cli import COMMANDS, CONFIGS, command_module, config_class, main
 
 CONTRACT_COMMANDS = ["pretrain", "collect", "train", "generate", "chat", "serve", "bench", "demo"]
 
@@ -64,3 +64,42 @@ def test_help_states_each_default_once(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     seed = out[out.index("--seed SEED seed"):].split(" --", 1)[0]
     assert seed.count("default") == 1 and "(default: 0)" in seed
+
+
+# Run in a fresh interpreter: the test process itself has imported torch long before.
+_IMPORTS_PROBE = """
+import sys
+from cllm.cli import main
+try:
+    main([{command!r}, {flag!r}])
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print("heavy:", ",".join(heavy) or "none")
+"""
+
+
+# DistillConfig still sits beside the distillation's run code (cllm.training.distill)
+_HEAVY_CONFIG = {"distill"}
+
+
+@pytest.mark.parametrize("flag", ["--help", "--no-such-flag"])
+@pytest.mark.parametrize("command", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="its config imports torch")) if c in _HEAVY_CONFIG
+    else c for c in COMMANDS])
+def test_help_and_a_bad_flag_import_neither_torch_nor_transformers(command, flag):
+    """`cllm CMD --help` and a mistyped flag answer at once: argparse runs on the command's config
+    dataclass alone, and its run code (torch, transformers) is imported only after parsing."""
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE.format(command=command, flag=flag)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.splitlines()[-1]
+    assert last == "heavy: none", f"cllm {command} {flag} imported {last.removeprefix('heavy: ')}"
+
+
+def test_each_command_parses_with_the_config_its_run_takes():
+    """The parser is built from `CONFIGS` (light modules); `run` takes `cllm.commands.<name>.Config`:
+    one class."""
+    assert list(CONFIGS) == list(COMMANDS)
+    for name in COMMANDS:
+        assert command_module(name).Config is config_class(name), name

@@ -2,10 +2,11 @@
 
 `COMMANDS` maps each subcommand to its summary; its module `cllm.commands.<name>` holds `Config`
 (the dataclass its flags come from) and `run(config) -> int`, which can be called from Python
-just the same. Command modules are imported only when their command runs, so that `cllm --help`
-stays fast. A `UserError`/`ValueError`/`FileNotFoundError` raised
-by a command is a user mistake: it is printed as one line and the exit status is 2
-(set ``CLLM_DEBUG=1`` to see the traceback).
+just the same. `CONFIGS` says where each `Config` is defined, in a module that imports neither
+torch nor transformers: the parser is built from it, and the command module (which imports the
+heavy run code) only after parsing, so that `--help` and a mistyped flag answer at once.
+A `UserError`/`ValueError`/`FileNotFoundError` raised by a command is a user mistake: it is
+printed as one line and the exit status is 2 (set ``CLLM_DEBUG=1`` to see the traceback).
 """
 
 from __future__ import annotations
@@ -40,6 +41,31 @@ COMMANDS: dict[str, str] = {
     "export": "write a model as a GGUF file for llama.cpp (and its draft table as llama.cpp's lookup cache)",
     "demo": "the whole story on the embedded default models",
 }
+
+# subcommand -> "module:class" of its config dataclass (`cllm.commands.<name>.Config` is that class)
+CONFIGS: dict[str, str] = {
+    "pretrain": "cllm.training.config:PretrainConfig",
+    "collect": "cllm.training.config:CollectConfig",
+    "train": "cllm.training.config:TrainConfig",
+    "distill": "cllm.training.distill:DistillConfig",  # imports torch: DistillConfig is yet to move
+    "drafts": "cllm.training.config:DraftsConfig",
+    "medusa": "cllm.training.medusa.config:MedusaConfig",
+    "eagle": "cllm.training.eagle.config:EagleConfig",
+    "generate": "cllm.serving.options:GenerateConfig",
+    "chat": "cllm.serving.options:ChatConfig",
+    "serve": "cllm.serving.config:ServeConfig",
+    "bench": "cllm.bench.config:BenchConfig",
+    "profile": "cllm.profiling.config:ProfileConfig",
+    "tune": "cllm.profiling.config:TuneConfig",
+    "export": "cllm.serving.config:ExportConfig",
+    "demo": "cllm.bench.config:DemoConfig",
+}
+
+
+def config_class(name: str) -> type:
+    """The config dataclass of subcommand `name`, imported without its run code."""
+    module, _, cls = CONFIGS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def command_module(name: str) -> ModuleType:
@@ -76,8 +102,8 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, extras: list[s
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The full parser for `command` (its module is imported to read its config dataclass);
-    the other subcommands get only their summary, so `cllm --help` imports nothing heavy."""
+    """The full parser for `command` (from its config dataclass alone: `CONFIGS`); the other
+    subcommands get only their summary, so `cllm --help` imports nothing heavy."""
     parser = _Parser(
         prog="cllm",
         description="Consistency LLMs: collect Jacobi trajectories, train, measure and serve "
@@ -90,7 +116,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE", help="JSON or YAML file of options (flags override it)")
         if name != command:
             continue
-        add_dataclass_arguments(p, command_module(name).Config)
+        add_dataclass_arguments(p, config_class(name))
     return parser
 
 

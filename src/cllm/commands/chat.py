@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass, field
 
 from cllm.core.errors import UserError, first_line
 from cllm.decoding.inputs import position_limit
 from cllm.serving.completion import complete
 from cllm.serving.history import trim_history
-from cllm.serving.loading import ServedModel
-from cllm.serving.options import DecodeOptions
-
-
-@dataclass
-class ChatConfig(DecodeOptions):
-    system: str | None = field(default=None, metadata={"help": "system message (used with a chat template)"})
-
+from cllm.serving.loading import ServedModel, load_options
+from cllm.serving.options import ChatConfig
 
 Config = ChatConfig
 
@@ -50,7 +43,7 @@ def run(config: Config) -> int:
     With a chat template, turns are formatted by it; without one, the model continues the plain
     concatenation of every turn's text (a base model's "chat").
     """
-    served = config.load()
+    served = load_options(config)
     codec, interactive = served.codec, sys.stdin.isatty()
     if not codec.has_chat_template:
         print("(this tokenizer has no chat template: the model continues the conversation's "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from rich.console import Console
@@ -26,7 +26,7 @@ from rich.text import Text
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from cllm.bench.config import BenchConfig
+from cllm.bench.config import BenchConfig, DemoConfig
 from cllm.bench.models import BenchModels, load_models
 from cllm.bench.pictures import (
     SOURCE_STYLES,
@@ -51,43 +51,6 @@ from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.models import SHIPPED
 
 FALLBACK_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
-
-
-@dataclass
-class DemoConfig:
-    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local dir or hub id (a "
-        "missing shipped one: tiny random fallback)"})
-    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "CLLM ('none' to skip; a missing shipped "
-        "one: target-only story)"})
-    prompts: str = field(default="humaneval", metadata={"help": "prompt set of the short bench"})
-    max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
-    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
-    block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the "
-        "tokens-per-forward sweep"})
-    repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
-    val_prompts: int = field(default=16, metadata={"help": "prompts of the validation set (stdlib-val for the shipped "
-        "models, as `cllm bench --val-set auto`) for each model's validation loss (0: skip)"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer "
-        "than 2 cores free)"})
-    out: str = field(default="reports/demo", metadata={"help": "report folder"})
-    prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first "
-        "prompt)"})
-    live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view "
-        "(display only)"})
-    show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live "
-        "decode"})
-    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in "
-        "OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
-
-    def __post_init__(self):
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.live_delay < 0 or self.show_blocks < 0 or self.val_prompts < 0:
-            raise ValueError("--live-delay, --show-blocks and --val-prompts must be >= 0")
 
 
 Config = DemoConfig

@@ -6,39 +6,17 @@ goes to stderr. `--show-trajectory` prints every Jacobi iteration instead, token
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
 from cllm.bench.pictures import render_block_terminal, sources_summary, trajectory_legend
-from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.decoding import IterationEvent
-from cllm.decoding.sampling import is_greedy
 from cllm.decoding.trajectory import TrajectoryRecorder
 from cllm.serving.completion import TextCodec, complete
-from cllm.serving.options import DecodeOptions
-
-
-@dataclass
-class GenerateConfig(DecodeOptions):
-    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when "
-        "no prompt is given)"})
-    prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
-    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
-        "(final / correct / wrong)"})
-    verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which runtime decodes "
-        "the model and why (the lean runtime, or transformers' forward) and the engine's settings"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.prompt is not None and self.prompt_file is not None:
-            raise ValueError("give either --prompt or --prompt-file, not both")
-        if self.show_trajectory and (self.method != "jacobi" or not is_greedy(self.temperature)
-                                     or not is_off(self.medusa) or not is_off(self.eagle)):
-            raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
-
+from cllm.serving.loading import load_options
+from cllm.serving.options import GenerateConfig
 
 Config = GenerateConfig
 
@@ -87,7 +65,7 @@ def _trajectory_printer(codec: TextCodec):
 def run(config: Config) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     prompt = read_prompt(config)
-    served = config.load()
+    served = load_options(config)
     if config.verbose:
         print(f"forward: {served.model.describe()}", file=sys.stderr)
         print(f"decoding: {config.params().label}, {config.engine}", file=sys.stderr)

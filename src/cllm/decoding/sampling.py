@@ -26,18 +26,8 @@ from cllm.core.errors import first_line
 from cllm.decoding.argmax import argmax
 from cllm.decoding.autoregressive import autoregressive
 from cllm.decoding.inputs import row_generators
+from cllm.decoding.settings import GREEDY_BELOW, is_greedy  # noqa: F401 (re-exported)
 from cllm.decoding.stats import DecodeOutput
-
-# A temperature below float32's smallest normal number decodes greedily: the logits, divided by
-# it in float32, would overflow to -inf beside the maximum's 0 / t (or, below ~1.4e-45, t itself
-# rounds to 0 and the division is 0 / 0), and at any temperature this small the law is a point
-# mass on the most likely token anyway (but for exact ties, which greedy breaks to the first).
-GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)
-
-
-def is_greedy(temperature: float | None) -> bool:
-    """Whether a temperature decodes greedily: None, 0, or below `GREEDY_BELOW`."""
-    return temperature is None or 0 <= temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

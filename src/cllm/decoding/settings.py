@@ -82,6 +82,18 @@ class JacobiConfig:
         return asdict(self)
 
 
+# A temperature below float32's smallest normal number decodes greedily: the logits, divided by
+# it in float32, would overflow to -inf beside the maximum's 0 / t (or, below ~1.4e-45, t itself
+# rounds to 0 and the division is 0 / 0), and at any temperature this small the law is a point
+# mass on the most likely token anyway (but for exact ties, which greedy breaks to the first).
+GREEDY_BELOW = 2.0**-126  # torch.finfo(torch.float32).tiny, written out: no torch here
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """Whether a temperature decodes greedily: None, 0, or below `GREEDY_BELOW`."""
+    return temperature is None or 0 <= temperature < GREEDY_BELOW
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"

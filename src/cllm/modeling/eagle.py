@@ -25,7 +25,6 @@ that vLLM's ``eagle`` speculative method reads.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +32,17 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from cllm.core.errors import UserError
+from cllm.modeling.names import (
+    EAGLE_CONFIG_FILE,
+    EAGLE_DIR,  # noqa: F401 (re-exported: `cllm.models.loading` reads it here)
+    EAGLE_DRAFT_CONFIG_FILE,
+    EAGLE_WEIGHTS_FILE,
+)
 from cllm.runtime.hf import EmbedsCache, feed_embeds_uncached
 
-EAGLE_DIR = Path("eagle")  # relative to a checkpoint directory
-CONFIG_FILE = "eagle_config.json"
-WEIGHTS_FILE = "eagle_head.safetensors"
-DRAFT_CONFIG_FILE = "config.json"  # the layer as a one-layer Llama (EAGLE-1 / vLLM layout)
+CONFIG_FILE = EAGLE_CONFIG_FILE
+WEIGHTS_FILE = EAGLE_WEIGHTS_FILE
+DRAFT_CONFIG_FILE = EAGLE_DRAFT_CONFIG_FILE  # the layer as a one-layer Llama (EAGLE-1 / vLLM layout)
 FORMAT_VERSION = 1
 SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
              "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta")

@@ -17,17 +17,17 @@ model's fingerprint, the heads' measured accuracies, what trained them) and
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from cllm.core.errors import UserError
+from cllm.modeling.names import MEDUSA_CONFIG_FILE, MEDUSA_DIR, MEDUSA_WEIGHTS_FILE
 
-HEADS_DIR = Path("medusa")  # relative to a checkpoint directory
-CONFIG_FILE = "medusa_config.json"
-WEIGHTS_FILE = "medusa_heads.safetensors"
+HEADS_DIR = MEDUSA_DIR  # relative to a checkpoint directory
+CONFIG_FILE = MEDUSA_CONFIG_FILE
+WEIGHTS_FILE = MEDUSA_WEIGHTS_FILE
 FORMAT_VERSION = 1
 
 

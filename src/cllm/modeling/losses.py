@@ -23,12 +23,10 @@ The caller computes the logits; these functions never call a model. `block_logit
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-Distance = Literal["fkl", "rkl", "jsd", "argmax"]
+from cllm.modeling.names import Distance
 
 
 def _normalise(total: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None):

@@ -38,6 +38,15 @@ from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
 from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
+from cllm.models.names import (  # noqa: F401 (re-exported: `cllm.models` and older imports)
+    DECODE_DEFAULTS,
+    DECODE_DEFAULTS_LLAMACPP,
+    DRAFT_TABLE,
+    EMBEDDED_TARGET,
+    REPO_ROOT,
+    SHIPPED,
+    check_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +59,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
-# Shipped checkpoints, addressable by short name from anywhere.
-REPO_ROOT = Path(__file__).resolve().parents[3]
-EMBEDDED_TARGET = "stdlib-coder"  # the shipped target; the other shipped models are made from it
-SHIPPED = {
-    "stdlib-coder": REPO_ROOT / "models" / "stdlib-coder",
-    "stdlib-coder-cllm": REPO_ROOT / "models" / "stdlib-coder-cllm",
-    # the target fine-tuned with its Medusa heads (`cllm medusa --joint`, Medusa-2); heads in medusa/
-    "stdlib-coder-medusa2": REPO_ROOT / "models" / "stdlib-coder-medusa2",
-    # the draft model of speculative decoding in `cllm bench` (not shipped yet: skipped with a note)
-    "stdlib-coder-draft": REPO_ROOT / "models" / "stdlib-coder-draft",
-}
-# A model's draft table (`cllm drafts`), relative to its checkpoint directory: a subfolder, so
-# the checkpoint's own files (and `fingerprint`) do not change when a table is added.
-DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
-# Decode settings measured for a checkpoint on one type of device (`cllm tune`), beside it.
-DECODE_DEFAULTS = "decode_defaults.json"
-# ... and those measured on the llama.cpp runtime (`cllm tune --runtime llamacpp`), beside them
-DECODE_DEFAULTS_LLAMACPP = "decode_defaults_llamacpp.json"
 # What a tokenizer is saved as: the `tokenizers` file, a sentencepiece or tiktoken model, BPE or
 # WordPiece vocabularies, or the config that names them. A folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -84,10 +75,7 @@ TOKENIZER_READS = ("tokenizer_config.json", "special_tokens_map.json", "added_to
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise UserError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))}") from None
+    return DTYPES[check_dtype(name).lower()]
 
 
 # A hub id is `owner/name` (letters, digits, '-', '_', '.'); anything else is a local path.

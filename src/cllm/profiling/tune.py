@@ -15,9 +15,8 @@ as `decode_defaults.json` beside the checkpoint, with the measurements and the r
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -25,10 +24,8 @@ from cllm.core.errors import UserError
 from cllm.core.machine import machine_info
 from cllm.core.outputs import Input, check_new_file, replacing, write_failures
 from cllm.models import DECODE_DEFAULTS, DECODE_DEFAULTS_LLAMACPP, load_for_decoding, load_model, resolve_model_path
+from cllm.profiling.config import TuneConfig
 from cllm.profiling.costs import (
-    BLOCK_MAX_COST,
-    BUDGET_MAX_COST,
-    MAX_BLOCK,
     Defaults,
     choose_defaults,
 )
@@ -36,47 +33,6 @@ from cllm.profiling.steptime import resolve_device, time_steps, write_json
 from cllm.runtime import position_limit
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TuneConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to tune: shipped name or local checkpoint "
-        "dir"})
-    out: str | None = field(default=None, metadata={"help": "file to write (default: MODEL/decode_defaults.json, or "
-        "decode_defaults_llamacpp.json, where load_for_decoding finds it)"})
-    force: bool = field(default=False, metadata={"help": "overwrite an existing defaults file"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "the device the defaults are for "
-        "(auto: cuda when there is one)"})
-    dtype: str = field(default="float32", metadata={"help": "the dtype you decode in (cllm generate's default is "
-        "float32)"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads (torch's, llama.cpp's with --runtime "
-        "llamacpp), as you will decode with (default: their own choice; recorded)"})
-    runtime: Literal["auto", "llamacpp"] = field(default="auto", metadata={"help": "the runtime to tune for: auto (the "
-        "one load_for_decoding picks for the checkpoint) or llamacpp (its GGUF export; written to "
-        "decode_defaults_llamacpp.json, which cllm export copies beside the GGUF)"})
-    prefix: int = field(default=256, metadata={"help": "tokens cached before every timed step (lowered to fit the "
-        "model's position limit)"})
-    k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], metadata={"help": "fed tokens per step to "
-        "time (1 is always added)"})
-    repeats: int = field(default=10, metadata={"help": "interleaved timing rounds (the min per k is used)"})
-    block_max_cost: float = field(default=BLOCK_MAX_COST, metadata={"help": "block size: the largest measured k whose "
-        "t(k)/t(1) is at most this"})
-    budget_max_cost: float = field(default=BUDGET_MAX_COST, metadata={"help": "fed-token budget: the largest k whose "
-        "interpolated t(k)/t(1) is at most this"})
-    max_block: int = field(default=MAX_BLOCK, metadata={"help": "block size at most"})
-
-    def __post_init__(self):
-        if any(not isinstance(k, int) or k < 1 for k in self.k) or not self.k:
-            raise ValueError(f"--k must be ints >= 1, got {self.k}")
-        self.k = sorted({1, *self.k})
-        for name in ("prefix", "repeats", "max_block"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if not 1 <= self.block_max_cost <= self.budget_max_cost:
-            raise ValueError("need 1 <= --block-max-cost <= --budget-max-cost, got "
-                             f"{self.block_max_cost} and {self.budget_max_cost}")
 
 
 def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *, device: str, dtype: str,

@@ -10,11 +10,8 @@ import os
 
 from transformers import BatchEncoding
 
+from cllm.runtime.choices import QUANT_TYPES
 from cllm.runtime.llamacpp import LlamaCppRuntime, checked_api
-
-# `cllm export --quantize` types: llama.cpp's own quantizer, by the names its llama-quantize takes
-QUANT_TYPES = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15,
-               "q4_k_s": 14, "q3_k_m": 12, "q2_k": 10, "f16": 1, "bf16": 32}
 
 
 def quantize(source: str | os.PathLike, out: str | os.PathLike, kind: str, *, threads: int = 0) -> None:

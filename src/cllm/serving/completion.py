@@ -29,17 +29,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from cllm.core.seeds import seeded_generator
-from cllm.decoding import BatchDecoder, IterationEvent, JacobiConfig
+from cllm.decoding import BatchDecoder, IterationEvent
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import eos_set
 from cllm.decoding.rivals import eagle as eagle_rival
 from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
-from cllm.decoding.sampling import is_greedy
 from cllm.decoding.stats import DecodeStats
 from cllm.runtime import Runtime
 from cllm.serving.logprobs import Trail
-
-METHODS = ("jacobi", "ar")
+from cllm.serving.params import METHODS, DecodeParams  # noqa: F401 (METHODS re-exported)
 
 
 class TextCodec:
@@ -144,30 +142,6 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
                 longest = k
                 break
     return longest
-
-
-@dataclass(frozen=True)
-class DecodeParams:
-    """How to decode one request (validated by the CLI configs and the server)."""
-
-    method: str = "jacobi"  # "jacobi" or "ar" (the Jacobi engine with n = 1)
-    engine: JacobiConfig = JacobiConfig()  # Jacobi's settings (block size, recycling, ...)
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    temperature: float = 0.0  # > 0: lossless sampling (below sampling.GREEDY_BELOW: greedy, and 0 here)
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None  # seed of the guesses and, when sampling, of the draws (None: 0)
-    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
-
-    def __post_init__(self) -> None:
-        if self.temperature > 0 and is_greedy(self.temperature):  # one greedy setting, one batch group
-            object.__setattr__(self, "temperature", 0.0)
-
-    @property
-    def label(self) -> str:
-        """The decoder used: "jacobi", "ar", "jacobi_sample" or "ar_sample" (logs, metrics)."""
-        return f"{self.method}_sample" if self.temperature > 0 else self.method
 
 
 @dataclass

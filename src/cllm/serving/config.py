@@ -1,6 +1,7 @@
 """`cllm serve`'s settings (`ServeConfig`, checked on construction) and what they imply for
 who can reach the server: whether a host is loopback, the warning for an open port without a
-key, the API key in force.
+key, the API key in force; and `cllm export`'s (`ExportConfig`). No torch here: a command's
+`--help` reads its config before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from pathlib import Path
 from typing import Literal
 
 from cllm.core.config import is_off
-from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
-from cllm.runtime import RUNTIME_HELP, RUNTIMES
-from cllm.serving.completion import METHODS
-from cllm.serving.vllm import DEFAULT_SPECULATIVE_TOKENS
+from cllm.core.errors import UserError
+from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.runtime.choices import GGUF_OUT_TYPES, QUANT_TYPES, RUNTIME_HELP, RUNTIMES
+from cllm.serving.params import METHODS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "CLLM_API_KEY"
+# k, tokens drafted per step: 8 made vLLM's fastest configuration (benchmarks/README.md, "Deployment
+# engines"); `cllm bench --methods vllm_cllm --vllm-tokens K` measures others
+DEFAULT_SPECULATIVE_TOKENS = 8
 
 
 @dataclass
@@ -174,3 +178,29 @@ def api_key(cfg: ServeConfig) -> str | None:
     """The bearer token every /v1 request must send: `--api-key`, else the CLLM_API_KEY
     environment variable; None: no check."""
     return cfg.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+@dataclass
+class ExportConfig:
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to export: shipped name or local "
+        "checkpoint dir (Llama or Qwen2, byte-level BPE tokenizer)"})
+    gguf: str | None = field(default=None, metadata={"help": "GGUF file to write (llama.cpp's model format; "
+        "required); its side folder OUT.cllm/ gets the tokenizer, draft table and tuned setting"})
+    out_type: str = field(default="f32", metadata={"help": "weight type: f32, f16 or bf16 (norms stay f32)"})
+    quantize: str | None = field(default=None, metadata={"help": "quantize with llama.cpp's own quantizer: "
+        f"{', '.join(QUANT_TYPES)} (needs llama-cpp-python)"})
+    lookup_cache: str | None = field(default=None, metadata={"help": "also write the model's draft table (cllm "
+        "drafts) as llama.cpp's static n-gram cache (llama-lookup, or llama-server --spec-type ngram-cache, "
+        "with --lookup-cache-static FILE)"})
+    threads: int = field(default=0, metadata={"help": "threads of the quantizer (0: llama.cpp's default)"})
+    force: bool = field(default=False, metadata={"help": "replace the output files if they exist"})
+
+    def __post_init__(self) -> None:
+        if not self.gguf:
+            raise UserError("--gguf OUT.gguf is required: the file to write")
+        if self.out_type not in GGUF_OUT_TYPES:
+            raise UserError(f"--out-type must be one of {', '.join(GGUF_OUT_TYPES)}, got {self.out_type!r}")
+        if self.quantize is not None and self.quantize.lower() not in QUANT_TYPES:
+            raise UserError(f"--quantize must be one of {', '.join(QUANT_TYPES)}, got {self.quantize!r}")
+        if self.quantize is not None:
+            self.quantize = self.quantize.lower()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from cllm.core.errors import UserError, first_line
@@ -34,36 +34,11 @@ from cllm.models import (
     tokenizer_fingerprint,
 )
 from cllm.models.gguf import side_folder
-from cllm.runtime.gguf import OUT_TYPES, GgufSummary, import_gguf, write_gguf
+from cllm.runtime.gguf import GgufSummary, import_gguf, write_gguf
 from cllm.runtime.llamacpp import unavailable
-from cllm.runtime.llamacpp_files import QUANT_TYPES, quantize
+from cllm.runtime.llamacpp_files import quantize
+from cllm.serving.config import ExportConfig
 from cllm.serving.lookup_cache import write_lookup_cache
-
-
-@dataclass
-class ExportConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to export: shipped name or local "
-        "checkpoint dir (Llama or Qwen2, byte-level BPE tokenizer)"})
-    gguf: str | None = field(default=None, metadata={"help": "GGUF file to write (llama.cpp's model format; "
-        "required); its side folder OUT.cllm/ gets the tokenizer, draft table and tuned setting"})
-    out_type: str = field(default="f32", metadata={"help": "weight type: f32, f16 or bf16 (norms stay f32)"})
-    quantize: str | None = field(default=None, metadata={"help": "quantize with llama.cpp's own quantizer: "
-        f"{', '.join(QUANT_TYPES)} (needs llama-cpp-python)"})
-    lookup_cache: str | None = field(default=None, metadata={"help": "also write the model's draft table (cllm "
-        "drafts) as llama.cpp's static n-gram cache (llama-lookup, or llama-server --spec-type ngram-cache, "
-        "with --lookup-cache-static FILE)"})
-    threads: int = field(default=0, metadata={"help": "threads of the quantizer (0: llama.cpp's default)"})
-    force: bool = field(default=False, metadata={"help": "replace the output files if they exist"})
-
-    def __post_init__(self) -> None:
-        if not self.gguf:
-            raise UserError("--gguf OUT.gguf is required: the file to write")
-        if self.out_type not in OUT_TYPES:
-            raise UserError(f"--out-type must be one of {', '.join(OUT_TYPES)}, got {self.out_type!r}")
-        if self.quantize is not None and self.quantize.lower() not in QUANT_TYPES:
-            raise UserError(f"--quantize must be one of {', '.join(QUANT_TYPES)}, got {self.quantize!r}")
-        if self.quantize is not None:
-            self.quantize = self.quantize.lower()
 
 
 def export_gguf(config: ExportConfig) -> GgufSummary:

@@ -9,8 +9,10 @@ The loading itself is `cllm.models`' (checkpoints, tokenizers, draft tables) and
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -32,7 +34,11 @@ from cllm.models import (
 )
 from cllm.models.gguf import is_gguf
 from cllm.runtime import Runtime, open_runtime
+from cllm.runtime.lean import compiled
 from cllm.serving.completion import TextCodec
+
+if TYPE_CHECKING:
+    from cllm.serving.options import DecodeOptions
 
 SERVER_STREAMS = 16  # llama.cpp: a KV stream per row, 16 rows at once at most (llama-server's -np 16)
 
@@ -94,6 +100,20 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
     not_compiled = decoding.compile(batches=batches) if compile else None
     decoding.prepare()
     return ServedModel(decoding, TextCodec(tokenizer), table, heads, not_compiled, eagle=head)
+
+
+def load_options(options: DecodeOptions) -> ServedModel:
+    """What `cllm generate` / `cllm chat`'s options name, loaded to decode one prompt at a time:
+    the model, its tokenizer (as a TextCodec), its draft table, its Medusa heads and its EAGLE
+    head (each None when not used)."""
+    if options.compile:
+        print(f"cllm: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
+    served = load_served(options.model, dtype=options.dtype, device=options.device, threads=options.threads,
+                         draft_table=options.draft_table, medusa=options.medusa, eagle=options.eagle,
+                         compile=options.compile, batches=False, runtime=options.runtime)  # one prompt at a time
+    if served.not_compiled:
+        print(f"cllm: note: --compile: {served.not_compiled}; the eager forward decodes", file=sys.stderr)
+    return served
 
 
 def load_medusa_heads(name: str, model: torch.nn.Module, spec: str) -> MedusaHeads | None:

@@ -1,21 +1,19 @@
-"""The decode options `cllm generate` and `cllm chat` share (`DecodeOptions`, which their configs
-extend): the model and how to load it, the decoder, the budget, stop strings and sampling,
-checked on construction and turned into a request's `DecodeParams`.
+"""The decode options `cllm generate` and `cllm chat` share (`DecodeOptions`) and their configs,
+which extend it (`GenerateConfig`, `ChatConfig`): the model and how to load it, the decoder, the
+budget, stop strings and sampling, checked on construction and turned into a request's
+`DecodeParams`. No torch here: `cllm generate --help` reads these before anything heavy loads;
+`cllm.serving.loading.load_options` loads what they name.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cllm.core.config import is_off
-from cllm.decoding import RECOMMENDED_CONFIG, JacobiConfig
-from cllm.decoding.sampling import is_greedy
-from cllm.runtime import RUNTIME_HELP, RUNTIMES
-from cllm.runtime.lean import compiled
-from cllm.serving.completion import METHODS, DecodeParams
-from cllm.serving.loading import ServedModel, load_served
+from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig, is_greedy
+from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
+from cllm.serving.params import METHODS, DecodeParams
 
 
 def unescape(text: str) -> str:
@@ -96,14 +94,30 @@ class DecodeOptions:
                             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                             seed=self.seed)
 
-    def load(self) -> ServedModel:
-        """The model, its tokenizer (as a TextCodec), its draft table, its Medusa heads and its
-        EAGLE head (each None when not used)."""
-        if self.compile:
-            print(f"cllm: --compile: {compiled.where_note()}", file=sys.stderr, flush=True)
-        served = load_served(self.model, dtype=self.dtype, device=self.device, threads=self.threads,
-                             draft_table=self.draft_table, medusa=self.medusa, eagle=self.eagle, compile=self.compile,
-                             batches=False, runtime=self.runtime)  # one prompt at a time
-        if served.not_compiled:
-            print(f"cllm: note: --compile: {served.not_compiled}; the eager forward decodes", file=sys.stderr)
-        return served
+
+@dataclass
+class GenerateConfig(DecodeOptions):
+    """`cllm generate`'s settings."""
+
+    prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when "
+        "no prompt is given)"})
+    prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
+    show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
+        "(final / correct / wrong)"})
+    verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which runtime decodes "
+        "the model and why (the lean runtime, or transformers' forward) and the engine's settings"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("give either --prompt or --prompt-file, not both")
+        if self.show_trajectory and (self.method != "jacobi" or not is_greedy(self.temperature)
+                                     or not is_off(self.medusa) or not is_off(self.eagle)):
+            raise ValueError("--show-trajectory needs greedy Jacobi decoding (--method jacobi, --temperature 0)")
+
+
+@dataclass
+class ChatConfig(DecodeOptions):
+    """`cllm chat`'s settings."""
+
+    system: str | None = field(default=None, metadata={"help": "system message (used with a chat template)"})

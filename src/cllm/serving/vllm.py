@@ -45,13 +45,11 @@ from cllm.decoding import RECOMMENDED_CONFIG
 from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.jacobi.drafters import CarriedDrafts, DraftContext, Drafter, PoolDrafter, TableDrafter, chained
 from cllm.models import load_draft_table, resolve_model_path
+from cllm.serving.config import DEFAULT_SPECULATIVE_TOKENS
 
 log = logging.getLogger(__name__)
 
 VLLM_SERIES = "0.32."  # the vLLM releases whose logits layout the Jacobi tail's hook was checked on
-# k, tokens drafted per step: 8 made vLLM's fastest configuration (benchmarks/README.md, "Deployment
-# engines"); `cllm bench --methods vllm_cllm --vllm-tokens K` measures others
-DEFAULT_SPECULATIVE_TOKENS = 8
 NGRAM_SIZES = (1, 3)  # vLLM's n-gram method: shortest and longest match (as our prompt lookup guess)
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 131k tokens of the shipped model; a larger model wants more
 INSTALL_HINT = "run `make vllm` and use .venv-vllm/bin/cllm, or `pip install 'cllm[vllm]'` on a CUDA machine"

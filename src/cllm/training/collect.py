@@ -41,9 +41,8 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -71,59 +70,10 @@ from cllm.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
-from cllm.runtime import RUNTIME_HELP, RUNTIMES, Runtime, open_runtime
+from cllm.runtime import Runtime, open_runtime
+from cllm.training.config import CollectConfig, Guess  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-Guess = Literal["prompt", "repeat", "random", "lookup"]
-
-
-@dataclass
-class CollectConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
-        "hub id"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
-        "or a JSONL/Parquet file"})
-    out: str = field(default="runs/trajectories", metadata={"help": "output directory (Parquet shards + meta.json); "
-        "rerun to resume"})
-    block_size: int = field(default=16, metadata={"help": "Jacobi block size n (tokens per block)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt (stops earlier at EOS)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set"})
-    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the "
-        "reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
-    seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed "
-        "and prompt id)"})
-    batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
-    shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span "
-        "shards)"})
-    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a "
-        "loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy "
-        "rounds, whose fixed points are the CLLM's own repetitions"})
-    augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying "
-        "the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the "
-        "true trajectory)"})
-    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet "
-        "prompt file"})
-    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={
-        "help": RUNTIME_HELP + " (speed only: the trajectories are the same)"})
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "batch_size", "shard_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise UserError(f"max-prompts must be a positive integer, got {self.max_prompts!r}")
-        if self.guess not in ("prompt", "repeat", "random", "lookup"):
-            raise UserError(f"guess must be prompt, repeat, random or lookup, got {self.guess!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not self.out:
-            raise UserError("out must name a directory")
-        if self.runtime not in RUNTIMES:
-            raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
-        resolve_dtype(self.dtype)
-
 
 @dataclass(frozen=True)
 class CollectSummary:

@@ -1,6 +1,8 @@
 """What `cllm train` and `cllm distill` are told: the training `Recipe` both share (every field,
 default, help text and check declared here once) and `TrainConfig`, the recipe plus what only
-`cllm train` asks for (its data, the frozen teacher, LoRA's shape, resuming).
+`cllm train` asks for (its data, the frozen teacher, LoRA's shape, resuming); and the settings of
+`cllm pretrain`, `cllm collect` and `cllm drafts` (`PretrainConfig`, `CollectConfig`,
+`DraftsConfig`). No torch here: a command's `--help` reads its config before anything heavy loads.
 
 A nested dataclass's fields are flags of the command that holds it (`cllm.core.config`), and
 `config_to_dict` flattens them, so train_config.json and the checkpoints stay flat. `cllm
@@ -10,6 +12,7 @@ distill`'s own defaults are one recipe value, `cllm.training.distill.DISTILL_REC
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -17,8 +20,9 @@ from typing import Literal
 from cllm.core.config import is_off
 from cllm.core.errors import UserError
 from cllm.data.prompts import NAMED_SETS
-from cllm.modeling.losses import Distance
-from cllm.models import SHIPPED
+from cllm.modeling.names import Distance
+from cllm.models.names import SHIPPED, check_dtype
+from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
 
 Consistency = Literal["gc", "lc", "gc+lc"]
 ArTarget = Literal["auto", "labels", "fixed_points", "both"]
@@ -267,3 +271,144 @@ def default_eval_set(model: str, prompts: str | None) -> str | None:
     """The held-out set of a run given no --eval-prompts: stdlib-val when the run is in the
     shipped models' domain (a shipped model, or prompts from a named set), else None."""
     return STDLIB_EVAL if is_shipped(model) or prompts in NAMED_SETS else None
+
+
+@dataclass
+class PretrainConfig:
+    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, "
+        "logs, checkpoints)"})
+    vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
+    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
+        "training one (a draft model must share its target's; its size must equal --vocab-size)"})
+    width: int = field(default=256, metadata={"help": "hidden size"})
+    layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    heads: int = field(default=4, metadata={"help": "attention heads (width must divide evenly)"})
+    mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up "
+        "to 64"})
+    context: int = field(default=512, metadata={"help": "training window length in tokens (= max positions)"})
+    steps: int = field(default=3200, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={"help": "windows per step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
+    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (not norms)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
+    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer "
+        "stay float32)"})
+    eval_interval: int = field(default=100, metadata={"help": "validation every N steps (and at the end)"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches of batch_size windows"})
+    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the "
+        "end, and on Ctrl-C)"})
+    seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
+        "starts over"})
+    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "
+        "tests)"})
+    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported "
+        "weights"})
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "width", "layers", "heads", "context", "steps", "batch_size",
+                    "eval_interval", "eval_batches", "checkpoint_interval", "threads")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.vocab_size < 257:
+            raise ValueError(f"vocab_size must be at least 257 (bytes + <|endoftext|>), got {self.vocab_size}")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        if self.mlp_width is None:
+            self.mlp_width = math.ceil(self.width * 8 / 3 / 64) * 64
+        if self.max_files is not None and self.max_files <= 0:
+            raise ValueError(f"max_files must be positive, got {self.max_files}")
+
+
+Guess = Literal["prompt", "repeat", "random", "lookup"]
+
+
+@dataclass
+class CollectConfig:
+    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
+        "hub id"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
+        "or a JSONL/Parquet file"})
+    out: str = field(default="runs/trajectories", metadata={"help": "output directory (Parquet shards + meta.json); "
+        "rerun to resume"})
+    block_size: int = field(default=16, metadata={"help": "Jacobi block size n (tokens per block)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt (stops earlier at EOS)"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set"})
+    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the "
+        "reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
+    seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed "
+        "and prompt id)"})
+    batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
+    shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span "
+        "shards)"})
+    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a "
+        "loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy "
+        "rounds, whose fixed points are the CLLM's own repetitions"})
+    augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying "
+        "the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the "
+        "true trajectory)"})
+    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet "
+        "prompt file"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={
+        "help": RUNTIME_HELP + " (speed only: the trajectories are the same)"})
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_new_tokens", "batch_size", "shard_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise UserError(f"max-prompts must be a positive integer, got {self.max_prompts!r}")
+        if self.guess not in ("prompt", "repeat", "random", "lookup"):
+            raise UserError(f"guess must be prompt, repeat, random or lookup, got {self.guess!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not self.out:
+            raise UserError("out must name a directory")
+        if self.runtime not in RUNTIMES:
+            raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        check_dtype(self.dtype)
+
+
+@dataclass
+class DraftsConfig:
+    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: "
+        "shipped name or local checkpoint dir"})
+    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
+        "or a JSONL/Parquet file (not the prompts you benchmark on)"})
+    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: "
+        "all)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
+    batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
+    min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at "
+        "least this often"})
+    min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's "
+        "occurrences"})
+    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
+        "found there by --draft-table auto)"})
+    force: bool = field(default=False, metadata={"help": "replace an existing draft table (the model's own, or --out); "
+        "a file that is not a draft table is never replaced"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "min_count"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        if not 0 < self.min_share <= 1:
+            raise UserError(f"--min-share must be in (0, 1], got {self.min_share}")
+        if self.threads < 0:
+            raise UserError(f"--threads must be >= 0, got {self.threads}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,42 +39,9 @@ from cllm.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
+from cllm.training.config import DraftsConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftsConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: "
-        "shipped name or local checkpoint dir"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
-        "or a JSONL/Parquet file (not the prompts you benchmark on)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: "
-        "all)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
-    batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
-    min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at "
-        "least this often"})
-    min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's "
-        "occurrences"})
-    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
-        "found there by --draft-table auto)"})
-    force: bool = field(default=False, metadata={"help": "replace an existing draft table (the model's own, or --out); "
-        "a file that is not a draft table is never replaced"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-
-    def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "batch_size", "min_count"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
-        if not 0 < self.min_share <= 1:
-            raise UserError(f"--min-share must be in (0, 1], got {self.min_share}")
-        if self.threads < 0:
-            raise UserError(f"--threads must be >= 0, got {self.threads}")
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -51,6 +50,7 @@ from cllm.evaluation.text import cut_at_function_end, ends_in_loop, function_par
 from cllm.modeling.forwards import window_loss
 from cllm.models import load_model, load_tokenizer
 from cllm.training.cards import target_card
+from cllm.training.config import PretrainConfig
 from cllm.training.schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -63,61 +63,6 @@ CONFIG = "pretrain_config.json"
 _RESUME_FREE = {"resume", "threads", "eval_interval", "eval_batches", "checkpoint_interval"}
 
 
-@dataclass
-class PretrainConfig:
-    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, "
-        "logs, checkpoints)"})
-    vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
-    tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
-        "training one (a draft model must share its target's; its size must equal --vocab-size)"})
-    width: int = field(default=256, metadata={"help": "hidden size"})
-    layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
-    heads: int = field(default=4, metadata={"help": "attention heads (width must divide evenly)"})
-    mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up "
-        "to 64"})
-    context: int = field(default=512, metadata={"help": "training window length in tokens (= max positions)"})
-    steps: int = field(default=3200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "windows per step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
-    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine decay"})
-    warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (not norms)"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer "
-        "stay float32)"})
-    eval_interval: int = field(default=100, metadata={"help": "validation every N steps (and at the end)"})
-    eval_batches: int = field(default=8, metadata={"help": "validation batches of batch_size windows"})
-    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the "
-        "end, and on Ctrl-C)"})
-    seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
-    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
-        "starts over"})
-    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "
-        "tests)"})
-    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported "
-        "weights"})
-
-    def __post_init__(self) -> None:
-        positive = ("vocab_size", "width", "layers", "heads", "context", "steps", "batch_size",
-                    "eval_interval", "eval_batches", "checkpoint_interval", "threads")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
-        if self.vocab_size < 257:
-            raise ValueError(f"vocab_size must be at least 257 (bytes + {EOT}), got {self.vocab_size}")
-        if not 0 < self.min_lr <= self.lr:
-            raise ValueError(f"need 0 < min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
-        if self.mlp_width is None:
-            self.mlp_width = math.ceil(self.width * 8 / 3 / 64) * 64
-        if self.max_files is not None and self.max_files <= 0:
-            raise ValueError(f"max_files must be positive, got {self.max_files}")
 
 
 # ---------------------------------------------------------------------------------- data

@@ -33,6 +33,7 @@ import torch
 
 from cllm.decoding.argmax import argmax
 from cllm.decoding.inputs import eos_set, finalize, prepare_prompt
+from cllm.decoding.rivals.defaults import EAGLE_DEPTH, EAGLE_NODES, EAGLE_TOP_K
 from cllm.decoding.rivals.medusa import TreeLayout, verify_tree
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 from cllm.decoding.tree import Tree
@@ -41,9 +42,9 @@ from cllm.runtime import Runtime, as_runtime
 # defaults for a head that carries no tree of its own (`cllm eagle` saves these with it): a CPU
 # pays for every fed token and every head forward, so a modest tree (the sweep over trees:
 # benchmarks/rivals-humaneval/COMMAND.md, models/stdlib-coder/eagle/MODEL_CARD.md)
-DEFAULT_NODES = 4  # draft tokens verified per forward besides the root
-DEFAULT_DEPTH = 3  # draft levels: the head runs this many forwards per step
-DEFAULT_TOP_K = 4  # children per expanded node, and nodes expanded per level
+DEFAULT_NODES = EAGLE_NODES  # draft tokens verified per forward besides the root
+DEFAULT_DEPTH = EAGLE_DEPTH  # draft levels: the head runs this many forwards per step
+DEFAULT_TOP_K = EAGLE_TOP_K  # children per expanded node, and nodes expanded per level
 
 
 class HeadCache(Protocol):

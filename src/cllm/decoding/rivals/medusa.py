@@ -32,14 +32,15 @@ import torch
 
 from cllm.decoding.argmax import argmax
 from cllm.decoding.inputs import eos_set, finalize, prepare_prompt
+from cllm.decoding.rivals.defaults import MEDUSA_NODES, MEDUSA_TOP_K
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 from cllm.decoding.tree import Tree
 from cllm.runtime import Runtime, Session, as_runtime
 
 Path = tuple[int, ...]  # top-k ranks, one per depth: (r1, .., rd) = head 1's r1-th token, ...
 
-DEFAULT_NODES = 20  # tree nodes verified per forward besides the root (a CPU pays for each)
-DEFAULT_TOP_K = 8  # ranks a built tree considers per head
+DEFAULT_NODES = MEDUSA_NODES  # tree nodes verified per forward besides the root (a CPU pays for each)
+DEFAULT_TOP_K = MEDUSA_TOP_K  # ranks a built tree considers per head
 # How often a head's rank-r token is right, relative to its first, assumed for heads that carry
 # no measured accuracies (`cllm medusa` measures and saves them; see `prior_accuracies`).
 PRIOR_RANK_SHARES = (1.0, 0.25, 0.12, 0.07, 0.05, 0.04, 0.03, 0.02)

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cllm.core.errors import UserError
-from cllm.decoding.rivals.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOP_K
-from cllm.modeling.eagle import CONFIG_FILE, DRAFT_CONFIG_FILE, WEIGHTS_FILE
+from cllm.decoding.rivals.defaults import EAGLE_DEPTH as DEFAULT_DEPTH
+from cllm.decoding.rivals.defaults import EAGLE_NODES as DEFAULT_NODES
+from cllm.decoding.rivals.defaults import EAGLE_TOP_K as DEFAULT_TOP_K
+from cllm.modeling.names import EAGLE_CONFIG_FILE as CONFIG_FILE
+from cllm.modeling.names import EAGLE_DRAFT_CONFIG_FILE as DRAFT_CONFIG_FILE
+from cllm.modeling.names import EAGLE_WEIGHTS_FILE as WEIGHTS_FILE
 from cllm.training.medusa.config import AUTO
 
 TRAIN_CONFIG = "eagle_train_config.json"

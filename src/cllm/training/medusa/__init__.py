@@ -12,20 +12,11 @@
   measured against the original).
 """
 
-from cllm.training.medusa.config import MedusaConfig
-from cllm.training.medusa.joint import JointTrainer
-from cllm.training.medusa.loss import JointLoss, agreement, backbone_terms, joint_loss, medusa_loss, medusa_terms
-from cllm.training.medusa.medusa2 import medusa2
-from cllm.training.medusa.run import MedusaResult, check_out_dir, evaluate_heads, medusa
-from cllm.training.medusa.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
-from cllm.training.medusa.trainer import (
-    HeadsTrainer,
-    base_model_meta,
-    measure_accuracies,
-    pad_batch,
-    save_heads,
-    train_heads,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cllm.core.lazy import lazy_exports
 
 __all__ = [
     "HeadsTrainer",
@@ -52,3 +43,34 @@ __all__ = [
     "texts_from_trajectories",
     "train_heads",
 ]
+
+# module -> the public names it defines, imported on first use (`cllm.core.lazy`)
+_MODULES = {
+    "cllm.training.medusa.config": ["MedusaConfig"],
+    "cllm.training.medusa.joint": ["JointTrainer"],
+    "cllm.training.medusa.loss": ["JointLoss", "agreement", "backbone_terms", "joint_loss", "medusa_loss",
+                                  "medusa_terms"],
+    "cllm.training.medusa.medusa2": ["medusa2"],
+    "cllm.training.medusa.run": ["MedusaResult", "check_out_dir", "evaluate_heads", "medusa"],
+    "cllm.training.medusa.texts": ["Text", "greedy_texts", "hidden_states", "texts_from_trajectories"],
+    "cllm.training.medusa.trainer": ["HeadsTrainer", "base_model_meta", "measure_accuracies", "pad_batch",
+                                     "save_heads", "train_heads"],
+}
+
+if TYPE_CHECKING:
+    from cllm.training.medusa.config import MedusaConfig
+    from cllm.training.medusa.joint import JointTrainer
+    from cllm.training.medusa.loss import JointLoss, agreement, backbone_terms, joint_loss, medusa_loss, medusa_terms
+    from cllm.training.medusa.medusa2 import medusa2
+    from cllm.training.medusa.run import MedusaResult, check_out_dir, evaluate_heads, medusa
+    from cllm.training.medusa.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
+    from cllm.training.medusa.trainer import (
+        HeadsTrainer,
+        base_model_meta,
+        measure_accuracies,
+        pad_batch,
+        save_heads,
+        train_heads,
+    )
+
+lazy_exports(__name__, {name: module for module, names in _MODULES.items() for name in names})

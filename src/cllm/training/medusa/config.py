@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cllm.core.errors import UserError
-from cllm.decoding.rivals.medusa import DEFAULT_NODES, DEFAULT_TOP_K
-from cllm.modeling.heads import CONFIG_FILE, WEIGHTS_FILE
+from cllm.decoding.rivals.defaults import MEDUSA_NODES as DEFAULT_NODES
+from cllm.decoding.rivals.defaults import MEDUSA_TOP_K as DEFAULT_TOP_K
+from cllm.modeling.names import MEDUSA_CONFIG_FILE as CONFIG_FILE
+from cllm.modeling.names import MEDUSA_WEIGHTS_FILE as WEIGHTS_FILE
 
 TRAIN_CONFIG = "medusa_train_config.json"
 LOG = "medusa_log.jsonl"
