@@ -79,14 +79,8 @@ print("heavy:", ",".join(heavy) or "none")
 """
 
 
-# DistillConfig still sits beside the distillation's run code (cllm.training.distill)
-_HEAVY_CONFIG = {"distill"}
-
-
 @pytest.mark.parametrize("flag", ["--help", "--no-such-flag"])
-@pytest.mark.parametrize("command", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="its config imports torch")) if c in _HEAVY_CONFIG
-    else c for c in COMMANDS])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_and_a_bad_flag_import_neither_torch_nor_transformers(command, flag):
     """`cllm CMD --help` and a mistyped flag answer at once: argparse runs on the command's config
     dataclass alone, and its run code (torch, transformers) is imported only after parsing."""

@@ -47,7 +47,7 @@ CONFIGS: dict[str, str] = {
     "pretrain": "cllm.training.config:PretrainConfig",
     "collect": "cllm.training.config:CollectConfig",
     "train": "cllm.training.config:TrainConfig",
-    "distill": "cllm.training.distill:DistillConfig",  # imports torch: DistillConfig is yet to move
+    "distill": "cllm.training.distill_config:DistillConfig",
     "drafts": "cllm.training.config:DraftsConfig",
     "medusa": "cllm.training.medusa.config:MedusaConfig",
     "eagle": "cllm.training.eagle.config:EagleConfig",

@@ -362,8 +362,8 @@ def _qwen2_folder_with_gpt2_split(directory):
     return directory
 
 
-TEXTS_TO_SPLIT = ["x = 12345 + 2024", "total = 99 * 2024\n", "  def f(a, b):\n\treturn a+b  ", "caf\u0065\u0301 \u00e9 \u2126",
-                  "<|endoftext|>x = 1<|endoftext|>"]
+TEXTS_TO_SPLIT = ["x = 12345 + 2024", "total = 99 * 2024\n", "  def f(a, b):\n\treturn a+b  ",
+                  "caf\u0065\u0301 \u00e9 \u2126", "<|endoftext|>x = 1<|endoftext|>"]
 
 
 def test_the_tokenizer_encodes_as_the_folders_tokenizer_json_and_its_save_is_the_same_tokenizer(tmp_path):

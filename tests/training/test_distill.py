@@ -13,7 +13,8 @@ from cllm.core.errors import UserError
 from cllm.decoding.draft_table import DraftTable
 from cllm.models import DRAFT_TABLE, fingerprint
 from cllm.training.cards import evaluation_table
-from cllm.training.distill import DISTILL_RECIPE, DistillConfig, distill, plan_evaluation, repetition_warning
+from cllm.training.distill import distill, plan_evaluation, repetition_warning
+from cllm.training.distill_config import DISTILL_RECIPE, DistillConfig
 from tests.training.test_train import BLOCK, NEW, make_tokenizer, pretrain_target, write_prompts
 
 

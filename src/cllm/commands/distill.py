@@ -14,7 +14,8 @@ from cllm.core.progress import echo_log, is_main_process
 from cllm.data.trajectories import list_shards
 from cllm.evaluation.gates import gates_verdict, measures_line
 from cllm.training.cards import evaluation_table
-from cllm.training.distill import DistillConfig, DistillSummary, distill, repetition_warning
+from cllm.training.distill import DistillSummary, distill, repetition_warning
+from cllm.training.distill_config import DistillConfig
 
 Config = DistillConfig
 

@@ -6,7 +6,7 @@ default, help text and check declared here once) and `TrainConfig`, the recipe p
 
 A nested dataclass's fields are flags of the command that holds it (`cllm.core.config`), and
 `config_to_dict` flattens them, so train_config.json and the checkpoints stay flat. `cllm
-distill`'s own defaults are one recipe value, `cllm.training.distill.DISTILL_RECIPE`.
+distill`'s own defaults are one recipe value, `cllm.training.distill_config.DISTILL_RECIPE`.
 """
 
 from __future__ import annotations
