@@ -1,12 +1,15 @@
 """The maintainer scripts in `scripts/`, run as a user runs them (a subprocess, PYTHONPATH=src):
 each answers `--help`, and a tiny run on random models saved in tmp_path writes what it says.
-`gpu_profile.sh` runs with a stand-in Python that records its `cllm` commands, which must parse.
+`gpu_profile.sh` runs with a stand-in Python that records its `cllm` commands, which must parse;
+`gpu_scale_study.sh` runs for real at its CPU size (SIZE=tiny), and `scale_table.py`'s table is
+checked on synthetic runs.
 
 No timing is checked: the scripts' numbers are measurements, their shape is the contract.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -27,7 +30,7 @@ from tests.tiny import CODE_TEXTS
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "llamacpp_speed.py", "load_test.py",
-                  "soak.py"]
+                  "scale_table.py", "soak.py"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ["def f(x):", "class A:", "import re"]
@@ -61,7 +64,8 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_every_script_is_one_this_file_tests():
-    assert sorted(p.name for p in SCRIPTS.iterdir() if p.is_file()) == sorted([*PYTHON_SCRIPTS, "gpu_profile.sh"])
+    assert sorted(p.name for p in SCRIPTS.iterdir() if p.is_file()) == sorted([*PYTHON_SCRIPTS, "gpu_profile.sh",
+                                                                              "gpu_scale_study.sh"])
 
 
 @pytest.mark.parametrize("script", PYTHON_SCRIPTS)
@@ -215,3 +219,108 @@ def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
         args, extras = build_parser(argv[0]).parse_known_args(argv)
         assert extras == []
         build_config(command_module(argv[0]).Config, None, vars(args))
+
+
+# ---------------------------------------------------------------------------------- the size study
+
+
+def load_scale_table():
+    spec = importlib.util.spec_from_file_location("scale_table", SCRIPTS / "scale_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_run(folder: Path, *, parameters: int, target_tpf: dict, cllm_tpf: dict,
+                  cllm_not_looping: dict) -> Path:
+    """A size's files with the keys `cllm pretrain` and `cllm distill` write, numbers made up."""
+    pre, dist = folder / "pretrain", folder / "distill"
+    (dist / "model").mkdir(parents=True)
+    pre.mkdir(parents=True)
+    corpus = {"source": "python-stdlib", "python": "3.12.3", "split": "train", "files": 600, "chars": 9_000_000,
+              "sha256": "ab" * 32}
+    (pre / "pretrain_summary.json").write_text(json.dumps({
+        "corpus": {"train": corpus, "validation": {**corpus, "split": "validation"}}, "parameters": parameters,
+        "steps": 1200, "tokens_seen": 19_660_800, "train_tokens": 2_457_600, "train_time_s": 90.0,
+        "final_train_loss": 2.5, "final_val_loss": 3.2}))
+    (pre / "pretrain_config.json").write_text(json.dumps({
+        "layers": 8, "width": 512, "heads": 8, "mlp_width": 1408, "context": 512, "vocab_size": 8192,
+        "batch_size": 32, "lr": 1e-3, "bf16": True}))
+    (pre / "pretrain_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "loss": 9.0}, {"step": 200, "loss": 4.0, "val_loss": 3.4}, {"step": 1200, "loss": 2.5,
+                                                                                "val_loss": 3.2}]))
+    per_model = {m: {"prompts": 32, "degenerate_rate": d, "looping_rate": lp, "target_nll": 0.6,
+                     "tpf": tpf, "tpf_not_looping": nl}
+                 for m, d, lp, tpf, nl in [("target", 0.0, 0.25, target_tpf, target_tpf),
+                                           ("cllm", 0.03125, 0.5, cllm_tpf, cllm_not_looping)]}
+    (dist / "evaluation.json").write_text(json.dumps({
+        "settings": {"prompts": "stdlib-val", "count": 32, "block_sizes": [16, 32], "max_new_tokens": 64, "seed": 0},
+        "prompts_evaluated": 32, "tokens_per_forward": {m: q["tpf"] for m, q in per_model.items()},
+        "cllm_jacobi_equals_greedy": {"16": 1.0, "32": 1.0}, "ar_loss": {"target": 3.1, "cllm": 3.15},
+        "greedy_agreement": 0.1, "token_agreement": 0.3,
+        "degenerate": {m: q["degenerate_rate"] for m, q in per_model.items()},
+        "looping": {m: q["looping_rate"] for m, q in per_model.items()},
+        "quality": {"settings": {}, "sets": {"stdlib-val": per_model}, "val_loss": {}}, "gates": []}))
+    (dist / "model" / "train_summary.json").write_text(json.dumps({
+        "summary": {"steps": 100, "records": 1600, "train_time_s": 80.0}}))
+    return folder
+
+
+def test_scale_table_gives_one_row_per_size_target_against_cllm(tmp_path):
+    scale_table = load_scale_table()
+    big = synthetic_run(tmp_path / "120m", parameters=124_344_192, target_tpf={"16": 1.05, "32": 1.06},
+                        cllm_tpf={"16": 1.30, "32": 1.31}, cllm_not_looping={"16": None, "32": 1.25})
+    small = synthetic_run(tmp_path / "30m", parameters=29_893_120, target_tpf={"16": 1.04, "32": 1.05},
+                          cllm_tpf={"16": 1.20, "32": 1.22}, cllm_not_looping={"16": 1.18, "32": 1.19})
+    rows = [scale_table.read_run("120m", big), scale_table.read_run("30m", small)]
+    table = scale_table.build_table(rows, {"python": "3.12.3", "torch": "2.11.0", "nvidia_smi": "NVIDIA H100"},
+                                    stage_seconds={"corpus": 20})
+    assert [r["size"] for r in table["rows"]] == ["30m", "120m"]  # ordered by parameters
+    row = table["rows"][0]
+    assert row["gain"]["tokens_per_forward"]["16"] == pytest.approx(0.16)
+    assert row["gain"]["tokens_per_forward_not_looping"]["32"] == pytest.approx(0.14)
+    assert table["rows"][1]["gain"]["tokens_per_forward_not_looping"]["16"] is None  # every CLLM text looped
+    assert row["pretrain"]["epochs"] == 8.0 and row["pretrain"]["best_val_loss"] == 3.2
+    assert row["cllm"]["looping"] == 0.5 and row["target"]["val_loss"] == 3.1
+    text = scale_table.markdown(table)
+    assert "NVIDIA H100" in text and "Python 3.12.3 standard library" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in lines] == ["| size", "| 30m", "| 120m"]
+    assert "| 1.04 / 1.20 | 1.05 / 1.22 | +0.16 / +0.14 |" in lines[1]
+    assert "| 25% / 50% | 0% / 3% | 3.100 / 3.150 |" in lines[1]
+    assert "| +0.25 / - |" in lines[2]
+
+    # the command line writes both files; --merge joins tables of separate runs
+    done = run(sys.executable, SCRIPTS / "scale_table.py", "--run", f"30m={small}", "--out", tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    done = run(sys.executable, SCRIPTS / "scale_table.py", "--run", f"120m={big}", "--out", tmp_path / "b")
+    assert done.returncode == 0, done.stderr
+    done = run(sys.executable, SCRIPTS / "scale_table.py", "--merge", tmp_path / "b" / "scale_table.json",
+               tmp_path / "a" / "scale_table.json", "--out", tmp_path / "both")
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((tmp_path / "both" / "scale_table.json").read_text())
+    assert [r["size"] for r in merged["rows"]] == ["30m", "120m"]
+    assert (tmp_path / "both" / "scale_table.md").read_text() == done.stdout.rsplit("-> ", 1)[0]
+
+
+@pytest.mark.slow
+def test_gpu_scale_study_at_its_cpu_size_writes_one_row_per_size(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = run("bash", SCRIPTS / "gpu_scale_study.sh", timeout=900,
+               env={**ENV, "SIZE": "tiny", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:]
+    table = json.loads((out / "scale_table.json").read_text())
+    assert [r["size"] for r in table["rows"]] == ["tiny-a", "tiny-b"]
+    for row in table["rows"]:
+        assert row["parameters"] > 0 and row["block_sizes"] == ["16", "32"]
+        for model in ("target", "cllm"):
+            measures = row[model]
+            assert all(measures["tokens_per_forward"][n] >= 1 for n in ("16", "32"))
+            assert 0 <= measures["looping"] <= 1 and 0 <= measures["degenerate"] <= 1
+            assert measures["val_loss"] > 0
+        assert (out / f"evaluation-{row['size']}.json").is_file()
+    md = (out / "scale_table.md").read_text()
+    assert [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ")] == [
+        "| size", "| tiny-a", "| tiny-b"]
+    assert "Machine: " in md and set(table["stage_seconds"]) >= {"corpus", "tiny-a/pretrain", "tiny-b/distill"}
+    assert "size study done" in (out / "study.log").read_text()
