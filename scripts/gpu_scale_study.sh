@@ -3,8 +3,7 @@
 # (+0.08 / +0.11 / +0.18 tokens per forward at 1.9M / 5.3M / 17.3M on the CPU,
 # benchmarks/distill_ablations.md.) For each size:
 #   1. `cllm pretrain` a Llama target on the stdlib corpus of this machine's own Python (bf16
-#      autocast, the model on $DEVICE: `cllm pretrain` has no device flag, so it runs through a
-#      few lines below that move the model and each step's windows there);
+#      autocast, on $DEVICE: `cllm pretrain --device`);
 #   2. `cllm distill` with the shipped recipe (distill's defaults) on it: fewer prompts and steps
 #      than the shipped run, no draft table (it plays no part in tokens per forward);
 # then scripts/scale_table.py writes one table, target against CLLM at every size, to
@@ -65,26 +64,6 @@ stage() {  # stage NAME COMMAND...: run it; its wall seconds go to $work/stage_s
   log "== $name done in $((SECONDS - t0)) s"
 }
 
-# `cllm pretrain` with the model and each step's windows on DEVICE (it keeps both on the CPU);
-# its validation loss already follows the model's device.
-pretrain_on_device() {
-  "$py" - "$DEVICE" "$@" <<'PY'
-import importlib
-import sys
-
-import torch
-
-from cllm.cli import main
-
-device = torch.device(sys.argv[1])
-loop = importlib.import_module("cllm.training.pretrain")
-build_model, window_loss = loop.build_model, loop.window_loss
-loop.build_model = lambda config, eot_id: build_model(config, eot_id).to(device)
-loop.window_loss = lambda model, windows, bf16=False: window_loss(model, windows.to(device), bf16)
-sys.exit(main(["pretrain", *sys.argv[2:]]))
-PY
-}
-
 specs=()  # the sizes to run: SIZES, or those of them ONLY names
 for spec in $SIZES; do
   if [[ -z "$ONLY" || " $ONLY " == *" ${spec%%:*} "* ]]; then
@@ -129,7 +108,7 @@ for spec in "${specs[@]}"; do
   dir="$work/$name"
   min_lr=$("$py" -c "print(float('$lr') / 10)")
   # 1. the target
-  stage "$name/pretrain" pretrain_on_device --out "$dir/pretrain" --vocab-size "$VOCAB" --width "$width" \
+  stage "$name/pretrain" "$py" -m cllm.cli pretrain --device "$DEVICE" --out "$dir/pretrain" --vocab-size "$VOCAB" --width "$width" \
     --layers "$layers" --heads "$heads" --context "$CONTEXT" --steps "$steps" --batch-size "$BATCH" --lr "$lr" \
     --min-lr "$min_lr" --bf16 "$BF16" --eval-interval 200 --eval-batches 8 --checkpoint-interval 400 \
     --threads "$THREADS" --tokenizer "$tokenizer_dir" ${MAX_FILES:+--max-files "$MAX_FILES"}

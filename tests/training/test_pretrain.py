@@ -158,3 +158,15 @@ def test_a_draft_model_reuses_the_targets_tokenizer(reference_run, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(draft).config.num_hidden_layers == 1
     with pytest.raises(UserError, match="320 tokens, not --vocab-size 400"):
         pretrain(tiny(tmp_path / "other", tokenizer=str(reference_run), vocab_size=400))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_device_this_machine_lacks_is_refused_in_one_line_before_anything_is_written(capsys, tmp_path):
+    from cllm.cli import main
+
+    out = tmp_path / "run"
+    assert main(["pretrain", "--device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--device cuda: torch sees no CUDA device here" in err and "\n" not in err
+    assert not out.exists()
+

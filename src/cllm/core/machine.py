@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
+from cllm.core.errors import UserError
+
 T = TypeVar("T")
 
 
@@ -99,3 +101,12 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         "load_average_1min": round(load, 2) if load is not None else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def resolve_device(name: str) -> torch.device:
+    """A `--device` value as a torch device: "auto" is CUDA when torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA device here")
+    return torch.device(name)

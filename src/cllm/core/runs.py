@@ -171,7 +171,7 @@ def train_steps(run: StepRun, log_path: Path, evaluate: Callable[[], dict], *, d
                 record["holdout"] = evaluate()
                 checkpoint()
             append_jsonl(log_path, record)
-            bar.set_postfix(**postfix(record))
+            bar.set_postfix(**postfix(record), refresh=False)
             bar.update(1)
             if interrupted["set"]:
                 checkpoint()

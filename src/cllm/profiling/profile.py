@@ -25,7 +25,7 @@ import torch
 
 from cllm.core.config import config_to_dict
 from cllm.core.errors import UserError, first_line
-from cllm.core.machine import machine_info
+from cllm.core.machine import machine_info, resolve_device
 from cllm.core.outputs import check_folder, claim_folder
 from cllm.decoding import RECOMMENDED
 from cllm.profiling.config import ProfileConfig, parse_tpf  # noqa: F401 (re-exported)
@@ -35,7 +35,6 @@ from cllm.profiling.steptime import (
     forward_ms,
     parameter_count,
     random_model,
-    resolve_device,
     shape_config,
     summary,
     time_decodes,

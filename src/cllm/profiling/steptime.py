@@ -99,14 +99,6 @@ def random_model(config, dtype: torch.dtype, device: torch.device, *, seed: int 
     return model.eval()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: torch sees no CUDA device here")
-    return torch.device(name)
-
-
 def default_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is not None:
         return resolve_dtype(dtype)

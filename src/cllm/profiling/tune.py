@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cllm.core.errors import UserError
-from cllm.core.machine import machine_info
+from cllm.core.machine import machine_info, resolve_device
 from cllm.core.outputs import Input, check_new_file, replacing, write_failures
 from cllm.models import DECODE_DEFAULTS, DECODE_DEFAULTS_LLAMACPP, load_for_decoding, load_model, resolve_model_path
 from cllm.profiling.config import TuneConfig
@@ -29,7 +29,7 @@ from cllm.profiling.costs import (
     Defaults,
     choose_defaults,
 )
-from cllm.profiling.steptime import resolve_device, time_steps, write_json
+from cllm.profiling.steptime import time_steps, write_json
 from cllm.runtime import position_limit
 
 log = logging.getLogger(__name__)

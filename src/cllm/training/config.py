@@ -301,6 +301,8 @@ class PretrainConfig:
         "end, and on Ctrl-C)"})
     seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "where the model trains: auto is "
+        "cuda when torch sees a GPU, else the CPU"})
     resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
         "starts over"})
     max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "

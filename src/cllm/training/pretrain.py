@@ -32,6 +32,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForC
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
+from cllm.core.machine import resolve_device
 from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
 from cllm.core.progress import progress_bar
 from cllm.core.runs import append_jsonl, check_same_run, load_checkpoint, save_checkpoint, sigint_flag, truncate_log
@@ -60,7 +61,7 @@ LOG = "pretrain_log.jsonl"
 SUMMARY = "pretrain_summary.json"
 CONFIG = "pretrain_config.json"
 # Fields that may change between a run and its resumption without changing the result.
-_RESUME_FREE = {"resume", "threads", "eval_interval", "eval_batches", "checkpoint_interval"}
+_RESUME_FREE = {"resume", "threads", "device", "eval_interval", "eval_batches", "checkpoint_interval"}
 
 
 
@@ -118,7 +119,7 @@ def build_optimizer(model, config: PretrainConfig):
 
 
 def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: PretrainConfig) -> float:
-    loss = window_loss(model, windows, config.bf16)
+    loss = window_loss(model, windows.to(model.device), config.bf16)
     loss.backward()
     if config.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -185,6 +186,7 @@ def pretrain(config: PretrainConfig) -> Path:
 def _open_run(config: PretrainConfig) -> _Run:
     """The checkpoint to resume (checked against the config), or a clean start; then the data."""
     out = check_folder(config.out, "pretrain")
+    resolve_device(config.device)  # a --device this machine lacks is refused before anything is written
     ckpt_path, log_path = out / CHECKPOINT, out / LOG
     torch.set_num_threads(config.threads)
     saved = None
@@ -224,7 +226,7 @@ def _build(run: _Run) -> None:
     """The model, AdamW and its schedule, the window sampler: fresh, or restored from the
     checkpoint being resumed (the torch RNG too); then the fixed validation windows."""
     config = run.config
-    run.model = build_model(config, run.tokenizer.convert_tokens_to_ids(EOT))
+    run.model = build_model(config, run.tokenizer.convert_tokens_to_ids(EOT)).to(resolve_device(config.device))
     run.optimizer, run.scheduler = build_optimizer(run.model, config)
     run.generator = torch.Generator().manual_seed(config.seed)
     if run.saved is not None:
@@ -267,7 +269,7 @@ def _loop(run: _Run) -> None:
             append_jsonl(run.log_path, record)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}" if run.val_loss else "-",
-                            tok_s=f"{tokens_per_step / dt:.0f}")
+                            tok_s=f"{tokens_per_step / dt:.0f}", refresh=False)
             if run.step % config.checkpoint_interval == 0 or run.step == config.steps or interrupted["set"]:
                 save_checkpoint(run.ckpt_path, run.snapshot())
             if interrupted["set"] and run.step < config.steps:
