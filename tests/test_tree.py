@@ -40,7 +40,7 @@ CACHE_CLASSES = {"DynamicCache", "Cache", "LeanKV", "CacheStorage", "Batch"}
 LAZY_OK = {"matplotlib", "peft", "vllm", "llama_cpp", "gguf", "deepspeed", "arctic_inference"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 600, 80, 10
 # tests of the command line and of repository files rather than of one package: they sit at the top of tests/
-TOP_LEVEL_TESTS = {"tree", "cli", "benchmarks", "install", "scripts", "method_doc"}
+TOP_LEVEL_TESTS = {"tree", "cli", "benchmarks", "install", "scripts", "method_doc", "readme"}
 
 
 @cache
