@@ -661,3 +661,15 @@ def test_inputs_are_checked_before_the_model_is_built(world, tmp_path, monkeypat
     with pytest.raises(UserError, match=message):
         train(config(world, tmp_path / "out", **overrides))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_summary_says_why_the_ar_validation_loss_is_blank():
+    from cllm.training.train import TrainSummary
+
+    def summary(ar_loss):
+        return TrainSummary(out="runs/x", finished=True, steps=4, total_steps=4, records=8, train_time_s=3.0,
+                            final_loss=1.0, eval_before={"tokens_per_forward": 1.1, "ar_loss": ar_loss},
+                            eval_after={"tokens_per_forward": 1.3, "ar_loss": ar_loss}).lines()[-1]
+
+    assert summary(None).endswith("AR validation loss - (none of the held-out prompts has a `reference` to score)")
+    assert summary(2.5).endswith("AR validation loss 2.500 -> 2.500")

@@ -116,9 +116,10 @@ class TrainSummary:
         if self.selected_step is not None:
             lines.append(f"  exported the weights of step {self.selected_step} (--select gated)")
         if after:
+            loss = (f"{fmt(before.get('ar_loss'))} -> {fmt(after.get('ar_loss'))}" if after.get("ar_loss") is not None
+                    else "- (none of the held-out prompts has a `reference` to score)")
             lines.append(f"  Jacobi tokens per forward {fmt(before.get('tokens_per_forward'))} -> "
-                         f"{fmt(after.get('tokens_per_forward'))}, AR validation loss "
-                         f"{fmt(before.get('ar_loss'))} -> {fmt(after.get('ar_loss'))}")
+                         f"{fmt(after.get('tokens_per_forward'))}, AR validation loss {loss}")
         return lines
 
 
