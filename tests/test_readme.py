@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,6 +38,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cllm.cli import main
+from tests.serving.test_server import free_port, stop_server, wait_until_up
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "## Use it on your own model"
@@ -128,12 +128,6 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_once(argv: list[str], log_path: Path) -> int:
     """`cllm serve` as written but on a free port: up, one completion, stopped; returns 0."""
     port = free_port()
@@ -141,34 +135,20 @@ def serve_once(argv: list[str], log_path: Path) -> int:
     assert "--port" in argv, "the README's serve line names its port"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cllm.cli", *argv[1:]], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + WAIT
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"`{shlex.join(argv)}` did not come up:\n{log.read()}")
-                time.sleep(0.2)
-            name = httpx.get(f"{url}/v1/models", timeout=WAIT).json()["data"][0]["id"]
-            reply = httpx.post(f"{url}/v1/completions", timeout=WAIT,
-                               json={"model": name, "prompt": HELDOUT[0], "max_tokens": 16})
-            assert reply.status_code == 200, reply.text
-            choice = reply.json()["choices"][0]
-            assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
-            return 0
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cllm.cli", *argv[1:]], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_until_up(url, proc, log, seconds=WAIT)
+        name = httpx.get(f"{url}/v1/models", timeout=WAIT).json()["data"][0]["id"]
+        reply = httpx.post(f"{url}/v1/completions", timeout=WAIT,
+                           json={"model": name, "prompt": HELDOUT[0], "max_tokens": 16})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
+        return 0
+    finally:
+        stop_server(proc, log)
 
 
 # Where the README's comments say a command leaves what it makes (each `--out` is checked too):

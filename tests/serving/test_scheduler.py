@@ -133,6 +133,25 @@ def test_concurrent_jobs_share_the_batch_and_each_gets_its_greedy_text(model, or
     scheduler.stop()
 
 
+
+def test_counters_that_fail_to_be_handed_on_fail_no_request(model, oracle):
+    """`on_step` (the server's metrics) raising after a step: the jobs still get their greedy text."""
+    calls = []
+
+    def broken(method, rows, stats):
+        calls.append(method)
+        raise RuntimeError("a metrics bug")
+
+    scheduler = Scheduler(model, TextCodec(oracle.tokenizer), on_step=broken)
+    try:
+        jobs = [job(oracle.ids(p), 16) for p in PROMPTS[:2]]
+        submit_together(scheduler, jobs)
+        for p, (_, events) in zip(PROMPTS[:2], jobs, strict=True):
+            assert events.wait().result.text == oracle.text(p, max_new_tokens=16)
+        assert calls
+    finally:
+        scheduler.stop()
+
 def test_seeded_sampled_jobs_draw_what_they_draw_alone_whatever_runs_beside_them(model, oracle):
     scheduler = Scheduler(model, TextCodec(oracle.tokenizer))
     sampled = dict(temperature=0.9, top_p=0.95)

@@ -278,7 +278,10 @@ class Scheduler:
         decoder runs for good)."""
         stats = group.decoder.take_stats()
         if self.on_step is not None:
-            self.on_step(group.method, rows, stats)
+            try:
+                self.on_step(group.method, rows, stats)
+            except Exception:  # noqa: BLE001 - counting what was served never fails what is served
+                log.exception("the step's counters could not be handed on")
 
     def _drop_gone(self, group: _Group) -> None:
         """Cancelled and timed-out rows leave before the forward they would waste."""
