@@ -6,16 +6,22 @@ Every subcommand is described by one dataclass whose fields carry their defaults
 dataclass into argparse flags (``max_new_tokens`` -> ``--max-new-tokens``), merges a
 ``--config FILE`` (JSON or YAML) under the command-line flags, and writes the resolved config
 as JSON. It knows nothing about any particular command.
+
+Configs may share options through dataclass inheritance: an option is declared once, in the
+class whose `SECTION` (a `Section`) titles where `--help` lists it, and a command that wants
+another default for an inherited option says so with `retune`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import inspect
 import json
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,43 +89,139 @@ def _nested(cls: type) -> dict[str, type]:
             if f.init and dataclasses.is_dataclass(hints[f.name])}
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, defaults: Any = None) -> None:
-    """Add one optional flag per dataclass field (a nested dataclass field adds its fields'
-    flags). Defaults stay None so that a config file can fill what the command line leaves
-    unset; the dataclass supplies the real defaults. `defaults`: an instance whose values the
-    help shows (a nested field's default)."""
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A titled block of `--help`: a config class's `SECTION` places the options it declares
+    there (a field's metadata "section" places that one option elsewhere). Sections print by
+    `order`, lowest first; options of no section print first, beside --help."""
+
+    title: str
+    order: int
+
+
+def retune(**defaults: Any) -> Callable[[type], type]:
+    """Class decorator, beneath `@dataclass`: new defaults for options the class inherits.
+
+    An option keeps its type, help, aliases and section from the one class that declares it;
+    only its default changes here (a list, dict or dataclass default is copied per instance).
+    A name the class does not inherit, or declares itself, is a TypeError. The retuned names are
+    kept in the class's `__retuned__`, so that `declared_fields` leaves them to their declarer.
+    """
+
+    def apply(cls: type) -> type:
+        inherited: dict[str, tuple[dataclasses.Field, Any]] = {}
+        for base in reversed(cls.__mro__[1:]):  # the nearest declaration wins, as in dataclasses
+            if dataclasses.is_dataclass(base):
+                hints = typing.get_type_hints(base)
+                inherited.update({f.name: (f, hints[f.name]) for f in dataclasses.fields(base)})
+        annotations = dict(inspect.get_annotations(cls))
+        for name, value in defaults.items():
+            if name in annotations:
+                raise TypeError(f"retune({name}=...): {cls.__name__} declares {name!r} itself: default it there")
+            if name not in inherited:
+                raise TypeError(f"retune({name}=...): {cls.__name__} does not inherit an option {name!r}")
+            f, tp = inherited[name]
+            per_instance = type(value).__hash__ is None  # what dataclasses refuse as a shared default
+            setattr(cls, name, dataclasses.field(
+                default=dataclasses.MISSING if per_instance else value,
+                default_factory=(lambda v=value: copy.deepcopy(v)) if per_instance else dataclasses.MISSING,
+                init=f.init, repr=f.repr, hash=f.hash, compare=f.compare, metadata=f.metadata, kw_only=f.kw_only))
+            annotations[name] = tp  # the resolved type: `cls`'s module need not know its names
+        cls.__annotations__ = annotations
+        cls.__retuned__ = frozenset(defaults)
+        return cls
+
+    return apply
+
+
+def declared_fields(cls: type) -> set[str]:
+    """The fields `cls` declares itself: its own annotations, less class variables and the
+    options it only retunes (`retune`)."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    names = {f.name for f in dataclasses.fields(cls)}
+    return (set(inspect.get_annotations(cls)) & names) - set(vars(cls).get("__retuned__", ()))
+
+
+def _declaring_classes(cls: type) -> list[type]:
+    """`cls` and its bases in reading order: each class's bases as listed (recursively), then
+    the class itself. --help lists a section's options in this order."""
+    order: list[type] = []
+
+    def visit(klass: type) -> None:
+        for base in klass.__bases__:
+            visit(base)
+        if klass not in order:
+            order.append(klass)
+
+    visit(cls)
+    return order
+
+
+def _option_rows(cls: type, defaults: Any, outer: Section | None) -> list[tuple]:
+    """(section, field, type, default shown) of each flag of `cls`, in reading order; a nested
+    dataclass field (see `_nested`) gives its fields' rows where it stands, in their own
+    sections (default: the section of the field holding them)."""
     hints = typing.get_type_hints(cls)
     nested = _nested(cls)
-    for f in dataclasses.fields(cls):
+    classes = _declaring_classes(cls)
+    declarer = {name: klass for klass in classes for name in declared_fields(klass)}  # the nearest wins
+    position = {f.name: i for i, f in enumerate(dataclasses.fields(cls))}
+    rows: list[tuple] = []
+    for f in sorted(dataclasses.fields(cls), key=lambda f: (classes.index(declarer.get(f.name, cls)),
+                                                            position[f.name])):
         if not f.init or f.metadata.get("cli") is False:
             continue
+        section = f.metadata.get("section") or vars(declarer.get(f.name, cls)).get("SECTION") or outer
         if f.name in nested:
-            add_dataclass_arguments(parser, nested[f.name], _default(f))
+            rows += _option_rows(nested[f.name], _default(f), section)
             continue
-        tp, _ = _unwrap_optional(hints[f.name])
-        help_text = f.metadata.get("help", "")
-        default = getattr(defaults, f.name) if defaults is not None else _default(f)
-        if "(default" not in help_text:  # a help text that explains its default says it once
-            help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
-        # argparse formats help with %: a literal "3%" would break `--help`
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text.replace("%", "%%")}
-        if typing.get_origin(tp) is typing.Literal:
-            choices = typing.get_args(tp)
-            kwargs.update(type=type(choices[0]), choices=choices)
-        elif tp is bool:
-            kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
-        elif typing.get_origin(tp) in (list, tuple):
-            inner = typing.get_args(tp)[0] if typing.get_args(tp) else str
-            kwargs.update(type=_list_parser(inner), metavar="A,B,...")
-        elif tp in (int, float, str):
-            kwargs.update(type=tp)
+        rows.append((section, f, hints[f.name], getattr(defaults, f.name) if defaults is not None else _default(f)))
+    return rows
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, defaults: Any = None) -> None:
+    """Add one optional flag per dataclass field (a nested dataclass field adds its fields'
+    flags), in an argument group per `Section` (see the module notes). Defaults stay
+    None so that a config file can fill what the command line leaves unset; the dataclass
+    supplies the real defaults. `defaults`: an instance whose values the help shows."""
+    rows = _option_rows(cls, defaults, None)
+    groups: dict[Section, Any] = {}
+    for section, f, tp, default in sorted(rows, key=lambda row: row[0].order if row[0] else float("-inf")):
+        if section is None:
+            container = parser
         else:
-            kwargs.update(type=str)
-        short = [f.metadata["short"]] if "short" in f.metadata else []  # e.g. -v beside --verbose
-        old = [_flag(a) for a in f.metadata.get("aliases", ())]  # a renamed option's old names still work
-        if old:
-            kwargs["help"] += f" ({', '.join(old)}: its old name, deprecated)"
-        parser.add_argument(*short, _flag(f.name), *old, **kwargs)
+            if section not in groups:
+                groups[section] = parser.add_argument_group(section.title)
+            container = groups[section]
+        _add_flag(container, f, tp, default)
+
+
+def _add_flag(container: Any, f: dataclasses.Field, tp: Any, default: Any) -> None:
+    """The flag of field `f` (`--max-new-tokens`, its short and old names too), typed from `tp`."""
+    tp, _ = _unwrap_optional(tp)
+    help_text = f.metadata.get("help", "")
+    if "(default" not in help_text:  # a help text that explains its default says it once
+        help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
+    # argparse formats help with %: a literal "3%" would break `--help`
+    kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text.replace("%", "%%")}
+    if typing.get_origin(tp) is typing.Literal:
+        choices = typing.get_args(tp)
+        kwargs.update(type=type(choices[0]), choices=choices)
+    elif tp is bool:
+        kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
+    elif typing.get_origin(tp) in (list, tuple):
+        inner = typing.get_args(tp)[0] if typing.get_args(tp) else str
+        kwargs.update(type=_list_parser(inner), metavar="A,B,...")
+    elif tp in (int, float, str):
+        kwargs.update(type=tp)
+    else:
+        kwargs.update(type=str)
+    short = [f.metadata["short"]] if "short" in f.metadata else []  # e.g. -v beside --verbose
+    old = [_flag(a) for a in f.metadata.get("aliases", ())]  # a renamed option's old names still work
+    if old:
+        kwargs["help"] += f" ({', '.join(old)}: its old name, deprecated)"
+    container.add_argument(*short, _flag(f.name), *old, **kwargs)
 
 
 def field_aliases(cls: type) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""What `cllm train` and `cllm distill` are told: the training `Recipe` both share (every field,
-default, help text and check declared here once) and `TrainConfig`, the recipe plus what only
+"""What `cllm train` and `cllm distill` are told: the training `Recipe` both share (each field,
+default, help text and check declared once) and `TrainConfig`, the recipe plus what only
 `cllm train` asks for (its data, the frozen teacher, LoRA's shape, resuming); and the settings of
 `cllm pretrain`, `cllm collect` and `cllm drafts` (`PretrainConfig`, `CollectConfig`,
 `DraftsConfig`). No torch here: a command's `--help` reads its config before anything heavy loads.
@@ -7,6 +7,8 @@ default, help text and check declared here once) and `TrainConfig`, the recipe p
 A nested dataclass's fields are flags of the command that holds it (`cllm.core.config`), and
 `config_to_dict` flattens them, so train_config.json and the checkpoints stay flat. `cllm
 distill`'s own defaults are one recipe value, `cllm.training.distill_config.DISTILL_RECIPE`.
+Options that other commands take too (lr, seed, out, ...) are declared in `cllm.training.options`
+and inherited; `retune` gives a command its own default for one.
 """
 
 from __future__ import annotations
@@ -15,14 +17,46 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from cllm.core.config import is_off
+from cllm.core.config import Section, is_off, retune
 from cllm.core.errors import UserError
 from cllm.data.prompts import NAMED_SETS
 from cllm.modeling.names import Distance
-from cllm.models.names import SHIPPED, check_dtype
+from cllm.models.names import SHIPPED
 from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
+from cllm.training.options import (
+    COLLECTION,
+    DRAFT_TABLE,
+    EVALUATION,
+    LORA,
+    MACHINE,
+    MODEL_DATA,
+    MODEL_SHAPE,
+    RECIPE,
+    RUN,
+    TRAINING,
+    Checkpoints,
+    Collection,
+    Decay,
+    DecodeBatch,
+    Dtype,
+    EvalCount,
+    EvalInterval,
+    EvalLength,
+    Force,
+    GradClip,
+    Guess,  # noqa: F401 (re-exported: cllm.training.collect)
+    Machine,
+    Model,
+    Options,
+    PromptSet,
+    Resume,
+    RunFolder,
+    Seed,
+    TextField,
+    Training,
+)
 
 Consistency = Literal["gc", "lc", "gc+lc"]
 ArTarget = Literal["auto", "labels", "fixed_points", "both"]
@@ -45,9 +79,11 @@ def _check_positive(config, names: list[str]) -> None:
 
 
 @dataclass
-class Recipe:
+class Recipe(Training, Seed, Checkpoints, EvalInterval, EvalLength):
     """How a CLLM is trained: the losses and their weights, the states and rows they count on,
     the optimizer, the training length and the held-out evaluation along the way."""
+
+    SECTION: ClassVar[Section] = RECIPE
 
     consistency: Consistency = field(default="gc", metadata={"help": "consistency loss: global (GC, the reference), "
         "local (LC), or both"})
@@ -81,23 +117,19 @@ class Recipe:
     rollout_policy: Literal["model", "teacher"] = field(default="model", metadata={"help": "who writes the rollouts: "
         "the model being trained (on-policy, GKD) or the frozen teacher (its own continuations, e.g. sampled at a low "
         "temperature as Medusa-2's self-distillation data)"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW); the reference used 2e-5 on 7B "
-        "models"})
-    warmup_ratio: float = field(default=0.03, metadata={"help": "linear warm-up over this fraction of the steps, then "
-        "cosine decay to 0"})
-    epochs: int | None = field(default=None, metadata={"help": "passes over the records; give this or --max-steps, "
-        "not both (default: 1 without --max-steps)"})
-    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps, in place of --epochs (default: "
-        "none: the epochs decide)"})
-    batch_size: int = field(default=16, metadata={"help": "records (--layout packed: prompts) per optimizer step, all "
-        "processes together"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "records (--layout packed: prompts) per "
-        "forward (gradient accumulation); default batch-size / processes"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "bfloat16: the forwards in bf16 "
-        "(autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed their bf16 mixed "
-        "precision (DeepSpeed: bf16 weights beside float32 master weights)"})
-    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights; merged "
-        "into the saved checkpoint"})
+    warmup_ratio: float = field(default=0.03, metadata={"section": TRAINING, "help": "linear warm-up over this "
+        "fraction of the steps, then cosine decay to 0"})
+    epochs: int | None = field(default=None, metadata={"section": TRAINING, "help": "passes over the records; give "
+        "this or --max-steps, not both (default: 1 without --max-steps)"})
+    max_steps: int | None = field(default=None, metadata={"section": TRAINING, "help": "optimizer steps, in place of "
+        "--epochs (default: none: the epochs decide)"})
+    micro_batch_size: int | None = field(default=None, metadata={"section": TRAINING, "help": "records (--layout "
+        "packed: prompts) per forward (gradient accumulation); default batch-size / processes"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"section": MACHINE, "help": "bfloat16: "
+        "the forwards in bf16 (autocast; weights, optimizer and checkpoint stay float32); under FSDP and DeepSpeed "
+        "their bf16 mixed precision (DeepSpeed: bf16 weights beside float32 master weights)"})
+    lora: bool = field(default=False, metadata={"section": LORA, "help": "train a LoRA adapter (peft) instead of all "
+        "weights; merged into the saved checkpoint"})
     gc_window: int | None = field(default=None, metadata={"help": "GC counts only this many positions after the first "
         "wrong one (default: all, the reference)"})
     state_schedule: Literal["uniform", "progressive"] = field(default="uniform", metadata={"help": "which states of a "
@@ -118,27 +150,21 @@ class Recipe:
         "prompts, so --batch-size and --micro-batch-size count prompts"})
     states_per_record: int = field(default=1, metadata={"help": "distinct states sampled per record and step; they "
         "share one forward of the record's prefix, so k states cost far less than k records"})
-    seed: int = field(default=0, metadata={"help": "seed of data order, state sampling, dropout, LoRA init (distill: "
-        "and of the collection's guesses)"})
-    eval_prompts: str | None = field(default=None, metadata={"help": "held-out prompt set (name or JSONL/Parquet "
-        "file) to evaluate on (default: stdlib-val when the model is a shipped one or the prompts a named set; else "
-        "train evaluates on none and distill on the last --eval-count of --prompts, held out of collection)"})
-    eval_max_new_tokens: int = field(default=64, metadata={"help": "new tokens per prompt in the evaluation; also caps "
-        "the reference tokens of the AR validation loss"})
-    eval_batch_size: int = field(default=8, metadata={"help": "prompts per batch in the evaluation"})
-    eval_interval: int = field(default=100, metadata={"help": "evaluate every N steps (also before the first and after "
-        "the last)"})
-    select: Literal["last", "gated"] = field(default="last", metadata={"help": "which weights training ends with: the "
-        "last step's, or (gated) those of the evaluation with the most Jacobi tokens per forward over non-looping "
-        "completions among those whose greedy completions loop at most 5 points more often than the target's and "
-        "degenerate at most 3% of the time (the last step's when none passes)"})
-    checkpoint_interval: int = field(default=100, metadata={"help": "save the trainer state every N steps (also at the "
-        "end and on Ctrl-C)"})
+    eval_prompts: str | None = field(default=None, metadata={"section": EVALUATION, "help": "held-out prompt set "
+        "(name or JSONL/Parquet file) to evaluate on (default: stdlib-val when the model is a shipped one or the "
+        "prompts a named set; else train evaluates on none and distill on the last --eval-count of --prompts, held "
+        "out of collection)"})
+    eval_batch_size: int = field(default=8, metadata={"section": EVALUATION, "help": "prompts per batch in the "
+        "evaluation"})
+    select: Literal["last", "gated"] = field(default="last", metadata={"section": EVALUATION, "help": "which weights "
+        "training ends with: the last step's, or (gated) those of the evaluation with the most Jacobi tokens per "
+        "forward over non-looping completions among those whose greedy completions loop at most 5 points more often "
+        "than the target's and degenerate at most 3% of the time (the last step's when none passes)"})
 
     def __post_init__(self) -> None:
-        _check_positive(self, ["batch_size", "eval_max_new_tokens", "eval_batch_size", "states_per_record",
-                               "ar_text_windows", "ar_text_length", "rollout_tokens", "eval_interval",
-                               "checkpoint_interval"]
+        super().__post_init__()
+        _check_positive(self, ["eval_batch_size", "states_per_record", "ar_text_windows", "ar_text_length",
+                               "rollout_tokens"]
                         + [n for n in ("epochs", "max_steps", "micro_batch_size", "gc_window")
                            if getattr(self, n) is not None])
         for name, allowed in _CHOICES.items():
@@ -150,15 +176,13 @@ class Recipe:
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise UserError(f"batch-size {self.batch_size} is not a multiple of micro-batch-size "
                             f"{self.micro_batch_size}")
-        for name in ("ar_weight", "kd_weight", "lr", "rollout_temperature"):
+        for name in ("ar_weight", "kd_weight", "rollout_temperature"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
-        if self.lr == 0:
-            raise UserError("lr must be positive")
         if not 0 <= self.label_smoothing < 1 or not 0 <= self.warmup_ratio < 1:
             raise UserError("label-smoothing and warmup-ratio must be in [0, 1)")
-        if self.seed < 0 or self.rollout_prompts < 0:
-            raise UserError("seed and rollout-prompts must be >= 0")
+        if self.rollout_prompts < 0:
+            raise UserError("rollout-prompts must be >= 0")
         if self.rollout_prompts and not self.kd_weight:
             raise UserError("--rollout-prompts needs --kd-weight > 0: the rollouts are scored by the teacher")
         if is_off(self.ar_text):
@@ -195,53 +219,46 @@ class Recipe:
 
 
 @dataclass
-class TrainConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "the target the trajectories were collected with "
-        "(shipped name, checkpoint dir or hub id); training starts from it"})
-    data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect`"})
-    out: str = field(default="runs/cllm", metadata={"help": "output directory (HF checkpoint, log, model card, "
-        "checkpoints/); rerun to resume"})
-    recipe: Recipe = field(default_factory=Recipe)  # its fields are flags of their own
+class WithRecipe(Options):
+    """A training `Recipe`, its fields flags of their own (train, distill)."""
+
+    recipe: Recipe = field(default_factory=Recipe)
+
+
+@dataclass
+@retune(out="runs/cllm")
+class TrainConfig(Model, RunFolder, Resume, WithRecipe, Decay, GradClip, EvalCount, TextField):
+    SECTION: ClassVar[Section] = MODEL_DATA
+    data: str = field(default="runs/trajectories", metadata={"help": "trajectory directory written by `cllm collect` "
+        "with --model (or --teacher); training starts from --model"})
     teacher: str | None = field(default=None, metadata={"help": "the frozen model of --kd-weight and "
         "--consistency-teacher target (default: --model; with LoRA and no --teacher, the model with its adapter "
         "disabled); trajectories collected with it are accepted too"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each layer's activations in "
-        "backward (transformers' gradient checkpointing): far less activation memory, about a third more compute, and "
-        "each state row then recomputes its record's prefix (no shared KV cache)"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
-    lora_targets: str = field(default="all-linear", metadata={"help": "LoRA target modules: all-linear or "
-        "comma-separated module names"})
-    augmented: bool = field(default=False, metadata={"help": "GC also samples the augmented states of the data (GC "
-        "only)"})
-    eval_count: int = field(default=16, metadata={"help": "evaluate on the first N held-out prompts (0: no "
-        "evaluation)"})
-    eval_block_size: int | None = field(default=None, metadata={"help": "Jacobi block size of the evaluation (default: "
-        "the data's)"})
-    stop_at_step: int | None = field(default=None, metadata={"help": "stop (with a checkpoint) once this step is "
-        "reached; rerun without it to continue"})
-    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
-        "starts over"})
-    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet eval "
-        "prompt file"})
+    stop_at_step: int | None = field(default=None, metadata={"section": RUN, "help": "stop (with a checkpoint) once "
+        "this step is reached; rerun without it to continue"})
+    eval_block_size: int | None = field(default=None, metadata={"section": EVALUATION, "help": "Jacobi block size of "
+        "the evaluation (default: the data's)"})
+    augmented: bool = field(default=False, metadata={"section": RECIPE, "help": "GC also samples the augmented states "
+        "of the data (GC only)"})
+    lora_r: int = field(default=16, metadata={"section": LORA, "help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"section": LORA, "help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"section": LORA, "help": "LoRA dropout"})
+    lora_targets: str = field(default="all-linear", metadata={"section": LORA, "help": "LoRA target modules: "
+        "all-linear or comma-separated module names"})
+    gradient_checkpointing: bool = field(default=False, metadata={"section": MACHINE, "help": "recompute each layer's "
+        "activations in backward (transformers' gradient checkpointing): far less activation memory, about a third "
+        "more compute, and each state row then recomputes its record's prefix (no shared KV cache)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_positive(self, ["lora_r", "lora_alpha"] + [n for n in ("eval_block_size", "stop_at_step")
                                                           if getattr(self, n) is not None])
-        for name in ("weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise UserError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.lora_dropout < 1:
             raise UserError("lora-dropout must be in [0, 1)")
         if self.augmented and self.recipe.consistency != "gc":
             raise UserError("augmented states break the adjacency LC needs: use --augmented only with --consistency gc")
-        if self.eval_count < 0:
-            raise UserError("eval-count must be >= 0")
-        if not self.out or not self.data:
-            raise UserError("data and out must name directories")
+        if not self.data:
+            raise UserError("data must name a directory")
 
 
 def one_length(values: dict) -> dict:
@@ -274,9 +291,9 @@ def default_eval_set(model: str, prompts: str | None) -> str | None:
 
 
 @dataclass
-class PretrainConfig:
-    out: str = field(default="runs/pretrain-stdlib-coder", metadata={"help": "output directory (model, tokenizer, "
-        "logs, checkpoints)"})
+@retune(out="runs/pretrain-stdlib-coder", lr=2e-3, batch_size=8, weight_decay=0.1, checkpoint_interval=200)
+class PretrainConfig(RunFolder, Resume, Seed, Checkpoints, Training, Decay, GradClip, EvalInterval):
+    SECTION: ClassVar[Section] = MODEL_SHAPE
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
     tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
         "training one (a draft model must share its target's; its size must equal --vocab-size)"})
@@ -286,34 +303,25 @@ class PretrainConfig:
     mlp_width: int | None = field(default=None, metadata={"help": "SwiGLU hidden size; default 8/3 * width rounded up "
         "to 64"})
     context: int = field(default=512, metadata={"help": "training window length in tokens (= max positions)"})
-    steps: int = field(default=3200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "windows per step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
-    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine decay"})
-    warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices (not norms)"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0: off)"})
-    bf16: bool = field(default=True, metadata={"help": "bfloat16 autocast for the forward pass (weights and optimizer "
-        "stay float32)"})
-    eval_interval: int = field(default=100, metadata={"help": "validation every N steps (and at the end)"})
-    eval_batches: int = field(default=8, metadata={"help": "validation batches of batch_size windows"})
-    checkpoint_interval: int = field(default=200, metadata={"help": "save the trainer state every N steps (and at the "
-        "end, and on Ctrl-C)"})
-    seed: int = field(default=0, metadata={"help": "seed for initialisation and data sampling"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"help": "where the model trains: auto is "
-        "cuda when torch sees a GPU, else the CPU"})
-    resume: bool = field(default=True, metadata={"help": "continue from OUT/checkpoints/last.pt if present; false "
-        "starts over"})
-    max_files: int | None = field(default=None, metadata={"help": "use only the first N files of each split (quick "
-        "tests)"})
-    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "dtype of the exported "
-        "weights"})
+    max_files: int | None = field(default=None, metadata={"section": MODEL_DATA, "help": "use only the first N files "
+        "of each split (quick tests)"})
+    save_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"section": RUN, "help": "dtype of "
+        "the exported weights"})
+    steps: int = field(default=3200, metadata={"section": TRAINING, "help": "optimizer steps"})
+    min_lr: float = field(default=2e-4, metadata={"section": TRAINING, "help": "learning rate at the end of the "
+        "cosine decay"})
+    warmup_steps: int = field(default=100, metadata={"section": TRAINING, "help": "linear warm-up steps"})
+    eval_batches: int = field(default=8, metadata={"section": EVALUATION, "help": "validation batches of batch_size "
+        "windows"})
+    bf16: bool = field(default=True, metadata={"section": MACHINE, "help": "bfloat16 autocast for the forward pass "
+        "(weights and optimizer stay float32)"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"section": MACHINE, "help": "where the "
+        "model trains: auto is cuda when torch sees a GPU, else the CPU"})
+    threads: int = field(default=2, metadata={"section": MACHINE, "help": "torch CPU threads"})
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "width", "layers", "heads", "context", "steps", "batch_size",
-                    "eval_interval", "eval_batches", "checkpoint_interval", "threads")
-        for name in positive:
+        super().__post_init__()
+        for name in ("vocab_size", "width", "layers", "heads", "context", "steps", "eval_batches", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.width % self.heads:
@@ -324,93 +332,46 @@ class PretrainConfig:
             raise ValueError(f"need 0 < min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
         if self.mlp_width is None:
             self.mlp_width = math.ceil(self.width * 8 / 3 / 64) * 64
         if self.max_files is not None and self.max_files <= 0:
             raise ValueError(f"max_files must be positive, got {self.max_files}")
 
 
-Guess = Literal["prompt", "repeat", "random", "lookup"]
-
-
 @dataclass
-class CollectConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
-        "hub id"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
-        "or a JSONL/Parquet file"})
-    out: str = field(default="runs/trajectories", metadata={"help": "output directory (Parquet shards + meta.json); "
-        "rerun to resume"})
-    block_size: int = field(default=16, metadata={"help": "Jacobi block size n (tokens per block)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt (stops earlier at EOS)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set"})
-    guess: Guess = field(default="prompt", metadata={"help": "initial guess: tokens sampled from the prompt (the "
-        "reference), repeat the last token, random vocab, or lookup (what followed the same n-gram earlier)"})
-    seed: int = field(default=0, metadata={"help": "seed of the initial guesses (one generator per prompt, from seed "
-        "and prompt id)"})
-    batch_size: int = field(default=8, metadata={"help": "prompts per forward pass (left padding)"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16, float16"})
-    shard_size: int = field(default=64, metadata={"help": "prompts per Parquet shard (a prompt's records never span "
-        "shards)"})
-    drop_loops: bool = field(default=False, metadata={"help": "also drop a block once the generated text ends in a "
-        "loop (its last 16 tokens repeat a pattern of at most 8), and every later block of that prompt; for on-policy "
-        "rounds, whose fixed points are the CLLM's own repetitions"})
+@retune(out="runs/trajectories")
+class CollectConfig(Model, PromptSet, TextField, RunFolder, Seed, Collection, DecodeBatch, Dtype):
+    SECTION: ClassVar[Section] = COLLECTION
     augment: bool = field(default=False, metadata={"help": "off by default; also store extra states made by copying "
         "the leftmost half of a state's wrong tokens from the fixed point (column augmented_states; states stay the "
         "true trajectory)"})
-    text_field: str = field(default="prompt", metadata={"help": "field holding the prompt text in a JSONL/Parquet "
-        "prompt file"})
-    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={
+    shard_size: int = field(default=64, metadata={"section": RUN, "help": "prompts per Parquet shard (a prompt's "
+        "records never span shards)"})
+    runtime: Literal["auto", "transformers", "lean"] = field(default="auto", metadata={"section": MACHINE,
         "help": RUNTIME_HELP + " (speed only: the trajectories are the same)"})
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "batch_size", "shard_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise UserError(f"max-prompts must be a positive integer, got {self.max_prompts!r}")
-        if self.guess not in ("prompt", "repeat", "random", "lookup"):
-            raise UserError(f"guess must be prompt, repeat, random or lookup, got {self.guess!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not self.out:
-            raise UserError("out must name a directory")
+        super().__post_init__()
+        if not isinstance(self.shard_size, int) or self.shard_size < 1:
+            raise UserError(f"shard-size must be a positive integer, got {self.shard_size!r}")
         if self.runtime not in RUNTIMES:
             raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
-        check_dtype(self.dtype)
 
 
 @dataclass
-class DraftsConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model whose greedy completions fill the table: "
-        "shipped name or local checkpoint dir"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set: stdlib-train, stdlib-val, humaneval, "
-        "or a JSONL/Parquet file (not the prompts you benchmark on)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts of the set (default: "
-        "all)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens decoded per prompt"})
-    batch_size: int = field(default=16, metadata={"help": "prompts per forward pass (left padding)"})
+@retune(model="stdlib-coder-cllm", batch_size=16)
+class DraftsConfig(Model, PromptSet, Force, DecodeBatch, Dtype, Machine):
+    SECTION: ClassVar[Section] = DRAFT_TABLE
     min_count: int = field(default=2, metadata={"help": "a context's next token is kept if the model wrote it there at "
         "least this often"})
     min_share: float = field(default=0.3, metadata={"help": "... and in at least this share of the context's "
         "occurrences"})
-    out: str | None = field(default=None, metadata={"help": "table file (default: MODEL/drafts/ngram.safetensors, "
-        "found there by --draft-table auto)"})
-    force: bool = field(default=False, metadata={"help": "replace an existing draft table (the model's own, or --out); "
-        "a file that is not a draft table is never replaced"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    out: str | None = field(default=None, metadata={"section": RUN, "help": "table file (default: "
+        "MODEL/drafts/ngram.safetensors, found there by --draft-table auto)"})
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "batch_size", "min_count"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise UserError(f"--max-prompts must be >= 1, got {self.max_prompts}")
+        super().__post_init__()
+        if not isinstance(self.min_count, int) or self.min_count < 1:
+            raise UserError(f"--min-count must be an int >= 1, got {self.min_count!r}")
         if not 0 < self.min_share <= 1:
             raise UserError(f"--min-share must be in (0, 1], got {self.min_share}")
-        if self.threads < 0:
-            raise UserError(f"--threads must be >= 0, got {self.threads}")

@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar
 
+from cllm.core.config import Section, retune
 from cllm.core.errors import UserError
-from cllm.training.config import CollectConfig, DraftsConfig, Recipe, TrainConfig
+from cllm.training.config import CollectConfig, DraftsConfig, Recipe, TrainConfig, WithRecipe
+from cllm.training.options import DRAFT_TABLE, EVALUATION, MACHINE, ROUNDS, Collection, Model, PromptSet, RunFolder
 
 # row r7 of benchmarks/distill_ablations.md (see above); the rest is `Recipe`'s defaults
 DISTILL_RECIPE = Recipe(distance="argmax", states_per_record=8, ar_weight=0.0, ar_target="fixed_points",
@@ -20,46 +22,33 @@ DISTILL_RECIPE = Recipe(distance="argmax", states_per_record=8, ar_weight=0.0, a
 
 
 @dataclass
-class DistillConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, checkpoint dir or hub "
-        "id"})
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set to collect trajectories on (name or "
-        "JSONL/Parquet file)"})
-    out: str = field(default="runs/distill", metadata={"help": "output directory (trajectories/, model/, "
-        "evaluation.json); rerun to resume"})
-    # collection
-    max_prompts: int | None = field(default=2560, metadata={"help": "collect on the first N prompts (None: all)"})
-    block_size: int = field(default=16, metadata={"help": "Jacobi block size n of the trajectories"})
+@retune(out="runs/distill", max_prompts=2560, drop_loops=True, recipe=DISTILL_RECIPE)
+class DistillConfig(Model, PromptSet, RunFolder, Collection, WithRecipe):
+    SECTION: ClassVar[Section] = ROUNDS
+    rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the "
+        "trajectories with round k-1's CLLM (on-policy) and trains it further"})
+    accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k "
+        "(earlier data kept, never replaced); false: round k's alone"})
     round_block_sizes: list[int] | None = field(default=None, metadata={"help": "block size of each round's "
         "trajectories, e.g. 16,32 (Jacobi Forcing: n = 16, then 32 collected with round 1's CLLM); the last one "
         "repeats for later rounds (default: --block-size every round); a round keeps only the earlier trajectories of "
         "its own block size"})
-    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt in collection"})
-    collect_batch_size: int = field(default=8, metadata={"help": "prompts per forward in collection"})
-    guess: Literal["prompt", "repeat", "random", "lookup"] = field(default="prompt", metadata={"help": "initial guess "
-        "of a block (collection)"})
-    # training: `cllm train`'s options, with distill's defaults
-    recipe: Recipe = field(default_factory=lambda: dataclasses.replace(DISTILL_RECIPE))
-    train_eval_count: int = field(default=16, metadata={"help": "held-out prompts evaluated during training"})
-    rounds: int = field(default=1, metadata={"help": "collect + train rounds: round k >= 2 re-collects the "
-        "trajectories with round k-1's CLLM (on-policy) and trains it further"})
-    drop_loops: bool = field(default=True, metadata={"help": "rounds 2+ drop a prompt's blocks from the first one "
-        "where the CLLM's output ends in a loop (collect --drop-loops), so none of its own loops is a consistency "
-        "target"})
-    accumulate: bool = field(default=True, metadata={"help": "round k trains on the trajectories of rounds 1..k "
-        "(earlier data kept, never replaced); false: round k's alone"})
-    # evaluation
-    eval_count: int = field(default=32, metadata={"help": "held-out prompts in the final evaluation"})
-    eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Jacobi block sizes of the "
-        "final evaluation"})
-    # draft table
-    drafts_prompts: int = field(default=2400, metadata={"help": "the CLLM's draft table (cllm drafts) from its greedy "
-        "completions of this many --prompts (0: no table)"})
-    drafts_max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens per prompt for the draft table"})
+    drafts_prompts: int = field(default=2400, metadata={"section": DRAFT_TABLE, "help": "the CLLM's draft table (cllm "
+        "drafts) from its greedy completions of this many --prompts (0: no table)"})
+    drafts_max_new_tokens: int = field(default=128, metadata={"section": DRAFT_TABLE, "help": "greedy tokens per "
+        "prompt for the draft table"})
+    train_eval_count: int = field(default=16, metadata={"section": EVALUATION, "help": "held-out prompts evaluated "
+        "during training"})
+    eval_count: int = field(default=32, metadata={"section": EVALUATION, "help": "held-out prompts in the final "
+        "evaluation"})
+    eval_block_sizes: list[int] = field(default_factory=lambda: [16, 32], metadata={"section": EVALUATION, "help":
+        "Jacobi block sizes of the final evaluation"})
+    collect_batch_size: int = field(default=8, metadata={"section": MACHINE, "help": "prompts per forward in "
+        "collection"})
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_new_tokens", "collect_batch_size", "eval_count", "rounds",
-                     "drafts_max_new_tokens"):
+        super().__post_init__()
+        for name in ("collect_batch_size", "eval_count", "rounds", "drafts_max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("eval_block_sizes", "round_block_sizes"):
@@ -68,8 +57,6 @@ class DistillConfig:
                 continue
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
                 raise UserError(f"{name.replace('_', '-')} must be positive integers, got {sizes!r}")
-        if not self.out:
-            raise UserError("out must name a directory")
         if not isinstance(self.drafts_prompts, int) or self.drafts_prompts < 0:
             raise UserError(f"drafts-prompts must be an integer >= 0, got {self.drafts_prompts!r}")
         self.train_config()  # validates the training options
