@@ -218,7 +218,7 @@ def test_inside_distill_the_trainings_time_left_says_it_is_trainings_and_what_co
 
     import cllm.training.distill as distilling
     from cllm.training.distill import EvalPlan
-    from cllm.training.loop import _say_time_left
+    from cllm.training.skeleton import Plan, Trainer
 
     seen = {}
 
@@ -235,12 +235,19 @@ def test_inside_distill_the_trainings_time_left_says_it_is_trainings_and_what_co
     assert seen["then"] == distilling.later_stages(cfg, 1, "train", tokens_per_second=100.0)
     assert seen["then"].startswith("then: evaluate, the draft table (evaluation and draft table: roughly")
 
-    run = SimpleNamespace(step=1, total=11, config=SimpleNamespace(recipe=SimpleNamespace(eval_interval=100)),
-                          eval_prompts=[], eval_seconds=None, then=seen["then"])
-    with caplog.at_level(logging.INFO, logger="cllm.training.loop"):
-        _say_time_left(run, 11, 1.2)
-        _say_time_left(SimpleNamespace(**{**vars(run), "then": ""}), 11, 1.2)
-    inside, alone = [r.getMessage() for r in caplog.records if r.name == "cllm.training.loop"]
+    class Quiet(Trainer):  # a trainer that evaluates nothing, after its first step
+        step, evaluates = 1, False
+
+    def plan(then: str) -> Plan:
+        return Plan(log=tmp_path / "log", checkpoint=tmp_path / "ckpt", total=11, eval_every=100, checkpoint_every=100,
+                    desc="train", then=then)
+
+    with caplog.at_level(logging.INFO, logger="cllm.training.skeleton"):
+        for then in (seen["then"], ""):
+            run = Quiet()
+            run.plan = plan(then)
+            run._say_time_left(11, 1.2)
+    inside, alone = [r.getMessage() for r in caplog.records if r.name == "cllm.training.skeleton"]
     assert inside == f"step 1 took 1.2 s: train: about 12 s to go (10 steps); {seen['then']}"
     assert alone == "step 1 took 1.2 s: about 12 s to go (10 steps)"
 

@@ -139,7 +139,7 @@ def test_an_interrupted_run_resumes_to_the_same_head(trained, prompt_file, tmp_p
     uninterrupted run (`trained`, same options), exactly; --force starts over."""
     from contextlib import contextmanager
 
-    import cllm.core.runs
+    import cllm.training.skeleton
 
     directory, _ = trained
     out = tmp_path / "head"
@@ -150,7 +150,7 @@ def test_an_interrupted_run_resumes_to_the_same_head(trained, prompt_file, tmp_p
         yield {"set": True}
 
     with monkeypatch.context() as m:
-        m.setattr(cllm.core.runs, "sigint_flag", pressed)
+        m.setattr(cllm.training.skeleton, "sigint_flag", pressed)
         code, out_text, _ = run(capsys, *args)
     assert code == 130 and "resume" in out_text and (out / "checkpoint.pt").exists()
     assert not (out / WEIGHTS_FILE).exists()
@@ -248,7 +248,7 @@ def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_th
     def fails(*args, **kwargs):
         raise UserError("decoding failed")
 
-    monkeypatch.setattr(importlib.import_module("cllm.training.eagle.run"), "training_texts", fails)
+    monkeypatch.setattr(importlib.import_module("cllm.training.drafter"), "training_texts", fails)
     directory = save_tiny_model(tmp_path / "model")
     code, _, err = run(capsys, "eagle", "--model", directory, "--prompts", prompt_file, *TINY)
     assert code == 2 and "decoding failed" in err and not (directory / EAGLE_DIR).exists()

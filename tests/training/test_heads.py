@@ -136,11 +136,11 @@ def test_training_lowers_the_loss_and_raises_agreement(texts):
     for own in (False, True):
         torch.manual_seed(0)
         heads = MedusaHeads.for_model(model, num_heads=3, own_projection=own)
-        trainer = HeadsTrainer(heads, states, steps=40, batch_size=8, lr=1e-2)
-        before = trainer.evaluate(states)
+        trainer = HeadsTrainer(heads, states, states, steps=40, batch_size=8, lr=1e-2)
+        before = trainer.holdout()
         for _ in range(40):
-            trainer.step()
-        after = trainer.evaluate(states)
+            trainer.advance()
+        after = trainer.holdout()
         assert after["loss"] < 0.7 * before["loss"], (own, before, after)
         assert sum(after["agreement"]) > sum(before["agreement"]) + 0.2, (own, before, after)
     assert all(not p.requires_grad for p in model.parameters())
@@ -155,14 +155,14 @@ def test_a_resumed_trainer_takes_the_same_steps(texts):
         return HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, steps=6, batch_size=3, lr=1e-2, seed=5)
 
     straight = trainer()
-    logs = [straight.step() for _ in range(6)]
+    logs = [straight.advance() for _ in range(6)]
     first = trainer()
     for _ in range(3):
-        first.step()
-    saved = first.state_dict()
+        first.advance()
+    saved = first.checkpoint()
     second = trainer()
-    second.load_state_dict(saved)
-    assert [second.step() for _ in range(3)] == logs[3:]
+    second.restore(saved)
+    assert [second.advance() for _ in range(3)] == logs[3:]
     for a, b in zip(straight.heads.parameters(), second.heads.parameters(), strict=True):
         assert torch.equal(a, b)
 

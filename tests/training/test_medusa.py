@@ -80,7 +80,7 @@ def test_an_interrupted_run_resumes_to_the_same_heads(trained, prompt_file, tmp_
     uninterrupted run (`trained`, same options), byte for byte; --force starts over."""
     from contextlib import contextmanager
 
-    import cllm.core.runs
+    import cllm.training.skeleton
 
     directory, _ = trained
     out = tmp_path / "heads"
@@ -91,7 +91,7 @@ def test_an_interrupted_run_resumes_to_the_same_heads(trained, prompt_file, tmp_
         yield {"set": True}
 
     with monkeypatch.context() as m:
-        m.setattr(cllm.core.runs, "sigint_flag", pressed)
+        m.setattr(cllm.training.skeleton, "sigint_flag", pressed)
         code, out_text, _ = run(capsys, *args)
     assert code == 130 and "resume" in out_text and (out / "checkpoint.pt").exists()
     assert not (out / WEIGHTS_FILE).exists()
@@ -191,7 +191,7 @@ def test_a_model_of_its_own_is_evaluated_on_its_held_out_texts_with_a_warning_fo
     """--eval-prompts auto: HumanEval is the stdlib domain's; a model with a tokenizer of its own
     is evaluated on the prompts of its held-out texts, and says so. A holdout that leaves fewer
     texts to train on than it holds out (8 prompts, --holdout 5: 3 left) is one warning line."""
-    from cllm.training.medusa.run import stdlib_domain
+    from cllm.training.drafter import stdlib_domain
 
     assert stdlib_domain("stdlib-coder") and not stdlib_domain(str(trained[0]))
     directory, _ = trained
@@ -247,7 +247,7 @@ def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_th
     def fails(*args, **kwargs):
         raise UserError("decoding failed")
 
-    monkeypatch.setattr(importlib.import_module("cllm.training.medusa.run"), "training_texts", fails)
+    monkeypatch.setattr(importlib.import_module("cllm.training.drafter"), "training_texts", fails)
     directory = save_tiny_model(tmp_path / "model")
     code, _, err = run(capsys, "medusa", "--model", directory, "--prompts", prompt_file, *TINY)
     assert code == 2 and "decoding failed" in err and not (directory / HEADS_DIR).exists()

@@ -89,11 +89,12 @@ def test_joint_steps_lower_the_training_loss_and_move_the_model(base):
     original_head = teacher.weight.clone()
     model.requires_grad_(True)
     trainer = JointTrainer(model, MedusaHeads.for_model(model, num_heads=2), texts, states, teacher, steps=20,
-                           batch_size=3, lr=1e-2, backbone_lr=1e-3, heads_weight=1.0)
-    before = trainer.evaluate(texts, states)
+                           held=list(zip(texts, states, strict=True)), batch_size=3, lr=1e-2, backbone_lr=1e-3,
+                           heads_weight=1.0)
+    before = trainer.holdout()
     for _ in range(20):
-        trainer.step()
-    after = trainer.evaluate(texts, states)
+        trainer.advance()
+    after = trainer.holdout()
     assert after["loss"] < before["loss"] and before["backbone_kl"] == pytest.approx(0.0, abs=1e-6)
     assert torch.equal(teacher.weight, original_head)
     assert not torch.equal(model.get_output_embeddings().weight, original_head)
@@ -180,13 +181,13 @@ def test_an_interrupted_run_resumes_to_the_same_model_and_heads(base, joint, pro
     rerun ends with the model and heads of the uninterrupted run (`joint`), bit for bit."""
     from contextlib import contextmanager
 
-    import cllm.core.runs
+    import cllm.training.skeleton
     from cllm.training.medusa.joint import JointTrainer
 
     out = tmp_path / "resumed"
     args = ["medusa", "--joint", "--model", base, "--prompts", prompt_file, *TINY, "--eval-count", "0",
             "--quality-count", "0", "--out", out]
-    original_step = JointTrainer.step
+    original_step = JointTrainer.train_step
 
     @contextmanager
     def pressed():
@@ -195,14 +196,14 @@ def test_an_interrupted_run_resumes_to_the_same_model_and_heads(base, joint, pro
 
             def step(self):
                 record = original_step(self)
-                flag["set"] = self.step_index == 3
+                flag["set"] = self.step + 1 == 3
                 return record
 
-            m.setattr(JointTrainer, "step", step)
+            m.setattr(JointTrainer, "train_step", step)
             yield flag
 
     with monkeypatch.context() as m:
-        m.setattr(cllm.core.runs, "sigint_flag", pressed)
+        m.setattr(cllm.training.skeleton, "sigint_flag", pressed)
         code, out_text, _ = run(capsys, *args)
     assert code == 130 and "resume" in out_text and (out / "checkpoint.pt").exists()
     assert not (out / "model.safetensors").exists()
@@ -267,7 +268,7 @@ def test_a_forced_rerun_stopped_early_resumes_without_force(base, joint, prompt_
     import shutil
     from contextlib import contextmanager
 
-    import cllm.core.runs
+    import cllm.training.skeleton
 
     out = tmp_path / "again"
     shutil.copytree(joint, out)
@@ -279,7 +280,7 @@ def test_a_forced_rerun_stopped_early_resumes_without_force(base, joint, prompt_
         yield {"set": True}
 
     with monkeypatch.context() as m:
-        m.setattr(cllm.core.runs, "sigint_flag", pressed)
+        m.setattr(cllm.training.skeleton, "sigint_flag", pressed)
         assert run(capsys, *args, "--force")[0] == 130
     assert not (out / "model.safetensors").exists() and (out / "checkpoint.pt").exists()
     code, out_text, err = run(capsys, *args)
@@ -296,7 +297,7 @@ def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_th
     def fails(*args, **kwargs):
         raise UserError("decoding failed")
 
-    monkeypatch.setattr(importlib.import_module("cllm.training.medusa.run"), "training_texts", fails)
+    monkeypatch.setattr(importlib.import_module("cllm.training.drafter"), "training_texts", fails)
     for out in (tmp_path / "new", tmp_path / "mine"):
         if out.name == "mine":
             out.mkdir()

@@ -62,7 +62,7 @@ def test_export_loads_offline_with_auto_classes(reference_run):
 def _interrupt_at(monkeypatch, step: int, how: str):
     """Patch train_step so that call number `step` sends Ctrl-C (finishing that step) or
     crashes before it (as if the machine died)."""
-    real, calls = pretrain_module.train_step, {"n": 0}
+    real, calls = pretrain_module.Pretrainer.train_step, {"n": 0}
 
     def patched(*args, **kwargs):
         calls["n"] += 1
@@ -72,7 +72,7 @@ def _interrupt_at(monkeypatch, step: int, how: str):
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pretrain_module, "train_step", patched)
+    monkeypatch.setattr(pretrain_module.Pretrainer, "train_step", patched)
 
 
 @pytest.mark.parametrize("how, stop, resumed_from", [("ctrl-c", 6, 6), ("crash", 7, 4)])

@@ -410,7 +410,7 @@ def test_a_first_run_failing_before_its_first_checkpoint_leaves_no_folder_but_th
     import cllm.training.train as training
     from cllm.cli import main
 
-    def fails(run):
+    def fails(*args):
         raise UserError("the model does not load")
 
     monkeypatch.setattr(training, "_build_model", fails)

@@ -214,7 +214,7 @@ def test_the_progressive_schedule_picks_the_state_nearest_the_blocks_noise_level
 def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(world, tmp_path, monkeypatch):
     import json
 
-    import cllm.training.loop as loop_module
+    import cllm.training.consistency as consistency_module
     from cllm.training.run import BEST
 
     common = dict(max_steps=40, eval_interval=10, eval_count=8, select="gated")
@@ -222,7 +222,7 @@ def test_gated_selection_exports_the_fastest_evaluation_that_passes_the_gates(wo
     none = train(config(world, tmp_path / "none", **common))
     assert none.selected_step is None and not (tmp_path / "none" / BEST).exists()
     # with gates that every evaluation passes, the fastest one is exported
-    monkeypatch.setattr(loop_module, "passes_text_gates", lambda *args: True)
+    monkeypatch.setattr(consistency_module, "passes_text_gates", lambda *args: True)
     run = train(config(world, tmp_path / "any", **common))
     evals = [json.loads(line) for line in (tmp_path / "any" / "train_log.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval_tokens_per_forward_not_looping"] for r in evals if r["step"] and "eval_ar_loss" in r}

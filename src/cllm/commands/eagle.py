@@ -17,7 +17,7 @@ from cllm.training.eagle import EagleResult, eagle
 
 def run(config: Config) -> int:
     started = time.perf_counter()
-    with echo_log("cllm.training.eagle", "cllm eagle: "):
+    with echo_log("cllm.training", "cllm eagle: "):
         result = eagle(config)
     if result.stopped_at is not None:
         print(f"\ncllm eagle: stopped at step {result.stopped_at}; run the same command again to resume")
@@ -27,7 +27,7 @@ def run(config: Config) -> int:
 
 
 def print_summary(result: EagleResult, seconds: float) -> None:
-    head, before, after, evaluation = result.head, result.before, result.after, result.evaluation
+    head, before, after, evaluation = result.drafter, result.before, result.after, result.evaluation
     size_mb = head.parameters_added() * head.fc.weight.element_size() / 1e6
     print(f"cllm eagle: one decoder layer, {head.parameters_added():,} parameters added ({size_mb:.1f} MB; "
           "sharing the model's embeddings and LM head)")

@@ -18,7 +18,7 @@ from cllm.training.medusa import MedusaResult, medusa, medusa2
 
 def run(config: Config) -> int:
     started = time.perf_counter()
-    with echo_log("cllm.training.medusa", "cllm medusa: "):
+    with echo_log("cllm.training", "cllm medusa: "):
         result = medusa2(config) if config.joint else medusa(config)
     if result.stopped_at is not None:
         print(f"\ncllm medusa: stopped at step {result.stopped_at}; run the same command again to resume")
@@ -28,7 +28,7 @@ def run(config: Config) -> int:
 
 
 def print_summary(result: MedusaResult, seconds: float) -> None:
-    heads, before, after, evaluation = result.heads, result.before, result.after, result.evaluation
+    heads, before, after, evaluation = result.drafter, result.before, result.after, result.evaluation
     agree = " ".join(f"{a:.2f}" for a in after["agreement"])
     was = " ".join(f"{a:.2f}" for a in before["agreement"])
     print(f"cllm medusa: {heads.num_heads} heads, {heads.parameters_added():,} parameters added"

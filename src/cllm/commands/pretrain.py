@@ -15,7 +15,7 @@ from cllm.training.pretrain import PretrainConfig as Config
 
 def run(config: Config) -> int:
     try:
-        with echo_log("cllm.training.pretrain", "cllm pretrain: "):
+        with echo_log("cllm.training", "cllm pretrain: "):
             out = pretrain(config)
     except KeyboardInterrupt as stopped:
         print(f"\ncllm pretrain: {str(stopped) or 'interrupted'}")

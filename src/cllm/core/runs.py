@@ -1,6 +1,7 @@
-"""Small pieces every long-running job shares: atomic checkpoints, a JSONL log that can be
-rewound on resume, a Ctrl-C that stops between steps instead of in the middle of one, and the
-step loop of the drafter trainers (`cllm medusa`, `cllm medusa --joint`, `cllm eagle`)."""
+"""Small pieces every long-running job shares: atomic checkpoints read without running code, the
+check that a resumed run is the same run, a JSONL log that can be rewound on resume, and a
+Ctrl-C that stops between steps instead of in the middle of one (the training loop itself is
+`cllm.training.skeleton`)."""
 
 from __future__ import annotations
 
@@ -8,38 +9,14 @@ import json
 import pickle
 import signal
 import sys
-import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
 
 import torch
 
 from cllm.core.config import config_to_dict, field_aliases
 from cllm.core.errors import UserError, first_line
 from cllm.core.outputs import replacing
-from cllm.core.progress import progress_bar
-
-
-class Resumable:
-    """A trainer whose checkpoint is the `state_dict` of each attribute named in `STATEFUL`
-    (modules, optimizers, schedulers; restored in that order), its batch generator's state and
-    its step."""
-
-    STATEFUL: ClassVar[tuple[str, ...]] = ()
-    generator: torch.Generator
-    step_index: int
-
-    def state_dict(self) -> dict:
-        return {**{name: getattr(self, name).state_dict() for name in self.STATEFUL},
-                "generator": self.generator.get_state(), "step": self.step_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in self.STATEFUL:
-            getattr(self, name).load_state_dict(state[name])
-        self.generator.set_state(state["generator"])
-        self.step_index = state["step"]
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -120,61 +97,3 @@ def sigint_flag():
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-class StepRun(Protocol):
-    """What `begin_or_resume` and `train_steps` need of a run: its settings (`steps`,
-    `eval_every`), a trainer (`step() -> record`, `step_index`, `state_dict`, `load_state_dict`),
-    its checkpoint file, whether it resumes one, and what it measured before training."""
-
-    config: Any
-    trainer: Any
-    out: Path
-    checkpoint: Path
-    resuming: bool
-    before: dict | None
-    elapsed: float
-
-
-def begin_or_resume(run: StepRun, log_path: Path, evaluate: Callable[[], dict], logger) -> None:
-    """A resumed run takes its trainer, its untrained measures and its time so far from its
-    checkpoint and rewinds its log to that step; a new one measures the untrained drafter
-    (`evaluate`, step 0 of the log)."""
-    if run.resuming:
-        state = load_checkpoint(run.checkpoint)
-        run.trainer.load_state_dict(state["trainer"])
-        run.before, run.elapsed = state["before"], state["elapsed_s"]
-        truncate_log(log_path, run.trainer.step_index)
-        logger.info("resuming %s at step %d of %d", run.out, run.trainer.step_index, run.config.max_steps)
-    else:
-        run.before = evaluate()
-        append_jsonl(log_path, {"step": 0, "holdout": run.before})
-
-
-def train_steps(run: StepRun, log_path: Path, evaluate: Callable[[], dict], *, desc: str,
-                postfix: Callable[[dict], dict[str, str]]) -> bool:
-    """The optimizer steps: each logged, the held-out measures (`evaluate`) and a checkpoint every
-    `eval_every` steps and at the end; `postfix(record)` is what the progress bar shows. False
-    when Ctrl-C stopped the run (after a checkpoint)."""
-    config, trainer = run.config, run.trainer
-    began = time.perf_counter()
-
-    def checkpoint() -> None:
-        save_checkpoint(run.checkpoint, {"trainer": trainer.state_dict(), "before": run.before,
-                                         "elapsed_s": run.elapsed + time.perf_counter() - began})
-
-    with sigint_flag() as interrupted, progress_bar(total=config.max_steps, initial=trainer.step_index, unit="step",
-                                                    desc=desc) as bar:
-        while trainer.step_index < config.max_steps:
-            record = trainer.step()
-            if trainer.step_index % config.eval_every == 0 or trainer.step_index == config.max_steps:
-                record["holdout"] = evaluate()
-                checkpoint()
-            append_jsonl(log_path, record)
-            bar.set_postfix(**postfix(record), refresh=False)
-            bar.update(1)
-            if interrupted["set"]:
-                checkpoint()
-                return False
-    run.elapsed += time.perf_counter() - began
-    return True

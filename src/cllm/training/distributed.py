@@ -2,8 +2,9 @@
 model), FSDP and DeepSpeed ZeRO (gradients and optimizer states, and under FSDP and ZeRO-3 the
 weights too, split over the processes).
 
-The loop is the same under all of them (`cllm.training.loop`): this module says which options an engine
-allows, which mixed precision accelerate is told, which DeepSpeed values train fills in, and how
+The loop is the same under all of them (`cllm.training.skeleton`, `cllm.training.consistency`):
+this module says which options an engine allows, which mixed precision accelerate is told, which
+DeepSpeed values train fills in, and how
 the engines that split the optimizer state checkpoint (accelerate's `save_state`, every process
 writing its part). It knows nothing of losses or data. The test suite runs DDP (2 gloo CPU
 processes) and the `save_state` checkpoints (one process); FSDP and DeepSpeed need GPUs.

@@ -12,7 +12,8 @@ tokenizer, `pretrain_config.json` (resolved config), `pretrain_log.jsonl` (one r
 validation records at each eval), `pretrain_summary.json` (corpus hash, time, losses) and the
 trainer state in `checkpoints/last.pt` (not meant to be shipped).
 
-`pretrain` runs as named steps (`_open_run`, `_build`, `_loop`, `_finish`). `evaluate_target`
+`pretrain` runs as named steps (`_open_run`, then `Pretrainer` on the training skeleton
+(`cllm.training.skeleton`), `_finish`). `evaluate_target`
 measures a finished model (`cllm.evaluation`: greedy completions, text measures, validation
 loss) and `write_model_card` writes its MODEL_CARD.md (`cllm.training.cards.target_card`).
 """
@@ -25,17 +26,16 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.machine import resolve_device
 from cllm.core.outputs import check_folder, claim_folder, share_like_siblings
 from cllm.core.progress import progress_bar
-from cllm.core.runs import append_jsonl, check_same_run, load_checkpoint, save_checkpoint, sigint_flag, truncate_log
+from cllm.core.runs import check_same_run, load_checkpoint
 from cllm.data.corpus import Corpus, load_corpus
 from cllm.data.tokenizer import (
     EOT,
@@ -53,6 +53,7 @@ from cllm.models import load_model, load_tokenizer
 from cllm.training.cards import target_card
 from cllm.training.config import PretrainConfig
 from cllm.training.schedule import warmup_cosine
+from cllm.training.skeleton import Plan, Trainer, descend
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ SUMMARY = "pretrain_summary.json"
 CONFIG = "pretrain_config.json"
 # Fields that may change between a run and its resumption without changing the result.
 _RESUME_FREE = {"resume", "threads", "device", "eval_interval", "eval_batches", "checkpoint_interval"}
-
-
 
 
 # ---------------------------------------------------------------------------------- data
@@ -118,56 +117,61 @@ def build_optimizer(model, config: PretrainConfig):
     return optimizer, scheduler
 
 
-def train_step(model, optimizer, scheduler, windows: torch.Tensor, config: PretrainConfig) -> float:
-    loss = window_loss(model, windows.to(model.device), config.bf16)
-    loss.backward()
-    if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-
-
 # ---------------------------------------------------------------------------------- main
 
 
-@dataclass
-class _Run:
-    """A run's state, filled in by the steps in order."""
+class Pretrainer(Trainer):
+    """A pretraining run on the skeleton: next-token loss on random windows of the corpus, the
+    validation loss as its evaluation; the checkpoint holds model, optimizer, schedule, the
+    window sampler's state and torch's RNG."""
 
-    config: PretrainConfig
-    out: Path
-    saved: dict | None  # the checkpoint being resumed
-    train_corpus: Corpus
-    val_corpus: Corpus
-    tokenizer: Any
-    train_ids: torch.Tensor  # the token streams
-    val_ids: torch.Tensor
-    model: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
-    generator: torch.Generator | None = None
-    val_windows: torch.Tensor | None = None
-    step: int = 0
-    elapsed: float = 0.0  # training + evaluation seconds, summed over resumes
-    val_loss: float | None = None
+    def __init__(self, config: PretrainConfig, out: Path, train_corpus: Corpus, val_corpus: Corpus,
+                 tokenizer: PreTrainedTokenizerBase, train_ids: torch.Tensor, val_ids: torch.Tensor) -> None:
+        self.config, self.out = config, out
+        self.train_corpus, self.val_corpus, self.tokenizer = train_corpus, val_corpus, tokenizer
+        self.train_ids, self.val_ids = train_ids, val_ids  # the token streams
+        self.plan = Plan(log=out / LOG, checkpoint=out / CHECKPOINT, total=config.steps,
+                         eval_every=config.eval_interval, checkpoint_every=config.checkpoint_interval, desc="pretrain")
+        self.model = build_model(config, tokenizer.convert_tokens_to_ids(EOT)).to(resolve_device(config.device))
+        self.optimizer, self.scheduler = build_optimizer(self.model, config)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.val_windows = eval_windows(val_ids, config.eval_batches * config.batch_size, config.context)
+        self.val_loss: float | None = None
 
-    @property
-    def ckpt_path(self) -> Path:
-        return self.out / CHECKPOINT
+    def train_step(self) -> dict:
+        config = self.config
+        started = time.perf_counter()
+        self.model.train()
+        windows = sample_windows(self.train_ids, config.batch_size, config.context, self.generator)
+        lr = self.scheduler.get_last_lr()[0]
+        loss = window_loss(self.model, windows.to(self.model.device), config.bf16)
+        descend(loss, self.optimizer, self.scheduler, clip=config.grad_clip, params=self.model.parameters())
+        tokens = config.batch_size * config.context
+        return {"loss": loss.item(), "lr": lr, "tokens_per_s": round(tokens / (time.perf_counter() - started), 1)}
 
-    @property
-    def log_path(self) -> Path:
-        return self.out / LOG
+    def evaluate(self) -> dict:
+        if self.step == 0:  # no step 0: a random model's validation loss is about log(vocabulary)
+            return {}
+        config = self.config
+        self.val_loss = text_loss(self.model, self.val_windows, batch_size=config.batch_size, bf16=config.bf16)
+        return {"val_loss": self.val_loss}
 
-    def snapshot(self) -> dict:
-        return {
-            "step": self.step, "elapsed_s": self.elapsed, "val_loss": self.val_loss,
-            "config": config_to_dict(self.config), "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "sampler": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-        }
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.3f}", "val": f"{self.val_loss:.3f}" if self.val_loss else "-",
+                "tok_s": f"{record['tokens_per_s']:.0f}"}
+
+    def state_dict(self) -> dict:
+        return {"val_loss": self.val_loss, "config": config_to_dict(self.config), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "sampler": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.val_loss = state.get("val_loss")
 
 
 def pretrain(config: PretrainConfig) -> Path:
@@ -177,14 +181,18 @@ def pretrain(config: PretrainConfig) -> Path:
         config: a validated `PretrainConfig`. Rerunning with the same config resumes from the
             last checkpoint; Ctrl-C saves one before stopping (KeyboardInterrupt).
     """
-    run = _open_run(config)  # 1. the checkpoint to resume, corpus, tokenizer, token streams
-    _build(run)  # 2. model, optimizer, schedule, sampler; restored when resuming
-    _loop(run)  # 3. sample, step, log; evaluations and checkpoints on their intervals
+    run, saved = _open_run(config)  # 1. the checkpoint to resume, corpus, tokenizer, token streams, model
+    run.begin(saved)  # 2. restored when resuming
+    if saved is not None:
+        logger.info("resuming %s from step %d", run.out, run.step)
+    if not run.fit():  # 3. the steps, logged; evaluations and checkpoints on their intervals
+        raise KeyboardInterrupt(f"stopped at step {run.step}; run the same command again to resume")
     return _finish(run)  # 4. the HF checkpoint and the record of how it was made
 
 
-def _open_run(config: PretrainConfig) -> _Run:
-    """The checkpoint to resume (checked against the config), or a clean start; then the data."""
+def _open_run(config: PretrainConfig) -> tuple[Pretrainer, dict | None]:
+    """The checkpoint to resume (checked against the config), or a clean start; then the data,
+    the model, AdamW and its schedule, the window sampler."""
     out = check_folder(config.out, "pretrain")
     resolve_device(config.device)  # a --device this machine lacks is refused before anything is written
     ckpt_path, log_path = out / CHECKPOINT, out / LOG
@@ -195,9 +203,12 @@ def _open_run(config: PretrainConfig) -> _Run:
         check_same_run(saved["config"], config, free=_RESUME_FREE)
     elif ckpt_path.exists():
         ckpt_path.unlink()
+    if saved is None:
         log_path.unlink(missing_ok=True)
     claim_folder(out, "pretrain")
-    return _Run(config, out, saved, *_prepare(config, out, saved is not None))
+    run = Pretrainer(config, out, *_prepare(config, out, saved is not None))
+    write_config(config, out / CONFIG)
+    return run, saved
 
 
 def _prepare(config: PretrainConfig, out: Path, resuming: bool):
@@ -222,63 +233,7 @@ def _prepare(config: PretrainConfig, out: Path, resuming: bool):
     return train_corpus, val_corpus, tokenizer, train_ids, val_ids
 
 
-def _build(run: _Run) -> None:
-    """The model, AdamW and its schedule, the window sampler: fresh, or restored from the
-    checkpoint being resumed (the torch RNG too); then the fixed validation windows."""
-    config = run.config
-    run.model = build_model(config, run.tokenizer.convert_tokens_to_ids(EOT)).to(resolve_device(config.device))
-    run.optimizer, run.scheduler = build_optimizer(run.model, config)
-    run.generator = torch.Generator().manual_seed(config.seed)
-    if run.saved is not None:
-        state = run.saved
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        run.generator.set_state(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        run.step, run.elapsed, run.val_loss = state["step"], state["elapsed_s"], state.get("val_loss")
-        truncate_log(run.log_path, run.step)
-        logger.info("resuming %s from step %d", run.out, run.step)
-    else:
-        run.log_path.unlink(missing_ok=True)
-    write_config(config, run.out / CONFIG)
-    run.val_windows = eval_windows(run.val_ids, config.eval_batches * config.batch_size, config.context)
-
-
-def _loop(run: _Run) -> None:
-    """Optimizer steps until `config.steps`, each logged; validation and checkpoints on their
-    intervals; Ctrl-C finishes the step, checkpoints and raises KeyboardInterrupt."""
-    config, model = run.config, run.model
-    model.train()
-    tokens_per_step = config.batch_size * config.context
-    bar = progress_bar(total=config.steps, initial=run.step, desc="pretrain", unit="step")
-    with sigint_flag() as interrupted:
-        while run.step < config.steps:
-            t0 = time.perf_counter()
-            windows = sample_windows(run.train_ids, config.batch_size, config.context, run.generator)
-            lr = run.scheduler.get_last_lr()[0]
-            loss = train_step(model, run.optimizer, run.scheduler, windows, config)
-            dt = time.perf_counter() - t0
-            run.step += 1
-            record = {"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1)}
-            if run.step % config.eval_interval == 0 or run.step == config.steps:
-                run.val_loss = text_loss(model, run.val_windows, batch_size=config.batch_size, bf16=config.bf16)
-                record["val_loss"] = run.val_loss
-            run.elapsed += time.perf_counter() - t0  # training + evaluation time, summed over resumes
-            record["elapsed_s"] = round(run.elapsed, 3)
-            append_jsonl(run.log_path, record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{run.val_loss:.3f}" if run.val_loss else "-",
-                            tok_s=f"{tokens_per_step / dt:.0f}", refresh=False)
-            if run.step % config.checkpoint_interval == 0 or run.step == config.steps or interrupted["set"]:
-                save_checkpoint(run.ckpt_path, run.snapshot())
-            if interrupted["set"] and run.step < config.steps:
-                bar.close()
-                raise KeyboardInterrupt(f"stopped at step {run.step}; run the same command again to resume")
-    bar.close()
-
-
-def _finish(run: _Run) -> Path:
+def _finish(run: Pretrainer) -> Path:
     """Export the HF checkpoint and write pretrain_summary.json."""
     config, out = run.config, run.out
     export(run.model, run.tokenizer, config, out)
@@ -291,7 +246,7 @@ def _finish(run: _Run) -> Path:
         "train_tokens": len(run.train_ids),
         "validation_tokens": len(run.val_ids),
         "train_time_s": round(run.elapsed, 1),
-        "final_train_loss": _last_train_loss(run.log_path),
+        "final_train_loss": _last_train_loss(run.plan.log),
         "final_val_loss": run.val_loss,
         "val_loss_definition": f"mean nats/token over {len(run.val_windows)} evenly spaced validation windows",
         "machine": {"platform": platform.platform(), "threads": config.threads, "torch": torch.__version__},

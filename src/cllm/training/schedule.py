@@ -1,4 +1,4 @@
-"""The learning-rate schedule of every training loop here (pretrain, train, Medusa heads): linear
+"""The learning-rate schedule of every training loop here (pretrain, train, the drafters): linear
 warm-up, then cosine decay to a floor."""
 
 from __future__ import annotations

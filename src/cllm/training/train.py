@@ -18,7 +18,7 @@ One optimizer step, for a global batch of `batch_size` records (all processes, a
    processes give exactly the gradient of the whole batch (`cllm.training.objective`);
 4. clip, AdamW step, cosine schedule step; evaluate every `eval_interval` steps (with
    ``--select gated``, keep the weights of the fastest evaluation that passes the text gates)
-   (`cllm.training.loop`).
+   (`cllm.training.consistency`, on the skeleton `cllm.training.skeleton`).
 
 `train` is that loop between named steps: check every input but the data before anything long
 (`cllm.training.run.check_inputs`), open the run (processes, data, batch geometry, the checkpoint
@@ -62,7 +62,7 @@ from accelerate.utils import parse_flag_from_env
 from cllm.core.config import config_to_dict, write_config
 from cllm.core.errors import UserError
 from cllm.core.outputs import claim_folder
-from cllm.core.runs import append_jsonl, load_checkpoint, truncate_log
+from cllm.core.runs import load_checkpoint
 from cllm.decoding.inputs import position_limit
 from cllm.evaluation.heldout import heldout_prompts
 from cllm.modeling.forwards import enable_checkpointing
@@ -72,12 +72,14 @@ from cllm.training import distributed
 from cllm.training.batches import load_text_stream, prompt_chains, rollout_prompts
 from cllm.training.cards import cllm_card, fmt
 from cllm.training.config import TrainConfig
-from cllm.training.loop import RunState, evaluate, run_loop
+from cllm.training.consistency import ConsistencyTrainer, Learner, SideInputs, TrainData
 from cllm.training.objective import load_teacher
 from cllm.training.run import (
     BEST,
     CARD,
+    CHECKPOINT,
     CONFIG,
+    LOG,
     SUMMARY,
     add_lora,
     check_inputs,
@@ -90,6 +92,7 @@ from cllm.training.run import (
     resolve_eval_set,
 )
 from cllm.training.schedule import warmup_cosine
+from cllm.training.skeleton import Plan
 
 log = logging.getLogger(__name__)
 
@@ -133,22 +136,25 @@ def train(config: TrainConfig, *, then: str = "") -> TrainSummary:
             the time left so that it reads as training's alone.
     """
     check_inputs(config)  # 1. model, teacher, --ar-text, held-out prompts, output dir: before anything long
-    run = _open_run(config)  # 2. processes, data, batch geometry, output dir, checkpoint to resume
-    run.then = then
-    _build_model(run)  # 3. model (+ LoRA), teacher, AdamW, schedule; restored when resuming
-    _load_side_inputs(run)  # 4. text windows, rollout prompts, held-out prompts
-    _announce(run)  # 5. what the run will do
-    if run.saved is None:  # the untrained model's evaluation: the baseline of every later one
-        run.eval_before = run.eval_last = evaluate(run)
-        if run.is_main and run.eval_before:
-            append_jsonl(run.log_path, {"step": 0, **{f"eval_{k}": v for k, v in run.eval_before.items()}})
-    run_loop(run)  # 6. optimizer steps, logging, evaluations, checkpoints
+    config, accelerator, engine, data, saved = _open_run(config)  # 2. processes, data, batch geometry, checkpoint
+    learner = _build_model(config, accelerator, engine, data)  # 3. model (+ LoRA), teacher, AdamW, schedule
+    side = _load_side_inputs(config, accelerator, data, learner)  # 4. text windows, rollout prompts, held-out prompts
+    out = Path(config.out)
+    plan = Plan(log=out / LOG, checkpoint=out / CHECKPOINT, total=data.total, eval_every=config.recipe.eval_interval,
+                checkpoint_every=config.recipe.checkpoint_interval, desc="train", stop_at=config.stop_at_step,
+                then=then)
+    run = ConsistencyTrainer(config, accelerator, engine, out, data, learner, side, plan)
+    _announce(run, resuming=saved is not None)  # 5. what the run will do
+    run.begin(saved)  # restored when resuming, else the untrained model's evaluation: every later one's baseline
+    if not run.fit():  # 6. optimizer steps, logging, evaluations, checkpoints
+        raise KeyboardInterrupt(f"stopped at step {run.step}; run the same command again to resume")
     return _finish(run)  # 7. the HF checkpoint, summary and model card (a finished run only)
 
 
-def _open_run(config: TrainConfig) -> RunState:
+def _open_run(config: TrainConfig) -> tuple[TrainConfig, Accelerator, distributed.Engine, TrainData, dict | None]:
     """Accelerate's processes, the records (checked against --model), the batch geometry, the
-    output directory and the checkpoint to resume, if any."""
+    output directory and the checkpoint to resume, if any; the config with what the data
+    decided (--ar-target auto, the held-out set, a batch fitted to few records)."""
     recipe = config.recipe
     # Without a GPU, several launched processes are gloo CPU processes (see cllm.training.collect).
     use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
@@ -170,22 +176,21 @@ def _open_run(config: TrainConfig) -> RunState:
         raise UserError(f"batch-size {recipe.batch_size} must be a multiple of micro-batch-size {micro} "
                         f"x {P} processes")
     per_epoch = len(units) // recipe.batch_size
-    run = RunState(config=config, accelerator=accelerator, engine=engine, out=out, meta=reader.meta,
-                   records=records, units=units, micro=micro, accumulation=recipe.batch_size // (micro * P),
-                   per_epoch=per_epoch,
-                   max_states=max(len(r.states) + (len(r.augmented_states) if config.augmented else 0)
-                                  for r in records),
-                   total=recipe.total_steps(per_epoch), digest=data_digest(records),
-                   base_fingerprint=base_fingerprint, eval_line=eval_line)
-    _find_checkpoint(run)
+    data = TrainData(meta=reader.meta, records=records, units=units, digest=data_digest(records),
+                     base_fingerprint=base_fingerprint, eval_line=eval_line, micro=micro,
+                     accumulation=recipe.batch_size // (micro * P), per_epoch=per_epoch,
+                     max_states=max(len(r.states) + (len(r.augmented_states) if config.augmented else 0)
+                                    for r in records),
+                     total=recipe.total_steps(per_epoch))
+    saved = _find_checkpoint(config, engine, data)
     accelerator.wait_for_everyone()
-    if run.is_main:
-        if run.saved is None:
-            for stale in (run.ckpt_path, out / BEST, run.log_path, out / SUMMARY):
+    if accelerator.is_main_process:
+        if saved is None:
+            for stale in (out / CHECKPOINT, out / BEST, out / LOG, out / SUMMARY):
                 stale.unlink(missing_ok=True)
         claim_folder(out, "train")
         write_config(config, out / CONFIG)
-    return run
+    return config, accelerator, engine, data, saved
 
 
 def fit_batch_size(config: TrainConfig, units: int, processes: int = 1) -> TrainConfig:
@@ -205,23 +210,25 @@ def fit_batch_size(config: TrainConfig, units: int, processes: int = 1) -> Train
     return dataclasses.replace(config, recipe=dataclasses.replace(recipe, batch_size=fitted, micro_batch_size=micro))
 
 
-def _find_checkpoint(run: RunState) -> None:
+def _find_checkpoint(config: TrainConfig, engine: distributed.Engine, data: TrainData) -> dict | None:
     """The checkpoint to resume (with --resume, when OUT holds one), checked against this run."""
-    config = run.config
-    if not (run.ckpt_path.exists() and config.resume):
-        return
-    run.saved = load_checkpoint(run.ckpt_path)
-    check_resumable(run.saved, config, run.digest)
-    if not run.engine.accelerate_checkpoints and "trainable" not in run.saved:
-        raise UserError(f"{run.out} was checkpointed by FSDP / DeepSpeed: resume it under the same engine, "
+    path = Path(config.out) / CHECKPOINT
+    if not (path.exists() and config.resume):
+        return None
+    saved = load_checkpoint(path)
+    check_resumable(saved, config, data.digest)
+    if not engine.accelerate_checkpoints and "trainable" not in saved:
+        raise UserError(f"{config.out} was checkpointed by FSDP / DeepSpeed: resume it under the same engine, "
                         "or --resume false")
+    return saved
 
 
-def _build_model(run: RunState) -> None:
-    """Model (+ LoRA), frozen teacher, AdamW, warm-up + cosine, prepared by accelerate; the
-    checkpoint's weights, optimizer, schedule and position when resuming."""
-    config, accelerator, recipe = run.config, run.accelerator, run.config.recipe
-    run.tokenizer = load_tokenizer(config.model)
+def _build_model(config: TrainConfig, accelerator: Accelerator, engine: distributed.Engine,
+                 data: TrainData) -> Learner:
+    """Model (+ LoRA), frozen teacher, AdamW, warm-up + cosine, prepared by accelerate (a
+    resumed run's state is restored by `ConsistencyTrainer.restore`)."""
+    recipe = config.recipe
+    tokenizer = load_tokenizer(config.model)
     torch.manual_seed(recipe.seed)
     model = load_model(config.model, dtype="float32")
     if config.gradient_checkpointing:
@@ -229,109 +236,94 @@ def _build_model(run: RunState) -> None:
     if recipe.lora:
         model = add_lora(model, config)
     model.train()
-    run.base = model.get_base_model() if recipe.lora else model
-    run.keep = accepts_logits_to_keep(run.base)
-    run.teacher = load_teacher(config, model, accelerator.device)
+    base = model.get_base_model() if recipe.lora else model
+    teacher = load_teacher(config, model, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=config.weight_decay)
-    warmup = round(recipe.warmup_ratio * run.total)
-    run.scheduler = warmup_cosine(optimizer, run.total, warmup)
+    scheduler = warmup_cosine(optimizer, data.total, round(recipe.warmup_ratio * data.total))
     # accelerate's `accumulate` syncs gradients (DDP, FSDP) and steps DeepSpeed's engine on the
     # last of a step's micro-batches; DeepSpeed reads its batch geometry from the same numbers
-    accelerator.gradient_accumulation_steps = run.accumulation
-    if run.engine.name == "deepspeed":
-        distributed.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, micro_batch=run.micro,
-                                          accumulation=run.accumulation, grad_clip=config.grad_clip)
-    run.model, run.optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(run.scheduler)
-    if run.saved is not None:
-        _restore(run, run.saved)
+    accelerator.gradient_accumulation_steps = data.accumulation
+    if engine.name == "deepspeed":
+        distributed.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, micro_batch=data.micro,
+                                          accumulation=data.accumulation, grad_clip=config.grad_clip)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return Learner(tokenizer=tokenizer, model=prepared, base=base, keep=accepts_logits_to_keep(base), teacher=teacher,
+                   optimizer=optimizer, scheduler=scheduler)
 
 
-def _restore(run: RunState, saved: dict) -> None:
-    """The checkpoint's weights, optimizer, schedule, position and evaluations."""
-    accelerator = run.accelerator
-    if run.engine.accelerate_checkpoints:
-        distributed.load_accelerate_state(accelerator, run.ckpt_path.parent, saved)
-    else:
-        load_trainable_state(accelerator.unwrap_model(run.model), saved["trainable"])
-        run.optimizer.load_state_dict(saved["optimizer"])
-        run.scheduler.load_state_dict(saved["scheduler"])
-    run.step, run.elapsed = saved["step"], saved["elapsed_s"]
-    run.eval_before, run.eval_last, run.best = saved["eval_before"], saved["eval_last"], saved.get("best")
-    if run.is_main:
-        truncate_log(run.log_path, run.step)
-
-
-def _load_side_inputs(run: RunState) -> None:
+def _load_side_inputs(config: TrainConfig, accelerator: Accelerator, data: TrainData, learner: Learner) -> SideInputs:
     """The text stream of the AR windows, the rollout prompts, and the held-out prompts (the
     main process alone evaluates)."""
-    config, recipe = run.config, run.config.recipe
-    run.text_stream = load_text_stream(recipe.ar_text, run.tokenizer) if recipe.ar_text else None
-    context = position_limit(run.base)
+    recipe = config.recipe
+    side = SideInputs(eval_block=config.eval_block_size or data.meta.block_size)
+    side.text_stream = load_text_stream(recipe.ar_text, learner.tokenizer) if recipe.ar_text else None
+    context = position_limit(learner.base)
     rollout_room = (context or 10**9) - recipe.rollout_tokens
     if recipe.rollout_prompts and rollout_room < 1:
         raise UserError(f"rollout-tokens {recipe.rollout_tokens} leaves no room for a prompt")
-    run.prompts = [p[-rollout_room:] for p in rollout_prompts(run.records)] if recipe.rollout_prompts else []
-    run.eval_block = config.eval_block_size or run.meta.block_size
-    if config.eval_count and recipe.eval_prompts and run.is_main:
-        run.eval_prompts = heldout_prompts(recipe.eval_prompts, run.tokenizer, count=config.eval_count,
-                                           max_new_tokens=recipe.eval_max_new_tokens, context=context,
-                                           text_field=config.text_field)
+    side.prompts = [p[-rollout_room:] for p in rollout_prompts(data.records)] if recipe.rollout_prompts else []
+    if config.eval_count and recipe.eval_prompts and accelerator.is_main_process:
+        side.eval_prompts = heldout_prompts(recipe.eval_prompts, learner.tokenizer, count=config.eval_count,
+                                            max_new_tokens=recipe.eval_max_new_tokens, context=context,
+                                            text_field=config.text_field)
+    return side
 
 
-def _announce(run: RunState) -> None:
+def _announce(run: ConsistencyTrainer, *, resuming: bool) -> None:
     """What the run will do, in the log: its data, batch and length, and its held-out set."""
-    recipe = run.config.recipe
+    recipe, data = run.config.recipe, run.data
     unit = "prompts" if recipe.layout == "packed" else "records"
     batch = f"batch size {recipe.batch_size}"
-    if run.accumulation > 1:
-        batch += f" ({run.accumulation} micro-batches of {run.micro} per process)"
+    if data.accumulation > 1:
+        batch += f" ({data.accumulation} micro-batches of {data.micro} per process)"
     if recipe.max_steps is not None:
-        length = f"--max-steps {run.total} ({run.total / run.per_epoch:.2f} epochs)"
+        length = f"--max-steps {data.total} ({data.total / data.per_epoch:.2f} epochs)"
     else:
         epochs = recipe.epochs or 1
-        length = f"{epochs} epoch{'s' if epochs > 1 else ''} = {run.total} steps"
-    where = f"resuming at step {run.step}" if run.saved is not None else "starting"
-    log.info("train: %s %s, %s: %d steps per epoch, %s; %s", f"{len(run.units):,}", unit, batch, run.per_epoch,
+        length = f"{epochs} epoch{'s' if epochs > 1 else ''} = {data.total} steps"
+    where = "resuming" if resuming else "starting"
+    log.info("train: %s %s, %s: %d steps per epoch, %s; %s", f"{len(data.units):,}", unit, batch, data.per_epoch,
              length, where)
-    log.info("train: %s", run.eval_line)
+    log.info("train: %s", data.eval_line)
 
 
-def _finish(run: RunState) -> TrainSummary:
+def _finish(run: ConsistencyTrainer) -> TrainSummary:
     """A finished run exports the HF checkpoint (with --select gated, the chosen step's
     weights), train_summary.json and MODEL_CARD.md; every run returns its summary."""
-    config, accelerator, out = run.config, run.accelerator, run.out
-    finished = run.step >= run.total
+    config, accelerator, out, data = run.config, run.accelerator, run.out, run.data
+    finished = run.step >= data.total
     chosen = run.best if config.recipe.select == "gated" else None
     if config.recipe.select == "gated" and run.best is None and finished and run.is_main:
         log.warning("no evaluation passed the gates (looping, degenerate); the last step's weights are exported")
-    summary = TrainSummary(out=str(out), finished=finished, steps=run.step, total_steps=run.total,
-                           records=len(run.records), train_time_s=round(run.elapsed, 1),
-                           final_loss=run.loss if run.loss is not None else _last_loss(run.log_path),
+    summary = TrainSummary(out=str(out), finished=finished, steps=run.step, total_steps=data.total,
+                           records=len(data.records), train_time_s=round(run.elapsed, 1),
+                           final_loss=run.loss if run.loss is not None else _last_loss(run.plan.log),
                            eval_before=run.eval_before,
                            eval_after=(chosen["eval"] if chosen else run.eval_last) if finished else None,
                            selected_step=chosen["step"] if chosen and finished else None)
     if finished and chosen and run.is_main:  # the gated choice's weights (the run's own state stays in last.pt)
         saved = load_checkpoint(out / BEST)
-        load_trainable_state(accelerator.unwrap_model(run.model), saved["trainable"])
+        load_trainable_state(accelerator.unwrap_model(run.learner.model), saved["trainable"])
     if finished:
-        export(accelerator, run.model, run.tokenizer, out, lora=config.recipe.lora)
+        export(accelerator, run.learner.model, run.learner.tokenizer, out, lora=config.recipe.lora)
     if finished and run.is_main:
         _write_summary(run, summary)
     accelerator.wait_for_everyone()
     return summary
 
 
-def _write_summary(run: RunState, summary: TrainSummary) -> None:
+def _write_summary(run: ConsistencyTrainer, summary: TrainSummary) -> None:
     """train_summary.json and MODEL_CARD.md beside the exported checkpoint."""
     config = run.config
     info = {"summary": asdict(summary), "base_model": config.model,
-            "base_fingerprint": run.base_fingerprint, "model_fingerprint": fingerprint(run.out),
-            "data": config.data, "data_meta": asdict(run.meta), "config": config_to_dict(config),
+            "base_fingerprint": run.data.base_fingerprint, "model_fingerprint": fingerprint(run.out),
+            "data": config.data, "data_meta": asdict(run.data.meta), "config": config_to_dict(config),
             "processes": run.processes, "engine": run.engine.name,
-            "eval_settings": {"prompts": config.recipe.eval_prompts, "count": len(run.eval_prompts),
-                              "block_size": run.eval_block, "max_new_tokens": config.recipe.eval_max_new_tokens}}
+            "eval_settings": {"prompts": config.recipe.eval_prompts, "count": len(run.side.eval_prompts),
+                              "block_size": run.side.eval_block,
+                              "max_new_tokens": config.recipe.eval_max_new_tokens}}
     (run.out / SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
     (run.out / CARD).write_text(cllm_card(info))
 

@@ -5,7 +5,7 @@
 - `loss`: EAGLE's loss (feature regression + classification), pure functions of tensors;
 - `trainer`: `feature_runs` (the frozen model's features, via Medusa's texts), `EagleTrainer`,
   `train_eagle`, `save_eagle`;
-- `run`: `eagle`, the command as named steps (texts, training, saving, evaluation).
+- `run`: `eagle`, the command: EAGLE's hooks on the drafters' shared steps (`cllm.training.drafter`).
 """
 
 from __future__ import annotations

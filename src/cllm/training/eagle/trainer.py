@@ -5,7 +5,7 @@ computed once (`feature_runs`, reusing Medusa's `hidden_states`); a step then co
 head and the LM head. At every position t the head reads the TRUE feature f_t (plus EAGLE's
 uniform noise) and the token x_{t+1}, and learns f_{t+1} (`cllm.training.eagle.loss`).
 
-`EagleTrainer` holds the optimizer state and steps; `train_eagle` is the whole loop in one call
+`EagleTrainer` is EAGLE's loss on the training skeleton; `train_eagle` trains in one call
 (scripts, tests); `save_eagle` writes a head in `cllm.modeling.eagle`'s file format
 (`cllm.models.load_eagle` reads it back). Nothing here prints.
 """
@@ -23,11 +23,10 @@ from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
 from cllm.core.outputs import replacing, share_like_siblings
-from cllm.core.runs import Resumable
 from cllm.modeling.eagle import CONFIG_FILE, DRAFT_CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, EagleHead
+from cllm.training.drafter import DrafterTrainer, Score
 from cllm.training.eagle.loss import eagle_loss
 from cllm.training.medusa.texts import Text, hidden_states
-from cllm.training.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -67,30 +66,24 @@ def pad_runs(runs: Sequence[FeatureRun]) -> tuple[torch.Tensor, torch.Tensor, to
     return features, tokens, mask
 
 
-class EagleTrainer(Resumable):
-    """AdamW on the head alone (target frozen, its features precomputed), linear warm-up then
-    cosine decay; batches and noise drawn from seeded generators."""
+class EagleTrainer(DrafterTrainer[FeatureRun]):
+    """The EAGLE head on the skeleton (`cllm.training.drafter.DrafterTrainer`): the items are the
+    frozen model's feature runs; a batch's loss is EAGLE's (feature regression + `w_cls` x
+    classification), teacher forced on the true features with uniform noise of width `noise` on
+    them while training (drawn from the batch generator)."""
 
-    STATEFUL = ("head", "optimizer", "scheduler")
-
-    def __init__(self, head: EagleHead, runs: Sequence[FeatureRun], *, steps: int, batch_size: int = 8,
-                 lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 0, w_cls: float = 0.1,
-                 noise: float = 0.2, seed: int = 0) -> None:
+    def __init__(self, head: EagleHead, runs: Sequence[FeatureRun], held: Sequence[FeatureRun] = (), *, steps: int,
+                 w_cls: float = 0.1, noise: float = 0.2, **optimizer) -> None:
         if not runs:
             raise UserError("no training texts for the EAGLE head")
-        self.head, self.runs, self.steps, self.batch_size = head, list(runs), steps, batch_size
-        self.w_cls, self.noise = w_cls, noise
-        self.optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr,
-                                           weight_decay=weight_decay)
-        self.scheduler = warmup_cosine(self.optimizer, steps, min(warmup, steps))
-        self.generator = torch.Generator().manual_seed(seed)
-        self.step_index = 0
+        super().__init__(head, runs, held, steps=steps, **optimizer)
+        self.head, self.w_cls, self.noise = head, w_cls, noise
 
-    def _forward(self, runs: Sequence[FeatureRun], *, noisy: bool):
+    def score(self, batch: Sequence[FeatureRun], *, training: bool) -> Score:
         device = self.head.lm_head.weight.device
-        features, tokens, mask = (x.to(device) for x in pad_runs(runs))
+        features, tokens, mask = (x.to(device) for x in pad_runs(batch))
         inputs, target = features[:, :-1], features[:, 1:]  # (B, T-1, H): f_t in, f_{t+1} out
-        if noisy and self.noise:  # EAGLE: uniform noise on the input features
+        if training and self.noise:  # EAGLE: uniform noise on the input features
             u = torch.rand(inputs.shape, generator=self.generator, dtype=inputs.dtype)
             inputs = inputs + ((u - 0.5) * self.noise).to(device)
         predicted = self.head(inputs, tokens)  # (B, T-1, H)
@@ -99,31 +92,15 @@ class EagleTrainer(Resumable):
         predicted_logits = self.head.logits(predicted)
         loss = eagle_loss(predicted, target, predicted_logits, target_logits, mask, w_cls=self.w_cls)
         hits = ((predicted_logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum()
-        return loss, hits, mask.sum()
+        return Score(loss, hits, mask.sum(), weight=int(mask.sum()))
 
-    def step(self) -> dict:
-        """One optimizer step on a random batch; returns its loss, top-1 agreement, lr."""
-        self.head.train()
-        pick = torch.randint(len(self.runs), (self.batch_size,), generator=self.generator).tolist()
-        loss, hits, count = self._forward([self.runs[i] for i in pick], noisy=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step_index += 1
-        return {"step": self.step_index, "loss": loss.item(), "lr": self.scheduler.get_last_lr()[0],
-                "agreement": float(hits) / max(int(count), 1)}
+    def agreement(self, hits: torch.Tensor, counts: torch.Tensor) -> float:
+        """The head's next-next token against the model's, teacher forced: one share."""
+        return int(hits) / max(int(counts), 1)
 
-    @torch.no_grad()
-    def evaluate(self, runs: Sequence[FeatureRun]) -> dict:
-        """Mean loss per position and top-1 agreement (the head's next-next token vs the model's,
-        teacher forced) on held-out runs, without noise."""
-        self.head.eval()
-        total = hits = count = 0.0
-        for start in range(0, len(runs), self.batch_size):
-            loss, h, c = self._forward(runs[start : start + self.batch_size], noisy=False)
-            total, hits, count = total + float(loss) * int(c), hits + int(h), count + int(c)
-        return {"loss": total / max(count, 1), "agreement": hits / max(count, 1)}
+    @property
+    def positions(self) -> int:
+        return sum(r.next_tokens.shape[0] for r in self.items)
 
 
 def new_head(model: torch.nn.Module, seed: int = 0) -> EagleHead:
@@ -143,9 +120,8 @@ def train_eagle(model: torch.nn.Module, texts: Sequence[Text], *, steps: int = 2
     head = new_head(model, seed)
     runs = feature_runs(model, texts, pad_id=pad_id, eos_token_id=eos_token_id)
     trainer = EagleTrainer(head, runs, steps=steps, batch_size=batch_size, lr=lr, w_cls=w_cls, noise=noise, seed=seed)
-    for _ in range(steps):
-        trainer.step()
-    return head.eval()
+    trainer.train_in_memory()
+    return head
 
 
 def save_eagle(head: EagleHead, directory: str | os.PathLike) -> Path:

@@ -6,7 +6,7 @@
 - `loss`: the Medusa-1 self-distillation loss, pure functions of tensors;
 - `trainer`: `HeadsTrainer` (AdamW on the heads alone), `train_heads`, `measure_accuracies`,
   `save_heads`;
-- `run`: `medusa`, the command as named steps (texts, training, saving, evaluation);
+- `run`: `medusa`, the command: Medusa's hooks on the drafters' shared steps (`cllm.training.drafter`);
 - `joint`: `JointTrainer` (Medusa-2: the model trained with its heads, two optimizers);
 - `medusa2`: `medusa2`, `cllm medusa --joint` as named steps (a new checkpoint with its heads,
   measured against the original).
@@ -53,11 +53,13 @@ _MODULES = {
     "cllm.training.medusa.medusa2": ["medusa2"],
     "cllm.training.medusa.run": ["MedusaResult", "check_out_dir", "evaluate_heads", "medusa"],
     "cllm.training.medusa.texts": ["Text", "greedy_texts", "hidden_states", "texts_from_trajectories"],
-    "cllm.training.medusa.trainer": ["HeadsTrainer", "base_model_meta", "measure_accuracies", "pad_batch",
-                                     "save_heads", "train_heads"],
+    "cllm.training.medusa.trainer": ["HeadsTrainer", "measure_accuracies", "pad_batch", "save_heads",
+                                     "train_heads"],
+    "cllm.training.drafter": ["base_model_meta"],
 }
 
 if TYPE_CHECKING:
+    from cllm.training.drafter import base_model_meta
     from cllm.training.medusa.config import MedusaConfig
     from cllm.training.medusa.joint import JointTrainer
     from cllm.training.medusa.loss import JointLoss, agreement, backbone_terms, joint_loss, medusa_loss, medusa_terms
@@ -66,7 +68,6 @@ if TYPE_CHECKING:
     from cllm.training.medusa.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
     from cllm.training.medusa.trainer import (
         HeadsTrainer,
-        base_model_meta,
         measure_accuracies,
         pad_batch,
         save_heads,

@@ -6,7 +6,7 @@ next-token distribution at t + k (`cllm.training.medusa.loss.medusa_loss`), comp
 model's own LM head from the stored state at t + k. Positions count from the prompt's last
 token on: there every token ahead is greedy's.
 
-`HeadsTrainer` holds the optimizer state and steps; `train_heads` is the whole loop in one call;
+`HeadsTrainer` is Medusa-1's loss on the training skeleton; `train_heads` trains in one call;
 `measure_accuracies` gives the per-rank accuracies a candidate tree is shaped by; `save_heads`
 writes heads in `cllm.modeling.heads`' file format (`cllm.models.load_heads` reads them back).
 Nothing here prints: callers (`cllm medusa`, tests) log and report.
@@ -24,13 +24,11 @@ from safetensors.torch import save_file
 
 from cllm.core.errors import UserError
 from cllm.core.outputs import replacing, share_like_siblings
-from cllm.core.runs import Resumable
 from cllm.modeling.heads import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, MedusaHeads
 from cllm.modeling.losses import Distance
-from cllm.models import fingerprint
+from cllm.training.drafter import DrafterTrainer, Score
 from cllm.training.medusa.loss import agreement, medusa_loss
 from cllm.training.medusa.texts import Text, hidden_states
-from cllm.training.schedule import warmup_cosine
 
 
 def pad_batch(states: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,63 +66,33 @@ def measure_accuracies(heads: MedusaHeads, states: Sequence[torch.Tensor], *, to
     return (ranks / counts.clamp(min=1)[:, None]).tolist()
 
 
-class HeadsTrainer(Resumable):
-    """AdamW on the heads alone (the backbone is frozen, its states precomputed), linear
-    warm-up then cosine decay; batches drawn from `states` by a seeded generator."""
+class HeadsTrainer(DrafterTrainer[torch.Tensor]):
+    """Medusa-1 on the skeleton (`cllm.training.drafter.DrafterTrainer`): the items are the frozen
+    model's hidden-state runs; a batch's loss is `medusa_loss` of the heads against the model's
+    own LM head on the same states."""
 
-    STATEFUL = ("heads", "optimizer", "scheduler")
-
-    def __init__(self, heads: MedusaHeads, states: Sequence[torch.Tensor], *, steps: int, batch_size: int = 8,
-                 lr: float = 3e-3, weight_decay: float = 0.0, warmup: int = 0, distance: Distance = "fkl",
-                 head_decay: float = 0.8, seed: int = 0) -> None:
+    def __init__(self, heads: MedusaHeads, states: Sequence[torch.Tensor], held: Sequence[torch.Tensor] = (), *,
+                 steps: int, distance: Distance = "fkl", head_decay: float = 0.8, **optimizer) -> None:
         if not states:
             raise UserError("no training texts for the Medusa heads")
-        self.heads, self.states, self.steps, self.batch_size = heads, list(states), steps, batch_size
-        self.distance = distance
+        super().__init__(heads, states, held, steps=steps, **optimizer)
+        self.heads, self.distance = heads, distance
         self.weights = [head_decay**k for k in range(heads.num_heads)]  # Medusa's lambda_k
-        self.optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr,
-                                           weight_decay=weight_decay)
-        warmup = min(warmup, steps)
-        self.scheduler = warmup_cosine(self.optimizer, steps, warmup)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.step_index = 0
 
-    def _forward(self, states: Sequence[torch.Tensor]):
+    def score(self, batch: Sequence[torch.Tensor], *, training: bool) -> Score:
         device = self.heads.lm_head.weight.device
-        hidden, mask = pad_batch(states)
+        hidden, mask = pad_batch(batch)
         hidden, mask = hidden.to(device), mask.to(device)
         with torch.no_grad():
             model_logits = self.heads.lm_head(hidden)  # (B, T, V): the frozen model's own logits
         head_logits = self.heads(hidden)  # (K, B, T, V)
         loss = medusa_loss(head_logits, model_logits, mask, distance=self.distance, weights=self.weights)
-        return loss, agreement(head_logits.detach(), model_logits, mask)
+        hits, counts = agreement(head_logits.detach(), model_logits, mask)
+        return Score(loss, hits, counts, weight=sum(s.shape[0] for s in batch))
 
-    def step(self) -> dict:
-        """One optimizer step on a random batch; returns its loss, per-head top-1 agreement, lr."""
-        self.heads.train()
-        pick = torch.randint(len(self.states), (self.batch_size,), generator=self.generator).tolist()
-        loss, (hits, counts) = self._forward([self.states[i] for i in pick])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step_index += 1
-        return {"step": self.step_index, "loss": loss.item(), "lr": self.scheduler.get_last_lr()[0],
-                "agreement": (hits / counts.clamp(min=1)).tolist()}
-
-    @torch.no_grad()
-    def evaluate(self, states: Sequence[torch.Tensor]) -> dict:
-        """Mean loss per position and per-head top-1 agreement on held-out states."""
-        self.heads.eval()
-        total, positions = 0.0, 0
-        hits = counts = 0
-        for start in range(0, len(states), self.batch_size):
-            chunk = states[start : start + self.batch_size]
-            loss, (h, c) = self._forward(chunk)
-            n = sum(s.shape[0] for s in chunk)
-            total, positions = total + float(loss) * n, positions + n
-            hits, counts = hits + h, counts + c
-        return {"loss": total / max(positions, 1), "agreement": (hits / counts.clamp(min=1)).tolist()}
+    @property
+    def positions(self) -> int:
+        return sum(s.shape[0] for s in self.items)
 
 
 def train_heads(model: torch.nn.Module, texts: Sequence[Text], *, num_heads: int = 4, own_projection: bool = False,
@@ -138,22 +106,12 @@ def train_heads(model: torch.nn.Module, texts: Sequence[Text], *, num_heads: int
     heads = MedusaHeads.for_model(model, num_heads=num_heads, own_projection=own_projection)
     states = hidden_states(model, texts, pad_id=pad_id, eos_token_id=eos_token_id)
     trainer = HeadsTrainer(heads, states, steps=steps, batch_size=batch_size, lr=lr, distance=distance, seed=seed)
-    for _ in range(steps):
-        trainer.step()
+    trainer.train_in_memory()
     heads.accuracies = measure_accuracies(heads, states, top_k=top_k)
     return heads.eval()
 
 
 # ------------------------------------------------------------------------ save
-
-
-def base_model_meta(model: torch.nn.Module, model_path: str | os.PathLike | None = None) -> dict[str, str]:
-    """The fingerprints `cllm.models.load_heads` checks: of the checkpoint folder when the model
-    came from one, and of its float32 parameters (for a model given in memory)."""
-    meta = {"parameters_fingerprint": fingerprint(model)}
-    if model_path is not None:
-        meta["model_fingerprint"] = fingerprint(model_path)
-    return meta
 
 
 def save_heads(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
