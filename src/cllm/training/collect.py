@@ -71,7 +71,7 @@ from cllm.models import (
     tokenizer_fingerprint,
 )
 from cllm.runtime import Runtime, open_runtime
-from cllm.training.config import CollectConfig, Guess  # noqa: F401 (re-exported)
+from cllm.training.config import CollectConfig
 
 log = logging.getLogger(__name__)
 

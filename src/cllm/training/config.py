@@ -46,7 +46,6 @@ from cllm.training.options import (
     EvalLength,
     Force,
     GradClip,
-    Guess,  # noqa: F401 (re-exported: cllm.training.collect)
     Machine,
     Model,
     Options,

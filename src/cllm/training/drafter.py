@@ -57,9 +57,8 @@ from cllm.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
-from cllm.training.medusa.config import AUTO
 from cllm.training.medusa.texts import Text, check_texts_source, training_texts
-from cllm.training.options import DrafterOptions
+from cllm.training.options import AUTO, DrafterOptions
 from cllm.training.schedule import warmup_cosine
 from cllm.training.skeleton import Plan, Trainer, descend, draw
 

@@ -14,7 +14,6 @@ from cllm.decoding.rivals.defaults import MEDUSA_TOP_K as DEFAULT_TOP_K
 from cllm.modeling.names import MEDUSA_CONFIG_FILE as CONFIG_FILE
 from cllm.modeling.names import MEDUSA_WEIGHTS_FILE as WEIGHTS_FILE
 from cllm.training.options import (
-    AUTO,  # noqa: F401 (re-exported: the run code)
     MEDUSA,
     MEDUSA_2,
     DrafterOptions,
