@@ -125,6 +125,8 @@ class DrafterTrainer(Trainer, Generic[Item]):
                 "agreement": self.agreement(score.hits, score.counts)}
 
     def evaluate(self) -> dict:
+        if not self.held:  # nothing held out (scripts, tests): no held-out measures
+            return {}
         result = self.holdout()
         if self.step == 0:
             self.before = result

@@ -103,7 +103,8 @@ class Trainer:
     # ------------------------------------------------------------------------------ the loop
 
     def advance(self) -> dict:
-        """One step outside `fit` (scripts, tests): no log, evaluation or checkpoint."""
+        """One step and its log record, no evaluation or checkpoint (`fit` adds those; scripts and
+        tests call it alone)."""
         record = self.train_step()
         self.step += 1
         return {"step": self.step, **record}
@@ -130,11 +131,9 @@ class Trainer:
                                                          unit="step", disable=not self.is_main) as bar:
             while self.step < stop_at:
                 started = time.perf_counter()
-                record = self.train_step()
-                self.step += 1
+                record = self.advance()
                 stop = self.agree(interrupted["set"])
                 step_seconds = time.perf_counter() - started
-                record = {"step": self.step, **record}
                 if self.step % plan.eval_every == 0 or self.step == plan.total:
                     record |= self._timed_evaluation()
                 self.elapsed += time.perf_counter() - started
