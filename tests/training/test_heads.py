@@ -265,3 +265,25 @@ def test_damaged_heads_are_a_one_line_error(checkpoint, tmp_path):
     (folder / CONFIG_FILE).write_text("{")
     with pytest.raises(UserError, match="cannot read"):
         load_heads(folder, model)
+
+
+def test_a_checkpoint_of_the_loop_before_the_skeleton_still_resumes(texts, tmp_path):
+    """Checkpoints written before the skeleton held the trainer's state under "trainer" (heads,
+    optimizer, scheduler, generator, step): read back, they restore what today's would."""
+    from cllm.core.runs import save_checkpoint
+    from cllm.training.drafter import _checkpoint
+
+    model = tiny_model("gpt2").requires_grad_(False)
+    states = hidden_states(model, texts)
+    trainer = HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, states, steps=6, batch_size=3, seed=5)
+    trainer.evaluate()  # step 0: the untrained heads' held-out measures, kept in the checkpoint
+    trainer.advance()
+    today = trainer.checkpoint()
+    state = {k: today[k] for k in ("optimizer", "scheduler", "generator")}
+    save_checkpoint(tmp_path / "old.pt", {"trainer": {"heads": today["drafter"], **state, "step": today["step"]},
+                                          "before": today["before"], "elapsed_s": today["elapsed_s"]})
+    read = _checkpoint(tmp_path / "old.pt")
+    assert set(read) == set(today) and read["step"] == 1 and read["before"] == today["before"] is not None
+    resumed = HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, states, steps=6, batch_size=3, seed=9)
+    resumed.restore(read)
+    assert resumed.advance() == trainer.advance()
