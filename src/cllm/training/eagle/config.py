@@ -28,7 +28,6 @@ RESUME_FREE = {"eval_prompts", "eval_count", "eval_max_new_tokens", "tree_nodes"
                "device", "force", "resume", "out", "decode_batch_size"}
 
 
-# 400 steps x 6 texts: 9 min on one CPU thread for stdlib-coder
 @dataclass
 @retune(max_steps=400, batch_size=6, warmup=30, top_k=DEFAULT_TOP_K, tree_nodes=DEFAULT_NODES)
 class EagleConfig(DrafterOptions):
