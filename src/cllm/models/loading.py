@@ -32,6 +32,7 @@ from transformers.utils import logging as transformers_logging
 
 from cllm.core.config import is_off
 from cllm.core.errors import UserError, first_line
+from cllm.core.options import check_dtype
 from cllm.data.tokenizer import tokenizer_sha256
 from cllm.decoding.draft_table import DraftTable
 from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
@@ -45,7 +46,6 @@ from cllm.models.names import (  # noqa: F401 (re-exported: `cllm.models` and ol
     EMBEDDED_TARGET,
     REPO_ROOT,
     SHIPPED,
-    check_dtype,
 )
 
 log = logging.getLogger(__name__)

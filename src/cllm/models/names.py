@@ -1,12 +1,10 @@
 """The names of a model's things on disk that configs, commands and loaders share: the shipped
-checkpoints, the files beside a checkpoint, the dtypes one may ask for. Plain constants, no torch,
+checkpoints, the files beside a checkpoint. Plain constants, no torch,
 so that a command's config can name them before anything heavy is imported."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from cllm.core.errors import UserError
 
 # Shipped checkpoints, addressable by short name from anywhere.
 REPO_ROOT = Path(__file__).resolve().parents[3]  # src/cllm/models/names.py
@@ -26,12 +24,3 @@ DRAFT_TABLE = Path("drafts") / "ngram.safetensors"
 DECODE_DEFAULTS = "decode_defaults.json"
 # ... and those measured on the llama.cpp runtime (`cllm tune --runtime llamacpp`), beside them
 DECODE_DEFAULTS_LLAMACPP = "decode_defaults_llamacpp.json"
-# the dtypes `--dtype` takes (`cllm.models.loading.DTYPES` maps them to torch's)
-DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-
-
-def check_dtype(name: str) -> str:
-    """`name` when it names a dtype (`DTYPE_NAMES`, any case), else a UserError listing them."""
-    if name.lower() not in DTYPE_NAMES:
-        raise UserError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_NAMES)}")
-    return name

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cllm.core.config import is_off
+from cllm.core.config import is_off, retune
 from cllm.core.errors import UserError
+from cllm.core.options import MACHINE, Device, Dtype, Force, Model, Threads
 from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig
-from cllm.runtime.choices import GGUF_OUT_TYPES, QUANT_TYPES, RUNTIME_HELP, RUNTIMES
-from cllm.serving.params import METHODS
+from cllm.runtime.choices import GGUF_OUT_TYPES, QUANT_TYPES
+from cllm.serving.options import Decoder, Heads, Runtime
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "CLLM_API_KEY"
@@ -26,26 +27,19 @@ DEFAULT_SPECULATIVE_TOKENS = 8
 
 
 @dataclass
-class ServeConfig:
-    model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
+class ServeConfig(Model, Decoder, Heads, Dtype, Device, Runtime):
+    """`cllm serve`'s settings: the groups it shares with generate and chat, then the server's own."""
+
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback by default; beyond it, set "
         "--api-key)"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
     served_model_name: str | None = field(default=None, metadata={"help": "the model id clients use (default: the "
         "model dir's name)"})
-    method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "greedy decoder when a request does "
-        "not name one"})
     engine: Literal["cllm", "vllm"] = field(default="cllm", metadata={"help": "cllm: this package's server and Jacobi "
         "engine; vllm: vLLM's OpenAI server drafting with our proposer (cllm.serving.vllm; needs vLLM: make vllm, or "
         "pip install 'cllm[vllm]')"})
     jacobi: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
         "settings (flags --block-size, --recycle, ...)"})
-    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
-        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
-    medusa: str = field(default="none", metadata={"help": "not served: Medusa heads decode one prompt at a time, in "
-        "cllm generate / cllm chat --medusa (the server batches rows on the Jacobi engine)"})
-    eagle: str = field(default="none", metadata={"help": "not served: an EAGLE head decodes one prompt at a time, in "
-        "cllm generate / cllm chat --eagle (the server batches rows on the Jacobi engine)"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens when a request gives none (capped by "
         "--max-tokens-limit)"})
     max_tokens_limit: int = field(default=1024, metadata={"help": "largest max_tokens a request may ask for"})
@@ -80,17 +74,10 @@ class ServeConfig:
         "otherwise, any when bound to all addresses); other Hosts get 400, which stops DNS rebinding"})
     openapi: bool = field(default=False, metadata={"help": "serve the API's schema at /openapi.json (behind the API "
         "key when there is one); no /docs page (it would load JavaScript from a CDN)"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: one per core the load average leaves free "
-        "at start, at least 1: two threads that wait on each other on a shared CPU made every request ~30x slower; "
-        "--engine vllm on a CPU: the cores vLLM binds its threads to, 0: all)"})
-    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
-                                                                         metadata={"help": RUNTIME_HELP})
-    compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward before serving "
-        "(float32 on a CPU with a C++ compiler; minutes the first time for a model, then loaded from the compile "
-        "cache in seconds; elsewhere a note and the eager forward). Faster for one client, slower for many on a "
-        "small CPU (docs/serving.md)"})
+    threads: int = field(default=0, metadata={"section": MACHINE, "help": "torch CPU threads (0: one per core the "
+        "load average leaves free at start, at least 1: on a shared CPU, threads that wait on each other slow every "
+        "request down many times, docs/serving.md; --engine vllm on a CPU: the cores vLLM binds its threads to, 0: "
+        "all)"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level"})
     speculation: Literal["cllm", "cllm-jacobi", "ngram", "none"] = field(default="cllm", metadata={"help": "--engine "
         "vllm: what drafts the tokens vLLM verifies: cllm (our proposer: the request's n-grams + the model's draft "
@@ -101,8 +88,7 @@ class ServeConfig:
         "(vLLM's --tensor-parallel-size)"})
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        super().__post_init__()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         for name in ("default_max_tokens", "max_tokens_limit", "max_prompt_tokens", "queue_size",
@@ -116,8 +102,6 @@ class ServeConfig:
             raise ValueError("--read-timeout and --header-timeout must be > 0")
         if self.threads < 0 or self.forward_width < 0:
             raise ValueError("--threads and --forward-width must be >= 0")
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.engine not in ("cllm", "vllm"):
@@ -181,9 +165,10 @@ def api_key(cfg: ServeConfig) -> str | None:
 
 
 @dataclass
-class ExportConfig:
-    model: str = field(default="stdlib-coder-cllm", metadata={"help": "model to export: shipped name or local "
-        "checkpoint dir (Llama or Qwen2, byte-level BPE tokenizer)"})
+@retune(model="stdlib-coder-cllm")
+class ExportConfig(Model, Force, Threads):
+    """`cllm export`'s settings: a Llama or Qwen2 checkpoint with a byte-level BPE tokenizer to GGUF."""
+
     gguf: str | None = field(default=None, metadata={"help": "GGUF file to write (llama.cpp's model format; "
         "required); its side folder OUT.cllm/ gets the tokenizer, draft table and tuned setting"})
     out_type: str = field(default="f32", metadata={"help": "weight type: f32, f16 or bf16 (norms stay f32)"})
@@ -192,10 +177,9 @@ class ExportConfig:
     lookup_cache: str | None = field(default=None, metadata={"help": "also write the model's draft table (cllm "
         "drafts) as llama.cpp's static n-gram cache (llama-lookup, or llama-server --spec-type ngram-cache, "
         "with --lookup-cache-static FILE)"})
-    threads: int = field(default=0, metadata={"help": "threads of the quantizer (0: llama.cpp's default)"})
-    force: bool = field(default=False, metadata={"help": "replace the output files if they exist"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.gguf:
             raise UserError("--gguf OUT.gguf is required: the file to write")
         if self.out_type not in GGUF_OUT_TYPES:

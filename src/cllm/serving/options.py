@@ -1,19 +1,24 @@
-"""The decode options `cllm generate` and `cllm chat` share (`DecodeOptions`) and their configs,
-which extend it (`GenerateConfig`, `ChatConfig`): the model and how to load it, the decoder, the
-budget, stop strings and sampling, checked on construction and turned into a request's
-`DecodeParams`. No torch here: `cllm generate --help` reads these before anything heavy loads;
-`cllm.serving.loading.load_options` loads what they name.
+"""The decode options: the groups generate, chat, serve and bench share (`Decoder`, `Heads`,
+`Engine`, `Runtime`, beside `cllm.core.options`'), what `cllm generate` and `cllm chat` share
+(`DecodeOptions`: the model and how to load it, the decoder, the budget, stop strings and
+sampling) and their configs, which extend it (`GenerateConfig`, `ChatConfig`); checked on
+construction and turned into a request's `DecodeParams`. No torch here: `cllm generate --help`
+reads these before anything heavy loads; `cllm.serving.loading.load_options` loads what they name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from cllm.core.config import is_off
+from cllm.core.config import Section, is_off
+from cllm.core.options import MACHINE, Budget, Dtype, Machine, Model, Options, Seed
 from cllm.decoding.settings import RECOMMENDED_CONFIG, JacobiConfig, is_greedy
 from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
 from cllm.serving.params import METHODS, DecodeParams
+
+DECODING = Section("decoding", 15)
+SAMPLING = Section("stopping and sampling", 16)
 
 
 def unescape(text: str) -> str:
@@ -31,11 +36,68 @@ def unescape(text: str) -> str:
 
 
 @dataclass
-class DecodeOptions:
-    model: str = field(default="stdlib-coder", metadata={"help": "model dir, shipped name or hub id"})
+class Decoder(Options):
+    """Which decoder runs a prompt and on which drafts (generate, chat, serve)."""
+
+    SECTION: ClassVar[Section] = DECODING
     method: Literal["jacobi", "ar"] = field(default="jacobi", metadata={"help": "decoder: Jacobi (blocks) or AR (token "
-        "by token)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "token budget"})
+        "by token); serve: for a request that names none"})
+    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
+        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+
+
+@dataclass
+class Heads(Options):
+    """A model's trained draft heads (generate, chat, bench; serve refuses them)."""
+
+    SECTION: ClassVar[Section] = DECODING
+    medusa: str = field(default="none", metadata={"help": "Medusa heads (cllm medusa): auto (those in MODEL/medusa, if "
+        "any), none, or a heads folder. generate, chat: decode with them instead of --method, greedily (the text is "
+        "greedy's); bench: method medusa's heads; serve: refused (it batches rows on the Jacobi engine)"})
+    eagle: str = field(default="none", metadata={"help": "an EAGLE head (cllm eagle): auto (the one in MODEL/eagle, "
+        "if any), none, or a head folder. generate, chat: decode with it instead of --method, greedily (the text is "
+        "greedy's); bench: method eagle's head; serve: refused (it batches rows on the Jacobi engine)"})
+
+
+@dataclass
+class Engine(Options):
+    """The Jacobi engine's settings (generate, chat, bench; serve's are its `jacobi`)."""
+
+    SECTION: ClassVar[Section] = DECODING
+    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
+        "settings (flags --block-size, --recycle, ...); bench: cllm_jacobi and target_lookahead use them all, the "
+        "plain Jacobi methods the block size and guess"})
+
+
+@dataclass
+class Runtime(Options):
+    """The forward the decoders run on (generate, chat, serve, bench)."""
+
+    SECTION: ClassVar[Section] = MACHINE
+    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
+                                                                         metadata={"help": RUNTIME_HELP})
+    compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward first (float32 on "
+        "a CPU with a C++ compiler; elsewhere a note and the eager forward): faster forwards of few fed tokens, after "
+        "a compile the first time for a model that a short run does not win back; later runs load it from the "
+        "compile cache, $CLLM_COMPILE_CACHE or ~/.cache/cllm/compiled. Faster for one client, slower for many on a "
+        "small CPU (docs/serving.md; benchmarks/README.md, engines-cpu/llamacpp-compiled)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+
+
+@dataclass
+class DecodeOptions(Model, Budget, Decoder, Heads, Engine, Seed, Dtype, Machine, Runtime):
+    """What `cllm generate` and `cllm chat` share; stopping and sampling are their own."""
+
+    SECTION: ClassVar[Section] = SAMPLING
     stop: list[str] = field(default_factory=list, metadata={"help": r"stop strings, comma-separated (\n, \t "
         r"understood); output is cut at the first"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact); > 0 samples, with Jacobi losslessly "
@@ -43,31 +105,9 @@ class DecodeOptions:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (with --temperature > 0)"})
     top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens (with "
         "--temperature > 0)"})
-    seed: int | None = field(default=None, metadata={"help": "seed of the guesses and the sampling draws (default: 0)"})
-    engine: JacobiConfig = field(default_factory=lambda: RECOMMENDED_CONFIG, metadata={"help": "the Jacobi engine's "
-        "settings (flags --block-size, --recycle, ...)"})
-    draft_table: str = field(default="auto", metadata={"help": "Jacobi: the model's draft table (cllm drafts): auto "
-        "(the one saved beside the checkpoint, if any), none, or a file; speed only, the output is unchanged"})
-    medusa: str = field(default="none", metadata={"help": "decode with Medusa heads (cllm medusa) instead of --method: "
-        "auto (those in MODEL/medusa, if any), none, or a heads folder; greedy only, the text is greedy's"})
-    eagle: str = field(default="none", metadata={"help": "decode with an EAGLE head (cllm eagle) instead of --method: "
-        "auto (the one in MODEL/eagle, if any), none, or a head folder; greedy only, the text is greedy's"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads, llama.cpp's with --runtime llamacpp (0: "
-        "the default)"})
-    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
-                                                                         metadata={"help": RUNTIME_HELP})
-    compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward first (float32 on "
-        "a CPU with a C++ compiler): faster forwards of few fed tokens, after a compile the first time for a model "
-        "that a short run does not win back; later runs load it from the compile cache, $CLLM_COMPILE_CACHE or "
-        "~/.cache/cllm/compiled (benchmarks/README.md, engines-cpu/llamacpp-compiled)"})
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        super().__post_init__()
         self.stop = [unescape(s) for s in self.stop]
         if any(s == "" for s in self.stop):
             raise ValueError("--stop strings must not be empty")
@@ -77,10 +117,6 @@ class DecodeOptions:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        if self.runtime not in RUNTIMES:
-            raise ValueError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         if not is_off(self.medusa) and not is_greedy(self.temperature):
             raise ValueError("--medusa decodes greedily: use --temperature 0 (or --medusa none)")
         if not is_off(self.eagle) and not is_greedy(self.temperature):

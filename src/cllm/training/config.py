@@ -21,31 +21,14 @@ from typing import ClassVar, Literal
 
 from cllm.core.config import Section, is_off, retune
 from cllm.core.errors import UserError
-from cllm.data.prompts import NAMED_SETS
-from cllm.modeling.names import Distance
-from cllm.models.names import SHIPPED
-from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
-from cllm.training.options import (
-    COLLECTION,
-    DRAFT_TABLE,
+from cllm.core.options import (
     EVALUATION,
-    LORA,
     MACHINE,
     MODEL_DATA,
-    MODEL_SHAPE,
-    RECIPE,
     RUN,
-    TRAINING,
-    Checkpoints,
-    Collection,
-    Decay,
-    DecodeBatch,
+    AnyDevice,
     Dtype,
-    EvalCount,
-    EvalInterval,
-    EvalLength,
     Force,
-    GradClip,
     Machine,
     Model,
     Options,
@@ -53,6 +36,26 @@ from cllm.training.options import (
     Resume,
     RunFolder,
     Seed,
+)
+from cllm.data.prompts import NAMED_SETS
+from cllm.modeling.names import Distance
+from cllm.models.names import SHIPPED
+from cllm.runtime.choices import RUNTIME_HELP, RUNTIMES
+from cllm.training.options import (
+    COLLECTION,
+    DRAFT_TABLE,
+    LORA,
+    MODEL_SHAPE,
+    RECIPE,
+    TRAINING,
+    Checkpoints,
+    Collection,
+    Decay,
+    DecodeBatch,
+    EvalCount,
+    EvalInterval,
+    EvalLength,
+    GradClip,
     TextField,
     Training,
 )
@@ -291,7 +294,7 @@ def default_eval_set(model: str, prompts: str | None) -> str | None:
 
 @dataclass
 @retune(out="runs/pretrain-stdlib-coder", lr=2e-3, batch_size=8, weight_decay=0.1, checkpoint_interval=200)
-class PretrainConfig(RunFolder, Resume, Seed, Checkpoints, Training, Decay, GradClip, EvalInterval):
+class PretrainConfig(RunFolder, Resume, Seed, Checkpoints, Training, Decay, GradClip, EvalInterval, AnyDevice):
     SECTION: ClassVar[Section] = MODEL_SHAPE
     vocab_size: int = field(default=8192, metadata={"help": "BPE vocabulary size, <|endoftext|> included"})
     tokenizer: str | None = field(default=None, metadata={"help": "reuse this checkpoint's tokenizer instead of "
@@ -314,8 +317,6 @@ class PretrainConfig(RunFolder, Resume, Seed, Checkpoints, Training, Decay, Grad
         "windows"})
     bf16: bool = field(default=True, metadata={"section": MACHINE, "help": "bfloat16 autocast for the forward pass "
         "(weights and optimizer stay float32)"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={"section": MACHINE, "help": "where the "
-        "model trains: auto is cuda when torch sees a GPU, else the CPU"})
     threads: int = field(default=2, metadata={"section": MACHINE, "help": "torch CPU threads"})
 
     def __post_init__(self) -> None:

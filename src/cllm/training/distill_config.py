@@ -12,8 +12,9 @@ from typing import ClassVar
 
 from cllm.core.config import Section, retune
 from cllm.core.errors import UserError
+from cllm.core.options import EVALUATION, MACHINE, Model, PromptSet, RunFolder
 from cllm.training.config import CollectConfig, DraftsConfig, Recipe, TrainConfig, WithRecipe
-from cllm.training.options import DRAFT_TABLE, EVALUATION, MACHINE, ROUNDS, Collection, Model, PromptSet, RunFolder
+from cllm.training.options import DRAFT_TABLE, ROUNDS, Collection
 
 # row r7 of benchmarks/distill_ablations.md (see above); the rest is `Recipe`'s defaults
 DISTILL_RECIPE = Recipe(distance="argmax", states_per_record=8, ar_weight=0.0, ar_target="fixed_points",

@@ -57,10 +57,10 @@ from cllm.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
-from cllm.training.medusa.texts import Text, check_texts_source, training_texts
 from cllm.training.options import AUTO, DrafterOptions
 from cllm.training.schedule import warmup_cosine
 from cllm.training.skeleton import Plan, Trainer, descend, draw
+from cllm.training.texts import Text, check_texts_source, training_texts
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class DrafterTrainer(Trainer, Generic[Item]):
         self.scheduler = warmup_cosine(self.optimizer, steps, min(warmup, steps))
         self.generator = torch.Generator().manual_seed(seed)
         self.before: dict | None = None  # the untrained drafter's held-out measures
+        self.measured: tuple[int, dict] = (-1, {})  # the step of the latest held-out measures, and they
         if plan is not None:
             self.plan = plan
 
@@ -130,7 +131,14 @@ class DrafterTrainer(Trainer, Generic[Item]):
         result = self.holdout()
         if self.step == 0:
             self.before = result
+        self.measured = (self.step, result)
         return {"holdout": result}
+
+    def final_holdout(self) -> dict:
+        """The held-out measures after the last step: its evaluation's, else measured now (a run
+        resumed at its end, or nothing held out)."""
+        step, result = self.measured
+        return result if step == self.step else self.holdout()
 
     @torch.no_grad()
     def holdout(self) -> dict:
@@ -258,7 +266,7 @@ def run_drafter(kind: Drafter, config: DrafterOptions) -> DrafterResult:
             log.info("resuming %s at step %d of %d", out, trainer.step, config.max_steps)
         if not trainer.fit():  # ... steps, log, held-out loss and checkpoints
             return DrafterResult(out, trainer.drafter, trainer.before, stopped_at=trainer.step)
-        after = trainer.holdout()
+        after = trainer.final_holdout()
         kind.save(run, trainer, after)  # 4. the drafter, its tree and record
         for name in (files.checkpoint, files.texts):
             (out / name).unlink(missing_ok=True)

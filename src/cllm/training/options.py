@@ -1,14 +1,9 @@
-"""The options the training commands share, each declared once, in a small group class.
+"""The option groups only the training commands share, each declared once (the way
+`cllm.core.options` describes; the groups every side takes, the model, prompts, run folder, seed
+and machine, are there).
 
-A command's config inherits the groups it takes (dataclass inheritance, so `config.lr` stays
-flat) and gives an inherited option its own default with `cllm.core.config.retune`; the help,
-type and checks stay with the group. Each group validates its options in `__post_init__` and
-hands on to the next (`super().__post_init__()`, ended by `Options`). A group without a default
-for an option (keyword-only) leaves it to each command's `retune`.
-
-`SECTION` titles where `--help` lists what a class declares; the sections below print in their
-order: what most runs set first, study-only knobs and the machine last. No torch here: `--help`
-reads these before anything heavy loads.
+The sections below print in their order between core's: what most runs set first, study-only
+knobs late, the machine last. No torch here: `--help` reads these before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -18,10 +13,22 @@ from typing import ClassVar, Literal
 
 from cllm.core.config import Section, retune
 from cllm.core.errors import UserError
-from cllm.models.names import check_dtype
+from cllm.core.options import (
+    EVALUATION,
+    MACHINE,
+    MODEL_DATA,
+    RUN,
+    Dtype,
+    Force,
+    Machine,
+    Model,
+    Options,
+    PromptSet,
+    Resume,
+    Seed,
+    check_ints,
+)
 
-MODEL_DATA = Section("model and data", 10)
-RUN = Section("run", 20)  # where it writes, resuming, checkpoints, seed
 # what a command is about
 MODEL_SHAPE = Section("model shape", 30)  # pretrain
 COLLECTION = Section("collection", 30)  # collect, distill
@@ -32,57 +39,14 @@ MEDUSA_2 = Section("Medusa-2 (--joint)", 31)
 EAGLE = Section("EAGLE head", 30)
 TREE = Section("candidate tree", 33)  # medusa, eagle
 TRAINING = Section("training", 40)
-EVALUATION = Section("evaluation", 50)
 RECIPE = Section("recipe details (studies)", 60)  # train, distill
 LORA = Section("LoRA", 70)
-MACHINE = Section("machine", 80)
 
 AUTO = "auto"  # medusa, eagle --eval-prompts: HumanEval for a model of the stdlib domain, else the held-out texts
 Guess = Literal["prompt", "repeat", "random", "lookup"]
 
 
-def check_ints(config, names: list[str], minimum: int) -> None:
-    """Each option of `names` an int >= `minimum`, else a UserError naming its flag."""
-    for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise UserError(f"--{name.replace('_', '-')} must be an int >= {minimum}, got {value!r}")
-
-
-class Options:
-    """The root of every option group: ends the `__post_init__` chain."""
-
-    def __post_init__(self) -> None:
-        pass
-
-
 # model and data
-
-
-@dataclass
-class Model(Options):
-    """The model a command works with (train, collect, distill, drafts, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = MODEL_DATA
-    model: str = field(default="stdlib-coder", metadata={"help": "the model: a shipped name, local checkpoint dir "
-        "or hub id"})
-
-
-@dataclass
-class PromptSet(Options):
-    """The prompts whose greedy text makes a command's data (collect, distill, drafts, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = MODEL_DATA
-    prompts: str = field(default="stdlib-train", metadata={"help": "prompt set whose continuations make the data: "
-        "stdlib-train, stdlib-val, humaneval, or a JSONL/Parquet file (not the prompts you benchmark on)"})
-    max_prompts: int | None = field(default=None, metadata={"help": "the first N prompts of the set make the data "
-        "(unset: all)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "new tokens decoded per prompt of the data (fewer at "
-        "EOS)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_ints(self, ["max_new_tokens"] + (["max_prompts"] if self.max_prompts is not None else []), 1)
 
 
 @dataclass
@@ -95,51 +59,6 @@ class TextField(Options):
 
 
 # run
-
-
-@dataclass
-class RunFolder(Options):
-    """The folder a run writes and resumes (train, pretrain, collect, distill); each command
-    names its own default."""
-
-    SECTION: ClassVar[Section] = RUN
-    out: str = field(kw_only=True, metadata={"help": "output folder; rerun with the same options to resume"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.out:
-            raise UserError("out must name a directory")
-
-
-@dataclass
-class Resume(Options):
-    """Whether a run continues from its checkpoint (train, pretrain, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = RUN
-    resume: bool = field(default=True, metadata={"help": "continue an unfinished run in --out from its checkpoint; "
-        "false starts over"})
-
-
-@dataclass
-class Force(Options):
-    """Whether a finished run's output is replaced (drafts, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = RUN
-    force: bool = field(default=False, metadata={"help": "replace what a finished run wrote (at --out, or inside "
-        "MODEL without it), never a file cllm did not write; an unfinished medusa or eagle run resumes without it"})
-
-
-@dataclass
-class Seed(Options):
-    """The seed of whatever a run draws (train, distill, pretrain, collect, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = RUN
-    seed: int = field(default=0, metadata={"help": "random seed of what the run draws: data order, initial weights, "
-        "sampled states, dropout, initial guesses, noise"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_ints(self, ["seed"], 0)
 
 
 @dataclass
@@ -283,32 +202,6 @@ class DecodeBatch(Options):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_ints(self, ["batch_size"], 1)
-
-
-@dataclass
-class Dtype(Options):
-    """The dtype a model is loaded in (collect, drafts, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = MACHINE
-    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16 (medusa, "
-        "eagle: the trained heads' too)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_dtype(self.dtype)
-
-
-@dataclass
-class Machine(Options):
-    """Where torch runs and on how many CPU threads (drafts, medusa, eagle)."""
-
-    SECTION: ClassVar[Section] = MACHINE
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_ints(self, ["threads"], 0)
 
 
 # medusa and eagle

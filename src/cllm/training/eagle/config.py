@@ -8,13 +8,14 @@ from typing import ClassVar
 
 from cllm.core.config import Section, retune
 from cllm.core.errors import UserError
+from cllm.core.options import check_ints
 from cllm.decoding.rivals.defaults import EAGLE_DEPTH as DEFAULT_DEPTH
 from cllm.decoding.rivals.defaults import EAGLE_NODES as DEFAULT_NODES
 from cllm.decoding.rivals.defaults import EAGLE_TOP_K as DEFAULT_TOP_K
 from cllm.modeling.names import EAGLE_CONFIG_FILE as CONFIG_FILE
 from cllm.modeling.names import EAGLE_DRAFT_CONFIG_FILE as DRAFT_CONFIG_FILE
 from cllm.modeling.names import EAGLE_WEIGHTS_FILE as WEIGHTS_FILE
-from cllm.training.options import EAGLE, TREE, DrafterOptions, check_ints
+from cllm.training.options import EAGLE, TREE, DrafterOptions
 
 TRAIN_CONFIG = "eagle_train_config.json"
 LOG = "eagle_log.jsonl"

@@ -26,7 +26,7 @@ from cllm.core.outputs import replacing, share_like_siblings
 from cllm.modeling.eagle import CONFIG_FILE, DRAFT_CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, EagleHead
 from cllm.training.drafter import DrafterTrainer, Score
 from cllm.training.eagle.loss import eagle_loss
-from cllm.training.medusa.texts import Text, hidden_states
+from cllm.training.texts import Text, hidden_states
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Medusa heads' training, all of it (the heads' module is `cllm.modeling.heads`, their loader
-`cllm.models.load_heads`, their decoding `cllm.decoding.rivals.medusa`):
+`cllm.models.load_heads`, their decoding `cllm.decoding.rivals.medusa`, their training text
+`cllm.training.texts`, shared with EAGLE and re-exported here):
 
 - `config`: `MedusaConfig` (`cllm medusa`'s settings) and the files a run writes;
-- `texts`: the training text, the model's own greedy output, and its hidden states;
 - `loss`: the Medusa-1 self-distillation loss, pure functions of tensors;
 - `trainer`: `HeadsTrainer` (AdamW on the heads alone), `train_heads`, `measure_accuracies`,
   `save_heads`;
@@ -52,7 +52,7 @@ _MODULES = {
                                   "medusa_terms"],
     "cllm.training.medusa.medusa2": ["medusa2"],
     "cllm.training.medusa.run": ["MedusaResult", "check_out_dir", "evaluate_heads", "medusa"],
-    "cllm.training.medusa.texts": ["Text", "greedy_texts", "hidden_states", "texts_from_trajectories"],
+    "cllm.training.texts": ["Text", "greedy_texts", "hidden_states", "texts_from_trajectories"],
     "cllm.training.medusa.trainer": ["HeadsTrainer", "measure_accuracies", "pad_batch", "save_heads",
                                      "train_heads"],
     "cllm.training.drafter": ["base_model_meta"],
@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from cllm.training.medusa.loss import JointLoss, agreement, backbone_terms, joint_loss, medusa_loss, medusa_terms
     from cllm.training.medusa.medusa2 import medusa2
     from cllm.training.medusa.run import MedusaResult, check_out_dir, evaluate_heads, medusa
-    from cllm.training.medusa.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
     from cllm.training.medusa.trainer import (
         HeadsTrainer,
         measure_accuracies,
@@ -73,5 +72,6 @@ if TYPE_CHECKING:
         save_heads,
         train_heads,
     )
+    from cllm.training.texts import Text, greedy_texts, hidden_states, texts_from_trajectories
 
 lazy_exports(__name__, {name: module for module, names in _MODULES.items() for name in names})

@@ -9,16 +9,12 @@ from typing import ClassVar, Literal
 
 from cllm.core.config import Section, retune
 from cllm.core.errors import UserError
+from cllm.core.options import check_ints
 from cllm.decoding.rivals.defaults import MEDUSA_NODES as DEFAULT_NODES
 from cllm.decoding.rivals.defaults import MEDUSA_TOP_K as DEFAULT_TOP_K
 from cllm.modeling.names import MEDUSA_CONFIG_FILE as CONFIG_FILE
 from cllm.modeling.names import MEDUSA_WEIGHTS_FILE as WEIGHTS_FILE
-from cllm.training.options import (
-    MEDUSA,
-    MEDUSA_2,
-    DrafterOptions,
-    check_ints,
-)
+from cllm.training.options import MEDUSA, MEDUSA_2, DrafterOptions
 
 TRAIN_CONFIG = "medusa_train_config.json"
 LOG = "medusa_log.jsonl"

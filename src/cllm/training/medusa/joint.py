@@ -2,7 +2,7 @@
 
 The text is the ORIGINAL model's greedy output (as for Medusa-1), and the original stays the
 teacher of both terms: its last hidden states on the text are computed once
-(`cllm.training.medusa.texts.hidden_states`) and a frozen copy of its LM head turns them into
+(`cllm.training.texts.hidden_states`) and a frozen copy of its LM head turns them into
 its distributions per batch (V-sized logits are never stored; the model's own LM head may be
 tied to its embeddings and moves with them). A joint step runs the model with gradients over
 prompt + text (`cllm.runtime.hf.forward_hidden`, the one adapter for model calls) and takes
@@ -31,10 +31,10 @@ from cllm.modeling.losses import Distance
 from cllm.runtime import hf
 from cllm.training.drafter import DrafterTrainer
 from cllm.training.medusa.loss import agreement, joint_loss
-from cllm.training.medusa.texts import Text
 from cllm.training.medusa.trainer import pad_batch
 from cllm.training.schedule import warmup_cosine
 from cllm.training.skeleton import descend, draw
+from cllm.training.texts import Text
 
 MAX_GRAD_NORM = 1.0  # the model's gradient is clipped (the heads' is not, as in Medusa-1)
 

@@ -57,9 +57,9 @@ from cllm.training.medusa import config as names
 from cllm.training.medusa.config import CARD, CHECKPOINT, EVALUATION, JOINT_RUN_FILES, RUN_FILES, MedusaConfig
 from cllm.training.medusa.joint import JointTrainer, frozen_copy
 from cllm.training.medusa.run import evaluate_heads, states_of
-from cllm.training.medusa.texts import hidden_states, probe_lm_head
 from cllm.training.medusa.trainer import measure_accuracies, save_heads
 from cllm.training.skeleton import Plan
+from cllm.training.texts import hidden_states, probe_lm_head
 
 log = logging.getLogger(__name__)
 

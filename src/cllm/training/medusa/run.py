@@ -26,9 +26,9 @@ from cllm.models import pad_token_id
 from cllm.training import drafter
 from cllm.training.medusa import config as names
 from cllm.training.medusa.config import MedusaConfig
-from cllm.training.medusa.texts import hidden_states, probe_lm_head
 from cllm.training.medusa.trainer import HeadsTrainer, measure_accuracies, save_heads
 from cllm.training.skeleton import Plan
+from cllm.training.texts import hidden_states, probe_lm_head
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Training Medusa heads on a frozen model (Medusa-1): self-distillation on its own greedy text.
 
 A training step costs only the heads: their inputs are the model's last hidden states, computed
-once (`cllm.training.medusa.texts.hidden_states`); head k at position t learns the model's
+once (`cllm.training.texts.hidden_states`); head k at position t learns the model's
 next-token distribution at t + k (`cllm.training.medusa.loss.medusa_loss`), computed by the
 model's own LM head from the stored state at t + k. Positions count from the prompt's last
 token on: there every token ahead is greedy's.
@@ -28,7 +28,7 @@ from cllm.modeling.heads import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, Medus
 from cllm.modeling.losses import Distance
 from cllm.training.drafter import DrafterTrainer, Score
 from cllm.training.medusa.loss import agreement, medusa_loss
-from cllm.training.medusa.texts import Text, hidden_states
+from cllm.training.texts import Text, hidden_states
 
 
 def pad_batch(states: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

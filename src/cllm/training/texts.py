@@ -1,11 +1,12 @@
-"""The heads' training text and what the frozen model computes on it once.
+"""The drafters' training text (Medusa-1 and -2 heads, the EAGLE head) and what the frozen
+model computes on it once.
 
 The text is the model's own greedy continuations of prompts (`greedy_texts`, or the fixed
-points of collected trajectories, `texts_from_trajectories`), so the heads learn to guess what
+points of collected trajectories, `texts_from_trajectories`), so a drafter learns to guess what
 greedy decoding will write, which is all that tree verification accepts. The backbone never
 changes, so its last hidden states are computed once (`hidden_states`): a training step then
-costs only the heads. `training_texts` is `cllm medusa`'s source: decoded once, kept in the
-run's folder until the run finishes, read back by a resume.
+costs only the drafter. `training_texts` is `cllm medusa`'s and `cllm eagle`'s source: decoded
+once, kept in the run's folder until the run finishes, read back by a resume.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from cllm.decoding.autoregressive import greedy_completions
 from cllm.decoding.inputs import eos_set, left_pad, model_device, position_limit
 from cllm.models import fingerprint, pad_token_id
 from cllm.runtime import hf
-from cllm.training.medusa.config import MedusaConfig
+from cllm.training.options import DrafterOptions
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ def texts_from_trajectories(records: Iterable) -> list[Text]:
             for r in ordered]
 
 
-def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path: Path, *,
+def training_texts(config: DrafterOptions, model: torch.nn.Module, tokenizer, path: Path, *,
                    command: str = "medusa") -> list[Text]:
-    """`cllm medusa`'s texts (and `cllm eagle`'s, whose config has the same fields): read back
+    """`cllm medusa`'s and `cllm eagle`'s texts: read back
     from an unfinished run, else decoded from --prompts (or read from the --data trajectories)
     and written to `path` until the run finishes."""
     if path.exists():
@@ -84,7 +85,7 @@ def training_texts(config: MedusaConfig, model: torch.nn.Module, tokenizer, path
     return texts
 
 
-def check_texts_source(config: MedusaConfig, path: Path) -> None:
+def check_texts_source(config: DrafterOptions, path: Path) -> None:
     """What `training_texts` will read, checked before the run's folder is claimed: the
     trajectories (collected with this model) or the prompt set, and that it holds more texts than
     --holdout keeps back. A resumed run reads its own texts (`path`)."""
@@ -105,7 +106,7 @@ def probe_lm_head(model: torch.nn.Module) -> None:
     _check_lm_head(model.get_output_embeddings(), fwd, torch.ones_like(ids, dtype=torch.bool))
 
 
-def _trajectory_texts(config: MedusaConfig) -> list[Text]:
+def _trajectory_texts(config: DrafterOptions) -> list[Text]:
     meta = read_meta(config.data)
     if meta.model_fingerprint != fingerprint(config.model):
         raise UserError(f"the trajectories in {config.data} were collected with another model ({meta.model}): "
