@@ -79,13 +79,15 @@ class Runtime(Options):
     """The forward the decoders run on (generate, chat, serve, bench)."""
 
     SECTION: ClassVar[Section] = MACHINE
-    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto",
-                                                                         metadata={"help": RUNTIME_HELP})
+    runtime: Literal["auto", "transformers", "lean", "llamacpp"] = field(default="auto", metadata={
+        "help": RUNTIME_HELP + "; bench: our decoders' (transformers' generate runs on its own forward whatever this "
+        "says)"})
     compile: bool = field(default=False, metadata={"help": "compile the lean runtime's forward first (float32 on "
         "a CPU with a C++ compiler; elsewhere a note and the eager forward): faster forwards of few fed tokens, after "
         "a compile the first time for a model that a short run does not win back; later runs load it from the "
         "compile cache, $CLLM_COMPILE_CACHE or ~/.cache/cllm/compiled. Faster for one client, slower for many on a "
-        "small CPU (docs/serving.md; benchmarks/README.md, engines-cpu/llamacpp-compiled)"})
+        "small CPU (docs/serving.md; benchmarks/README.md, engines-cpu/llamacpp-compiled); bench: the target's and the "
+        "CLLM's, and its forward timings time it too"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
