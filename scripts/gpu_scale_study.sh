@@ -23,9 +23,9 @@
 # bf16 peak (transformers' eager Llama, float32 weights under autocast, at these widths), about
 # 0.5 and 1-2.5 minutes, plus tokenizing the corpus. Distillation on 384 prompts x 128 tokens and
 # 100 steps: each step decodes 6 rollouts of 128 tokens one token a forward (~5-10 ms each at
-# these depths), so 1-2 minutes of training, and the final evaluation runs on the CPU (distill
-# loads both models there), 0.5-1.5 minutes. Altogether about 8-11 minutes; each size alone
-# (ONLY=) stays inside one 10-minute device command.
+# these depths), so 1-2 minutes of training, and the final evaluation (both models in float32
+# on the GPU) at most about as long. Altogether about 7-10 minutes; each size alone (ONLY=) stays
+# inside one 10-minute device command.
 #
 # Settings (environment): SIZES ("NAME:WIDTH:LAYERS:HEADS:STEPS:LR ...", min lr = lr / 10), ONLY
 # (names to run), CONTEXT, BATCH, VOCAB, MAX_FILES (pretraining corpus files per split), DEVICE,

@@ -269,3 +269,31 @@ def test_a_first_run_failing_before_its_first_shard_leaves_no_folder_but_the_use
     mine.mkdir()
     assert cli_main(cli_args(config(setup, out=str(mine), eval_prompts=None))) == 2
     assert mine.is_dir()
+
+
+def test_the_final_evaluation_loads_both_models_on_the_runs_device(setup, tmp_path, monkeypatch):
+    """On a GPU run both models are evaluated there, not on the CPU: they load on the main
+    process's device (accelerate's), the one training used."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cllm.training import distill as module
+
+    class Loaded(Exception):
+        pass
+
+    devices = []
+    monkeypatch.setattr(module, "PartialState", lambda: SimpleNamespace(device=torch.device("meta")))  # not a CPU
+    monkeypatch.setattr(module, "load_tokenizer", lambda path: None)
+
+    def load_model(name, **kwargs):
+        devices.append(kwargs.get("device"))
+        if len(devices) == 2:
+            raise Loaded
+        return None
+
+    monkeypatch.setattr(module, "load_model", load_model)
+    with pytest.raises(Loaded):
+        module.evaluate_distilled(str(setup[1]), tmp_path, config(setup), "val")
+    assert devices == [torch.device("meta"), torch.device("meta")]

@@ -269,7 +269,8 @@ def _drafts_stage(drafts_config: DraftsConfig, skipped: list[str]) -> None:
 
 
 def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillConfig, prompts: str) -> dict:
-    """Target vs CLLM on the held-out `prompts`, both loaded in float32 from disk, greedy.
+    """Target vs CLLM on the held-out `prompts`, both loaded in float32 from disk on the main
+    process's device (accelerate's: the GPU the run trained on, else the CPU), greedy.
 
     quality: `cllm.evaluation.gates.compare_models` on the held-out prompts (parse rates on Python
     sets only, degenerate / looping rates of the greedy completions, the target's NLL of them,
@@ -281,7 +282,8 @@ def evaluate_distilled(target_name: str, cllm_dir: str | Path, config: DistillCo
     """
     recipe = config.recipe
     tokenizer = load_tokenizer(cllm_dir)
-    models = {"target": load_model(target_name), "cllm": load_model(str(cllm_dir))}
+    device = PartialState().device
+    models = {"target": load_model(target_name, device=device), "cllm": load_model(str(cllm_dir), device=device)}
     pad = pad_token_id(tokenizer)
     settings = QualitySettings(prompt_sets={prompts: config.eval_count}, block_sizes=list(config.eval_block_sizes),
                                max_new_tokens=recipe.eval_max_new_tokens, batch_size=recipe.eval_batch_size,
