@@ -31,9 +31,11 @@ def run(config: Config) -> int:
     keyed = _warn_if_exposed(config, bound.port)
     table = bound.served.draft_table
     drafts = f", draft table of {len(table):,} contexts" if table is not None else ""
+    batch = bound.max_batch_size  # the runtime may hold fewer rows than --max-batch-size asks for
+    held = f" (the runtime holds {batch} rows)" if batch < config.max_batch_size else ""
     print(f"cllm serve: '{config.model_id}' on http://{config.host}:{bound.port}/v1 "
-          f"(greedy: {config.method}, n = {config.jacobi.block_size}{drafts}; batches up to {config.max_batch_size} "
-          f"requests; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
+          f"(greedy: {config.method}, n = {config.jacobi.block_size}{drafts}; batches up to {batch} "
+          f"requests{held}; {torch.get_num_threads()} torch thread(s){'; API key required' if keyed else ''})",
           file=sys.stderr, flush=True)
     if bound.served.not_compiled:
         print(f"cllm serve: note: --compile: {bound.served.not_compiled}; the eager forward decodes", file=sys.stderr,

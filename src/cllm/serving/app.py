@@ -236,6 +236,12 @@ class BoundApp:
         """The port bound (the one asked for, or the one the system chose for port 0)."""
         return self.sock.getsockname()[1]
 
+    @property
+    def max_batch_size(self) -> int:
+        """Requests decoded together at most: --max-batch-size, or the rows the runtime holds
+        when fewer (llama.cpp's streams)."""
+        return self.app.state.service.scheduler.max_batch_size
+
 
 def open_app(config: ServeConfig) -> BoundApp:
     """Bind the port first (a taken port fails before anything slow), then load the model

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -60,7 +61,8 @@ class Metrics:
         self._requests = series(Counter, "cllm:requests", "Requests answered, by endpoint and HTTP status (a "
                                 "stream that fails once under way: its error's status; 499: the client left).",
                                 ("endpoint", "status"))
-        self._success = series(Counter, "cllm:request_success", "Requests decoded to their end, by finish reason.",
+        self._success = series(Counter, "cllm:request_success", "Requests decoded to their end (n "
+                               "choices: one request), by finish reason.",
                                ("finished_reason",))
         self._prompt_tokens = series(Counter, "cllm:prompt_tokens", "Prompt tokens of the requests decoded.")
         self._generation_tokens = series(Counter, "cllm:generation_tokens", "Tokens generated for the requests "
@@ -68,7 +70,7 @@ class Metrics:
         self._ttft = series(Histogram, "cllm:time_to_first_token_seconds", "From queueing to the first token "
                             "(streamed: to its first text sent).", buckets=LATENCY)
         self._tpot = series(Histogram, "cllm:time_per_output_token_seconds", "After the first token, seconds "
-                            "per further token (requests of 2 tokens or more).", buckets=PER_TOKEN)
+                            "per further token of the request's longest choice (2 tokens or more).", buckets=PER_TOKEN)
         self._e2e = series(Histogram, "cllm:e2e_request_latency_seconds", "From queueing to the answer.",
                            buckets=E2E)
         self._request_prompt = series(Histogram, "cllm:request_prompt_tokens", "Prompt tokens per request.",
@@ -119,29 +121,36 @@ class Metrics:
             with self.lock:
                 self.errors[status] += 1
 
-    def completed(self, result: Completion, job: Job, first_text_at: float | None = None) -> None:
-        """`job` decoded to its end (`result`), answered now; `first_text_at`: when its first text
-        went out (`time.monotonic()`, streamed), else its first token counts (the prefill's)."""
-        now = time.monotonic()
-        name, n = self.model_name, len(result.tokens)
-        first = first_text_at if first_text_at is not None else job.started_at
-        self._ttft.labels(name).observe(max(0.0, first - job.queued_at))
-        self._e2e.labels(name).observe(now - job.queued_at)
-        if n > 1:
-            self._tpot.labels(name).observe(max(0.0, now - first) / (n - 1))
-        self._success.labels(name, result.finish_reason).inc()
-        self._prompt_tokens.labels(name).inc(result.prompt_tokens)
-        self._generation_tokens.labels(name).inc(n)
-        self._request_prompt.labels(name).observe(result.prompt_tokens)
-        self._request_generation.labels(name).observe(n)
-        self._per_forward.labels(name, result.method).observe(result.tokens_per_forward)
+    def completed(self, results: Sequence[Completion], jobs: Sequence[Job], first_text_at: float | None = None) -> None:
+        """One request decoded to its end, answered now: its choices' `results` and their `jobs`
+        (`n` of each, one per choice). It counts once: its prompt once, its generated tokens
+        summed over the choices (its usage's `completion_tokens`); its finish reason "length"
+        when any choice ran out of tokens. `first_text_at`: when its first text went out
+        (`time.monotonic()`, streamed), else the first choice's first token counts (the prefill's)."""
+        now, name = time.monotonic(), self.model_name
+        queued = min(job.queued_at for job in jobs)
+        first = first_text_at if first_text_at is not None else min(job.started_at for job in jobs)
+        longest = max(len(r.tokens) for r in results)  # the choices decode side by side
+        tokens, forwards = sum(len(r.tokens) for r in results), sum(r.forward_passes for r in results)
+        prompt, method = results[0].prompt_tokens, results[0].method
+        reason = "length" if any(r.finish_reason == "length" for r in results) else results[0].finish_reason
+        self._ttft.labels(name).observe(max(0.0, first - queued))
+        self._e2e.labels(name).observe(now - queued)
+        if longest > 1:
+            self._tpot.labels(name).observe(max(0.0, now - first) / (longest - 1))
+        self._success.labels(name, reason).inc()
+        self._prompt_tokens.labels(name).inc(prompt)
+        self._generation_tokens.labels(name).inc(tokens)
+        self._request_prompt.labels(name).observe(prompt)
+        self._request_generation.labels(name).observe(tokens)
+        self._per_forward.labels(name, method).observe(tokens / forwards if forwards else 0.0)
         with self.lock:
-            m = self.methods[result.method]
+            m = self.methods[method]
             m["requests"] += 1
-            m["prompt_tokens"] += result.prompt_tokens
-            m["completion_tokens"] += n
-            m["forward_passes"] += result.forward_passes
-            m["decode_seconds"] += result.seconds
+            m["prompt_tokens"] += prompt
+            m["completion_tokens"] += tokens
+            m["forward_passes"] += forwards
+            m["decode_seconds"] += sum(r.seconds for r in results)
 
     # -- the decode thread's side
 

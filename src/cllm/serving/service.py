@@ -229,8 +229,7 @@ class Service:
             watcher.cancel()
             for job in jobs:
                 self.scheduler.cancel(job)  # a no-op when it is done
-        for job, result in zip(jobs, (results[i] for i in range(n)), strict=True):
-            self.metrics.completed(result, job)
+        self.metrics.completed([results[i] for i in range(n)], jobs)
         self.metrics.answered(completion_endpoint(chat), 200)
         answers = []
         for i in range(n):
@@ -281,7 +280,6 @@ class Service:
                     continue
                 if kind == "done":
                     results[index] = value
-                    self.metrics.completed(value, jobs[index], first_text_at.get(index))
                     rest = (value.logprobs or [])[sent[index] :]  # the tokens of its last chunk, or a stop's cut
                     yield _sse({**chunk(index, None, value.finish_reason, entries=rest),
                                 "cllm": _cllm(value, jobs[index])})
@@ -293,6 +291,8 @@ class Service:
                 break
             else:
                 status = 200
+                self.metrics.completed([results[i] for i in range(len(jobs))], jobs,
+                                       min(first_text_at.values(), default=None))
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage([results[i] for i in range(len(jobs))])})
             yield _sse("[DONE]")
