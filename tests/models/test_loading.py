@@ -149,10 +149,11 @@ def test_load_for_decoding_brings_the_table_and_decodes_as_the_three_calls_and_t
     for text in ("def add(a, b):\n", "class Point:\n    def"):
         ids = tok(text, return_tensors="pt").input_ids
         seed = dict(generator=torch.Generator().manual_seed(0))  # the guesses' seed, as the CLI's default
-        one = jacobi_decode(fast.model, ids, max_new_tokens=40, eos_token_id=fast.tokenizer.eos_token_id,
+        stop = TextCodec(tok).eos_ids  # the eos and end-of-turn ids (generation_config.json's), as the CLI stops at
+        one = jacobi_decode(fast.model, ids, max_new_tokens=40, eos_token_id=stop,
                             **seed, **fast.settings)
         seed = dict(generator=torch.Generator().manual_seed(0))
-        three = jacobi_decode(model, ids, max_new_tokens=40, eos_token_id=tok.eos_token_id, block_size=4, recycle=8,
+        three = jacobi_decode(model, ids, max_new_tokens=40, eos_token_id=stop, block_size=4, recycle=8,
                               recycle_width=16, recycle_min_ngram=2, recycle_budget=24, draft_table=table, **seed)
         generated = complete(model, TextCodec(tok), ids[0].tolist(), cli.params().__class__(
             **{**cli.params().__dict__, "max_new_tokens": 40}), draft_table=table)

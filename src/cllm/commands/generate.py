@@ -1,6 +1,7 @@
 """`cllm generate`: one prompt decoded and its text streamed to stdout as it becomes final,
 through `cllm.serving.completion` (which `cllm chat` and the HTTP server share); the speed line
-goes to stderr. `--show-trajectory` prints every Jacobi iteration instead, tokens coloured.
+goes to stderr. `--chat` sends the prompt as a user's turn through the model's chat template;
+`--show-trajectory` prints every Jacobi iteration instead, tokens coloured.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def _trajectory_printer(codec: TextCodec):
     return on_iteration, console
 
 
+def chat_ids(codec: TextCodec, prompt: str) -> list[int]:
+    """`--chat`: the prompt as a user's turn, with the assistant's turn opened (the chat
+    template's generation prompt)."""
+    if not codec.has_chat_template:
+        raise UserError("--chat: this model's tokenizer has no chat template (leave --chat out to continue the "
+                        "prompt's text)")
+    return codec.chat_ids([{"role": "user", "content": prompt}])
+
+
 def run(config: Config) -> int:
     """Decode one prompt; the text goes to stdout as it converges, the speed line to stderr."""
     prompt = read_prompt(config)
@@ -69,7 +79,7 @@ def run(config: Config) -> int:
     if config.verbose:
         print(f"forward: {served.model.describe()}", file=sys.stderr)
         print(f"decoding: {config.params().label}, {config.engine}", file=sys.stderr)
-    prompt_ids = served.codec.encode(prompt)
+    prompt_ids = chat_ids(served.codec, prompt) if config.chat else served.codec.encode(prompt)
     if not prompt_ids:
         raise UserError("the prompt encodes to no tokens")
 

@@ -4,7 +4,9 @@ checkpoint folder exported once into the user's cache.
 `cllm export --gguf OUT.gguf` writes a *side folder* `OUT.cllm/` beside the file: the model's
 tokenizer files, its draft table (`drafts/`) and the decode setting `cllm tune` measured on
 this runtime, when there are any. `load_for_decoding("OUT.gguf")` reads them from there; a GGUF
-without one decodes with llama.cpp's own tokenizer (`LlamaCppTokenizer`) and no draft table.
+without one decodes with llama.cpp's own tokenizer (`LlamaCppTokenizer`: the file's own chat
+template and end-of-turn tokens) and no draft table. Either tokenizer's chat template is checked
+when it loads (`cllm.models.chat`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 
 from cllm.core.errors import UserError, first_line
+from cllm.models.chat import check_chat_template
+from cllm.models.loading import TOKENIZER_FILES
 from cllm.runtime.gguf import read_source, write_gguf
 from cllm.runtime.llamacpp import LlamaCppRuntime
 from cllm.runtime.llamacpp_files import LlamaCppTokenizer
@@ -73,9 +77,18 @@ def open_gguf(path: str | os.PathLike, *, threads: int | None, why: str,
 
 
 def gguf_tokenizer(path: str | os.PathLike, runtime: LlamaCppRuntime, load_tokenizer):
-    """The tokenizer of a GGUF file: the one its side folder holds (`load_tokenizer` of it), else
-    llama.cpp's own."""
+    """The tokenizer of a GGUF file: the one its side folder holds (`load_tokenizer` of it, which
+    checks its chat template), else llama.cpp's own, whose chat template (the file's
+    `tokenizer.chat_template`) is checked here. A side folder whose tokenizer has more tokens than
+    the file's vocabulary is refused in one line: its ids past the vocabulary would fail
+    llama.cpp's decode at the first prompt that holds one."""
     side = side_folder(path)
-    if side.is_dir():
-        return load_tokenizer(side)
-    return LlamaCppTokenizer(runtime)
+    if side.is_dir() and any(any(side.glob(name)) for name in TOKENIZER_FILES):  # not only `cllm tune`'s settings
+        tokenizer = load_tokenizer(side)
+        if len(tokenizer) > runtime.vocab_size:
+            raise UserError(f"the tokenizer in {side} has {len(tokenizer)} tokens, more than the {runtime.vocab_size} "
+                            f"of {Path(path).expanduser()}'s vocabulary: that side folder is another model's")
+        return tokenizer
+    tokenizer = LlamaCppTokenizer(runtime)
+    check_chat_template(tokenizer, f"the metadata of {Path(path).expanduser()} (tokenizer.chat_template)")
+    return tokenizer

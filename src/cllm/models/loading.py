@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from cllm.modeling.eagle import CONFIG_FILE as EAGLE_CONFIG_FILE
 from cllm.modeling.eagle import EAGLE_DIR, EagleHead
 from cllm.modeling.eagle import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from cllm.modeling.heads import CONFIG_FILE, HEADS_DIR, WEIGHTS_FILE, MedusaHeads
+from cllm.models.chat import check_chat_template, template_source
 from cllm.models.names import (  # noqa: F401 (re-exported: `cllm.models` and older imports)
     DECODE_DEFAULTS,
     DECODE_DEFAULTS_LLAMACPP,
@@ -114,7 +116,9 @@ def _hub_problem(repo_id: str) -> str | None:
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """A shipped short name, a local directory, or a hub id `owner/name` (tried only when no
-    such local path exists and its owner is not a local folder; checked with one request)."""
+    such local path exists and its owner is not a local folder; checked with one request). A GGUF
+    file is refused in one line naming `cllm import`, which makes a checkpoint folder of it (the
+    llama.cpp paths, `load_for_decoding`, take a GGUF before they get here)."""
     text = str(name_or_path)
     if text in SHIPPED:
         path = SHIPPED[text]
@@ -122,6 +126,9 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             raise UserError(f"shipped model {text!r} is not present at {path}")
         return str(path)
     path = Path(text).expanduser()
+    if _is_gguf_file(path):
+        raise UserError(f"this command needs a checkpoint folder, and {text} is a GGUF file: make one with "
+                        f"`cllm import {shlex.quote(text)} --out DIR`")
     if path.exists() or not looks_like_hub_id(text):
         if not path.is_dir():
             hint = difflib.get_close_matches(text, list(SHIPPED), n=1)
@@ -134,6 +141,19 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     if problem:
         raise UserError(f"model directory not found: {text}, {problem}")
     return text
+
+
+def _is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a GGUF file: by its name (`.gguf`) or its first bytes (GGUF's magic)."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def resolve_folder(name_or_path: str | os.PathLike) -> str:
@@ -183,7 +203,9 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     A folder without a tokenizer, or one without a vocabulary, is a one-line `UserError` naming
     the folder: transformers 5 would build an empty tokenizer, and every prompt would then encode
     to nothing far from the cause. A config.json transformers
-    cannot use is said as such first (`model_config`)."""
+    cannot use is said as such first (`model_config`). So is a chat template that the sandbox
+    blocks or that cannot write a conversation (`cllm.models.chat.check_chat_template`), naming
+    the file it came from."""
     path = resolve_folder(name_or_path)
     if (Path(path) / "config.json").is_file():
         model_config(path, trust_remote_code=trust_remote_code)
@@ -202,6 +224,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
         raise UserError(f"{path} has a tokenizer with an empty vocabulary (only its special tokens): save the "
                         f"model's tokenizer there with tokenizer.save_pretrained({path!r})")
+    check_chat_template(tokenizer, template_source(path))
     return tokenizer
 
 

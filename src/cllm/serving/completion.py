@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cllm.core.errors import UserError, first_line
 from cllm.core.seeds import seeded_generator
 from cllm.decoding import BatchDecoder, IterationEvent
 from cllm.decoding.draft_table import DraftTable
@@ -35,17 +36,21 @@ from cllm.decoding.inputs import eos_set
 from cllm.decoding.rivals import eagle as eagle_rival
 from cllm.decoding.rivals.medusa import medusa_steps, resolve_tree
 from cllm.decoding.stats import DecodeStats
+from cllm.models.chat import end_of_turn_ids
 from cllm.runtime import Runtime
 from cllm.serving.logprobs import Trail
 from cllm.serving.params import METHODS, DecodeParams  # noqa: F401 (METHODS re-exported)
 
 
 class TextCodec:
-    """A tokenizer behind a lock (fast tokenizers must not be used by two threads at once)."""
+    """A tokenizer behind a lock (fast tokenizers must not be used by two threads at once), and
+    the ids a reply ends at (`eos_ids`: its EOS and the model's end-of-turn tokens,
+    `cllm.models.chat.end_of_turn_ids`): decoding stops after any of them."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.eos_ids: frozenset[int] = end_of_turn_ids(tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self._lock = threading.Lock()
 
@@ -59,13 +64,16 @@ class TextCodec:
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """The prompt for the assistant's next turn: the chat template when the tokenizer has
-        one, else the plain concatenation of every message's text (a base model continues it)."""
+        one, else the plain concatenation of every message's text (a base model continues it).
+        Messages the template refuses (its `raise_exception`: roles out of order...) are a
+        one-line UserError."""
         if not self.has_chat_template:
             return self.encode("".join(m["content"] for m in messages))
         with self._lock:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - whatever the template raises on these messages
+                raise UserError(f"the chat template cannot write these messages: {first_line(exc)}") from None
             # the template writes any BOS itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -147,11 +155,11 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
 @dataclass
 class Completion:
     text: str  # cut at the first stop string
-    tokens: list[int]  # new tokens decoded (EOS included if produced)
+    tokens: list[int]  # new tokens decoded (the EOS or end of turn included if produced)
     prompt_tokens: int
     forward_passes: int  # model calls, prefill included
     seconds: float  # wall clock of the decode
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS, an end of turn or a stop string) or "length"
     method: str  # DecodeParams.label
     # with `DecodeParams.logprobs`: per token of `text` (EOS left out), what `cllm.serving.logprobs` reads
     logprobs: list | None = None
@@ -202,23 +210,23 @@ def complete(
     stream = TextStream(codec, params.stop, on_text)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # (1, T)
     start = time.perf_counter()
-    trail = None if params.logprobs is None else Trail(codec, codec.eos_token_id)
+    trail = None if params.logprobs is None else Trail(codec, codec.eos_ids)
     if heads is not None and eagle is not None:
         raise ValueError("decode with Medusa heads or an EAGLE head, not both")
     if heads is not None:
         if trail is not None:
             raise ValueError("logprobs come from the Jacobi engine's forwards, not Medusa decoding's")
-        forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_token_id, cancelled)
+        forward_passes = _decode_medusa(model, heads, input_ids, params, stream, codec.eos_ids, cancelled)
     elif eagle is not None:
         if trail is not None:
             raise ValueError("logprobs come from the Jacobi engine's forwards, not EAGLE decoding's")
-        forward_passes = _decode_eagle(model, eagle, input_ids, params, stream, codec.eos_token_id, cancelled)
+        forward_passes = _decode_eagle(model, eagle, input_ids, params, stream, codec.eos_ids, cancelled)
     else:
-        forward_passes = _decode(model, input_ids, params, stream, codec.eos_token_id, on_iteration,
+        forward_passes = _decode(model, input_ids, params, stream, codec.eos_ids, on_iteration,
                                  cancelled, draft_table, trail)
     seconds = time.perf_counter() - start
     stream.finish()
-    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] == codec.eos_token_id)
+    ended = stream.stopped or (bool(stream.tokens) and stream.tokens[-1] in codec.eos_ids)
     return Completion(
         text=stream.text, tokens=stream.tokens, prompt_tokens=len(prompt_ids),
         forward_passes=forward_passes, seconds=seconds,

@@ -11,9 +11,10 @@ EOS token's (no text) is left out, and a stop string cuts after the token it sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from cllm.decoding.inputs import eos_set
 from cllm.decoding.logprobs import TokenLogprob
 
 WINDOW = 32  # tokens decoded again for each new one's offset, at most (plus the anchor)
@@ -38,8 +39,8 @@ class Trail:
     what the tokens after the anchor add (a tokenizer that drops a leading space decodes the
     anchor alike in both), so each new token costs a decode of at most `WINDOW` tokens."""
 
-    def __init__(self, codec, eos: int | None) -> None:
-        self.codec, self.eos = codec, eos
+    def __init__(self, codec, eos: int | Iterable[int] | None) -> None:
+        self.codec, self.eos = codec, eos_set(eos)  # the ids a reply ends at: no entry of their own
         self.scores: list[TokenLogprob] = []
         self.ends: list[int] = []  # per token: the length of the text of every token up to it
         self.taken = 0  # entries handed out so far (`take`)
@@ -64,7 +65,7 @@ class Trail:
         return Entry(text, self.ends[i - 1] if i else 0, score.logprob, top)
 
     def _shown(self, i: int) -> bool:
-        return self.scores[i].token != self.eos
+        return self.scores[i].token not in self.eos
 
     def _within(self, length: int, start: int = 0) -> int:
         """The end of the run of tokens from `start` whose text lies within `length` characters."""

@@ -140,6 +140,8 @@ class GenerateConfig(DecodeOptions):
     prompt: str | None = field(default=None, metadata={"help": "text to continue; '-' reads stdin (as does a pipe when "
         "no prompt is given)"})
     prompt_file: str | None = field(default=None, metadata={"help": "read the prompt from this file"})
+    chat: bool = field(default=False, metadata={"help": "send the prompt as a user's turn, written by the model's chat "
+        "template; the output is the assistant's reply"})
     show_trajectory: bool = field(default=False, metadata={"help": "print every Jacobi iteration, tokens coloured "
         "(final / correct / wrong)"})
     verbose: bool = field(default=False, metadata={"short": "-v", "help": "also say on stderr which runtime decodes "

@@ -228,7 +228,7 @@ class Scheduler:
             group = self._groups.get(key)
             if group is None:
                 kwargs = decoder_kwargs(group_jobs[0].params, self.draft_table)
-                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_token_id, **kwargs),
+                group = _Group(BatchDecoder(self.model, eos_token_id=self.codec.eos_ids, **kwargs),
                                kwargs["config"].recycle_budget, group_jobs[0].params.label)
             ids, mask = left_pad([j.prompt_ids for j in group_jobs], pad_id=0)
             try:
@@ -249,7 +249,7 @@ class Scheduler:
                 on_text = (lambda text, job=job: self._hold(job, text)) if job.stream_text else None
                 job.text = TextStream(self.codec, job.params.stop, on_text)
                 if job.params.logprobs is not None:
-                    job.trail = Trail(self.codec, self.codec.eos_token_id)
+                    job.trail = Trail(self.codec, self.codec.eos_ids)
                 group.jobs[row] = job
 
     def _step(self) -> None:
@@ -339,8 +339,7 @@ class Scheduler:
 
     def _completion(self, job: Job, tokens: list[int], forwards: int) -> Completion:
         job.text.finish()
-        eos = self.codec.eos_token_id
-        ended = job.text.stopped or (bool(tokens) and tokens[-1] == eos)
+        ended = job.text.stopped or (bool(tokens) and tokens[-1] in self.codec.eos_ids)
         return Completion(text=job.text.text, tokens=list(tokens), prompt_tokens=len(job.prompt_ids),
                           forward_passes=forwards, seconds=time.monotonic() - job.started_at,
                           finish_reason="stop" if ended else "length", method=job.params.label,
