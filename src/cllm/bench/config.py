@@ -43,6 +43,11 @@ Every method that promises greedy decoding's tokens is compared with the greedy 
 same model (`EXACT_AGAINST`); every speedup is relative to target_ar, and the CLLM's methods are
 measured against cllm_ar, medusa2 against medusa2_ar: `with_references` adds those to any subset
 asked for, with a note.
+
+A GGUF --target (and --cllm) has no torch weights: only `GGUF_METHODS` run, on the file as given
+(target_ar and cllm_ar: our greedy decoder on its llama.cpp runtime; *llamacpp_jacobi: our engine
+at the setting it takes by default for the file), and llama.cpp's greedy decoding is the
+reference (`GGUF_REFERENCES`: llamacpp_ar, cllm_llamacpp_ar) where target_ar and cllm_ar are.
 """
 
 from __future__ import annotations
@@ -95,6 +100,35 @@ EXACT_AGAINST |= {"llamacpp_ar": "target_ar", "llamacpp_lookup": "target_ar", "c
                   "cllm_llamacpp_jacobi": "cllm_llamacpp_ar"}
 OWN_AR |= {"llamacpp_jacobi": "llamacpp_ar", "cllm_llamacpp_jacobi": "cllm_llamacpp_ar"}
 ENGINE_JACOBI += ("llamacpp_jacobi", "cllm_llamacpp_jacobi")
+# a GGUF --target (and --cllm): no torch weights, so only what runs on the file as given:
+# llama.cpp's greedy (the reference) and prompt lookup, our greedy decoder and our engine at its
+# default setting on the llama.cpp runtime (cllm.bench.models.load_gguf_models)
+GGUF_METHODS = ("target_ar", "cllm_ar", *LLAMACPP_METHODS)
+GGUF_EXACT_AGAINST = {"target_ar": "llamacpp_ar", "llamacpp_lookup": "llamacpp_ar", "llamacpp_jacobi": "llamacpp_ar",
+                      "cllm_ar": "cllm_llamacpp_ar", "cllm_llamacpp_lookup": "cllm_llamacpp_ar",
+                      "cllm_llamacpp_jacobi": "cllm_llamacpp_ar"}
+
+
+@dataclass(frozen=True)
+class References:
+    """What a run's methods are measured against: `ar`, the greedy method every speedup and
+    every agreement with the target is relative to; `exact`, method -> the greedy method of the
+    same model whose tokens it must reproduce; `cllm_ar`, the CLLM's greedy method."""
+
+    ar: str
+    exact: dict[str, str]
+    cllm_ar: str
+
+    def own(self, method: str) -> str:
+        """The greedy method of the model `method` decodes with: its exact match is measured
+        against it."""
+        if method.startswith("cllm"):
+            return self.cllm_ar
+        return "medusa2_ar" if method.startswith("medusa2") else self.ar
+
+
+CHECKPOINT_REFERENCES = References("target_ar", EXACT_AGAINST, "cllm_ar")
+GGUF_REFERENCES = References("llamacpp_ar", GGUF_EXACT_AGAINST, "cllm_llamacpp_ar")
 
 
 @dataclass
@@ -102,10 +136,13 @@ class Compared(Options):
     """The models a bench compares and what it measures beside speed (bench, demo)."""
 
     SECTION: ClassVar[Section] = MODEL_DATA
-    target: str = field(default="stdlib-coder", metadata={"help": "target model: shipped name, local checkpoint dir or "
-        "hub id (demo: a missing shipped one gives way to a tiny random Llama)"})
+    # --model too: the name the other commands give the model they decode
+    target: str = field(default="stdlib-coder", metadata={"short": "--model", "help": "target model: shipped name, "
+        "local checkpoint dir or hub id (demo: a missing shipped one gives way to a tiny random Llama); bench: also a "
+        "GGUF file, whose llama.cpp methods then run on it as given (the methods that need torch weights are left "
+        "out with a note)"})
     cllm: str | None = field(default="stdlib-coder-cllm", metadata={"help": "the CLLM ('none' to skip; a missing "
-        "shipped CLLM is skipped with a note)"})
+        "shipped CLLM is skipped with a note; bench: a GGUF file beside a GGUF target)"})
     sweep_block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64], metadata={"help": "block sizes of "
         "the tokens-per-forward sweep (empty: no sweep)"})
     val_prompts: int = field(default=32, metadata={"help": "prompts of the validation set (bench --val-set; demo: "
@@ -233,23 +270,23 @@ class BenchConfig(Compared, PromptSet, Engine, Heads, Repeats, ForwardBatches, R
         return {k: v for k, v in self.engine.as_kwargs().items() if k != "guess"}
 
 
-def with_references(methods: list[str]) -> tuple[list[str], list[str]]:
+def with_references(methods: list[str], refs: References = CHECKPOINT_REFERENCES) -> tuple[list[str], list[str]]:
     """The methods asked for plus the references they are measured against, and one note per
-    reference added: target_ar always (every speedup and every agreement with the target is
-    relative to it), cllm_ar beside any other cllm_* method (the CLLM's greedy output, which
-    their exactness and agreement are measured against), medusa2_ar beside medusa2 (the same for
-    its backbone). No methods asked: all of them, no note."""
+    reference added: `refs.ar` always (target_ar; llamacpp_ar on a GGUF: every speedup and every
+    agreement with the target is relative to it), `refs.cllm_ar` beside any other cllm_* method
+    (the CLLM's greedy output, which their exactness and agreement are measured against),
+    medusa2_ar beside medusa2 (the same for its backbone). No methods asked: all of them, no note."""
     if not methods:
         return [], []
     wanted, notes = list(methods), []
-    if "target_ar" not in wanted:
-        wanted.append("target_ar")
-        notes.append("added target_ar: every speedup and every agreement with the target are measured against it")
-    cllm = [m for m in methods if m.startswith("cllm_") and m != "cllm_ar"]
-    if cllm and "cllm_ar" not in wanted:
-        wanted.append("cllm_ar")
+    if refs.ar not in wanted:
+        wanted.append(refs.ar)
+        notes.append(f"added {refs.ar}: every speedup and every agreement with the target are measured against it")
+    cllm = [m for m in methods if m.startswith("cllm_") and m != refs.cllm_ar]
+    if cllm and refs.cllm_ar not in wanted:
+        wanted.append(refs.cllm_ar)
         whose = " and ".join(f"{m}'s" for m in cllm)
-        notes.append(f"added cllm_ar: {whose} exactness and agreement are measured against it")
+        notes.append(f"added {refs.cllm_ar}: {whose} exactness and agreement are measured against it")
     if "medusa2" in methods and "medusa2_ar" not in wanted:
         wanted.append("medusa2_ar")
         notes.append("added medusa2_ar: medusa2's exactness is measured against it (its backbone's greedy output)")

@@ -9,7 +9,8 @@ our engine (the setting of `target_lookahead` / `cllm_jacobi`) on the llama.cpp 
 tokens copied from the last matching 2-gram, or 1-gram, of the prompt and output, verified in one
 llama.cpp call), on the target; `cllm_llamacpp_ar` and `cllm_llamacpp_lookup` on the CLLM. Each
 is exact-checked against the greedy output of the same model in transformers (`target_ar`,
-`cllm_ar`).
+`cllm_ar`). A GGUF target (or CLLM) is decoded as given, not exported (`file_decoders`), and
+llama.cpp's greedy decoding of it is the reference (`cllm.bench.config.GGUF_REFERENCES`).
 
 Counting: a forward pass is one `Llama.eval` call (one `llama_decode` over the tokens it feeds:
 the whole prompt, as n_batch holds it, then one token, or one token and its drafts, per call);
@@ -185,11 +186,37 @@ def llamacpp_decoders(config: BenchConfig, models: dict[str, torch.nn.Module | N
         if name in ENGINE_METHODS:
             decoders[name] = role, LlamaCppRuntime(files[role], threads=config.threads, f32_cache=out_type == "f32")
             continue
-        context = min(position_limit(model) or MAX_CONTEXT, MAX_CONTEXT)
+        lookup = config.llamacpp_lookup_tokens if METHOD_MODELS[name][1] else 0
         decoders[name] = role, LlamaCppDecoder(
-            files[role], threads=config.threads, context=context, max_new_tokens=config.max_new_tokens,
-            eos=tokenizer.eos_token_id, lookup=config.llamacpp_lookup_tokens if METHOD_MODELS[name][1] else 0,
+            files[role], threads=config.threads, context=decoder_context(model, lookup),
+            max_new_tokens=config.max_new_tokens, eos=tokenizer.eos_token_id, lookup=lookup,
             f32_cache=out_type == "f32")
+    return decoders
+
+
+def decoder_context(model, lookup: int) -> int:
+    """llama.cpp's context of a decoder of `model` (its positions, at most `MAX_CONTEXT`), plus
+    room for the `lookup` tokens a call drafts past the last token kept: llama-cpp-python feeds
+    them whole, and a prompt cut to leave the new tokens just room would overflow it."""
+    return min(position_limit(model) or MAX_CONTEXT, MAX_CONTEXT) + (lookup + 1 if lookup else 0)
+
+
+def file_decoders(config: BenchConfig, runtimes: dict[str, LlamaCppRuntime], tokenizer,
+                  wanted: list[str]) -> dict[str, tuple[str, LlamaCppDecoder]]:
+    """method -> (role, decoder) for llama.cpp's own methods (`METHOD_MODELS`) `wanted` (none
+    named: all) on GGUF files as given, no export: role -> the llama.cpp runtime open on its
+    file, whose KV cache type the decoder takes (llama.cpp's greedy decoding of the file is then
+    our greedy decoding's on the runtime)."""
+    decoders = {}
+    for name, (role, lookup) in METHOD_MODELS.items():
+        runtime = runtimes.get(role)
+        if runtime is None or (wanted and name not in wanted):
+            continue
+        drafted = config.llamacpp_lookup_tokens if lookup else 0
+        decoders[name] = role, LlamaCppDecoder(
+            runtime.path, threads=config.threads, context=decoder_context(runtime, drafted),
+            max_new_tokens=config.max_new_tokens, eos=tokenizer.eos_token_id, lookup=drafted,
+            f32_cache=runtime.f32_cache)
     return decoders
 
 

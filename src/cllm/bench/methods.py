@@ -19,8 +19,8 @@ from itertools import pairwise
 import torch
 from transformers import GenerationConfig
 
-from cllm.bench.config import DRAFT_METHODS, METHODS, BenchConfig
-from cllm.bench.llamacpp import llamacpp_decoders
+from cllm.bench.config import DRAFT_METHODS, GGUF_METHODS, METHODS, BenchConfig
+from cllm.bench.llamacpp import file_decoders, llamacpp_decoders
 from cllm.bench.models import BenchModels
 from cllm.core.errors import UserError
 from cllm.core.seeds import derived_seed
@@ -41,15 +41,16 @@ class ForwardCounter:
     at: transformers' `generate` (plain, prompt lookup, assisted) is counted only so (`calls`).
     With a cache cropped to the accepted tokens before the next call, a call starting at cache
     length s means the sequence was s + 1 tokens long, so consecutive starts say how many tokens
-    each call made final (`accepted`).
+    each call made final (`accepted`). A GGUF's runtime has no transformers model (`model` None):
+    its own count is the only one.
     """
 
-    def __init__(self, model: torch.nn.Module, runtime: Runtime | None = None) -> None:
+    def __init__(self, model: torch.nn.Module | None, runtime: Runtime | None = None) -> None:
         self.model = model
         self.runtime = runtime if runtime is not None else as_runtime(model)
         self.starts: list[int] = []
         self._since = self.runtime.forwards
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True) if model is not None else None
 
     def _hook(self, module, args, kwargs) -> None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -87,7 +88,8 @@ class ForwardCounter:
         return made if all(m >= 0 for m in made) and sum(made) == new_tokens else None
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
 
 
 @dataclass
@@ -102,7 +104,7 @@ class Decoded:
 @dataclass
 class Method:
     name: str
-    model: torch.nn.Module  # whose greedy output is this method's own AR
+    model: torch.nn.Module | Runtime  # whose greedy output is this method's own AR (a GGUF: its runtime)
     run: Callable[[Prompt], Decoded]
     counters: list[ForwardCounter]  # reset before every decode
     # what the method keeps in memory beyond its model: a draft model, heads, a draft table
@@ -223,6 +225,9 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
     """The methods `wanted` (none named: every one the given models allow), in `METHODS` order;
     one that needs a model not given is a UserError. `counters`: role -> its ForwardCounter."""
     settings = _Settings(config, models)
+    if models.target is None:  # GGUF files: only what runs on them as given
+        return _chosen(_gguf_methods(settings, models, counters, wanted), wanted, "need a model that was not given "
+                       f"(cllm_* need --cllm FILE.gguf) or torch weights (on a GGUF: {', '.join(GGUF_METHODS)})")
     candidates = _target_methods(settings, models, counters["target"])
     if models.cllm is not None:
         candidates |= _cllm_methods(settings, models, counters["cllm"])
@@ -244,13 +249,19 @@ def build_methods(config: BenchConfig, models: BenchModels, counters: dict[str, 
             ct, models.eagle, nodes=config.eagle_nodes or None, **settings.common), [ct],
             added_memory(models.eagle))
     candidates |= _llamacpp_methods(settings, models, wanted)
+    return _chosen(candidates, wanted, f"need a model that was not given (cllm_* need --cllm, "
+                   f"{', '.join(DRAFT_METHODS)} need --draft-model, medusa needs heads: --medusa, medusa2 and "
+                   "medusa2_ar --medusa2, eagle --eagle, *llamacpp_* need llama-cpp-python: pip install "
+                   "'cllm[llamacpp]')")
+
+
+def _chosen(candidates: dict[str, Method], wanted: Sequence[str], why_missing: str) -> list[Method]:
+    """The methods `wanted` of `candidates` (none named: all), in `METHODS` order; one named that
+    is not there is a UserError, `why_missing` saying why."""
     wanted = list(wanted) or [m for m in METHODS if m in candidates]
     missing = [m for m in wanted if m not in candidates]
     if missing:
-        raise UserError(f"method(s) {', '.join(missing)} need a model that was not given "
-                        f"(cllm_* need --cllm, {', '.join(DRAFT_METHODS)} need --draft-model, "
-                        "medusa needs heads: --medusa, medusa2 and medusa2_ar --medusa2, eagle --eagle, "
-                        "*llamacpp_* need llama-cpp-python: pip install 'cllm[llamacpp]')")
+        raise UserError(f"method(s) {', '.join(missing)} {why_missing}")
     return [candidates[m] for m in METHODS if m in wanted]
 
 
@@ -328,6 +339,29 @@ def _llamacpp_methods(s: _Settings, models: BenchModels, wanted: Sequence[str]) 
         else:
             methods[name] = Method(name, model, _llamacpp_run(decoder), [decoder],
                                    {**added_memory(), "engine": decoder.engine})
+    return methods
+
+
+def _gguf_methods(s: _Settings, models: BenchModels, counters: dict[str, ForwardCounter],
+                  wanted: Sequence[str]) -> dict[str, Method]:
+    """On each GGUF file as given (role -> `models.gguf`): our greedy decoder (target_ar,
+    cllm_ar) and our engine at the setting it takes by default for the file (`settings` of
+    `load_for_decoding`: llamacpp_jacobi, cllm_llamacpp_jacobi) on its llama.cpp runtime, and
+    llama.cpp's own greedy and prompt lookup (`cllm.bench.llamacpp.file_decoders`)."""
+    methods = {}
+    for role, fast in models.gguf.items():
+        counter, runtime = counters[role], fast.model
+        setting = {k: v for k, v in fast.settings.items() if k != "draft_table"}
+        engine = f"{'cllm_' if role == 'cllm' else ''}llamacpp_jacobi"
+        methods[f"{role}_ar"] = Method(f"{role}_ar", runtime, engine_decoder(counter, **s.ar), [counter])
+        methods[engine] = Method(engine, runtime, engine_decoder(
+            counter, jacobi=True, guess=s.config.engine.guess, seed=s.config.seed, **s.common, **setting,
+            draft_table=fast.draft_table), [counter],
+            {**added_memory(table=fast.draft_table), "engine": runtime.describe(), "engine_settings": setting})
+    runtimes = {role: fast.model for role, fast in models.gguf.items()}
+    for name, (role, decoder) in file_decoders(s.config, runtimes, models.tokenizer, list(wanted)).items():
+        methods[name] = Method(name, runtimes[role], _llamacpp_run(decoder), [decoder],
+                               {**added_memory(), "engine": decoder.engine})
     return methods
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cllm.bench.config import ENGINE_JACOBI, EXACT_AGAINST, OWN_AR
+from cllm.bench.config import CHECKPOINT_REFERENCES, ENGINE_JACOBI, OWN_AR, References
 from cllm.bench.methods import Decoded, Method
 from cllm.data.prompts import Prompt
 from cllm.decoding import DecodeStats
@@ -97,11 +97,18 @@ def method_metrics(decoded: list[Decoded], seconds: list[float], *, own_ar: list
 
 @torch.inference_mode()
 def top2_margin(model, context: list[int]) -> float | None:
-    """Gap between the two largest next-token logits after `context` (plain full forward)."""
+    """Gap between the two largest next-token logits after `context` (plain full forward; a
+    runtime's, a GGUF's: one session opened on it)."""
     limit = position_limit(model)
     if limit is not None and len(context) > limit:
         return None
-    logits = model(input_ids=torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
+    if isinstance(model, torch.nn.Module):
+        logits = model(input_ids=torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
+    else:
+        session = model.session()
+        rows, forward = session.open([context])
+        logits = forward.logits[0, -1]
+        session.close(rows)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 
@@ -120,24 +127,20 @@ def check_exact(model, prompts: list[Prompt], got: list[list[int]], expected: li
     return mismatches
 
 
-def own_greedy(method: str) -> str:
-    """The greedy method of the model `method` decodes with: its exact match and agreement are
-    measured against it."""
-    return "cllm_ar" if method.startswith("cllm") else "medusa2_ar" if method.startswith("medusa2") else "target_ar"
-
-
-def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], seconds: dict[str, list[float]]) -> dict:
-    """Per method metrics; speedups against target_ar (and the CLLM's also against its own AR)."""
+def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], seconds: dict[str, list[float]],
+                refs: References = CHECKPOINT_REFERENCES) -> dict:
+    """Per method metrics; speedups against `refs.ar` (target_ar; a GGUF's: llamacpp_ar), and
+    the CLLM's also against its own AR."""
     outputs = {name: [d.tokens for d in per] for name, per in decoded.items()}
     results = {}
     for m in methods:
-        own = outputs[own_greedy(m.name)]
+        own = outputs[refs.own(m.name)]
         results[m.name] = method_metrics(decoded[m.name], seconds[m.name], own_ar=own,
-                                         target_ar=outputs["target_ar"], jacobi=m.name in ENGINE_JACOBI)
+                                         target_ar=outputs[refs.ar], jacobi=m.name in ENGINE_JACOBI)
         results[m.name].update(m.added)
-    base = results["target_ar"]["tokens_per_second"]
+    base = results[refs.ar]["tokens_per_second"]
     for name, r in results.items():
-        r["speedup_vs_ar"] = 1.0 if name == "target_ar" else (r["tokens_per_second"] / base if base else 0.0)
+        r["speedup_vs_ar"] = 1.0 if name == refs.ar else (r["tokens_per_second"] / base if base else 0.0)
         own_ar = OWN_AR.get(name)
         if own_ar and results.get(own_ar, {}).get("tokens_per_second"):
             r["speedup_vs_own_ar"] = r["tokens_per_second"] / results[own_ar]["tokens_per_second"]
@@ -145,11 +148,12 @@ def all_metrics(methods: list[Method], decoded: dict[str, list[Decoded]], second
 
 
 def check_promises(methods: list[Method], prompts: list[Prompt], outputs: dict[str, list[list[int]]],
-                   tolerance: float) -> tuple[dict, list[dict]]:
-    """Every method that promises greedy's tokens, on every prompt: (JSON summary, violations)."""
+                   tolerance: float, refs: References = CHECKPOINT_REFERENCES) -> tuple[dict, list[dict]]:
+    """Every method that promises greedy's tokens (`refs.exact`), on every prompt: (JSON
+    summary, violations)."""
     exactness, violations = {}, []
     for m in methods:
-        against = EXACT_AGAINST.get(m.name)
+        against = refs.exact.get(m.name)
         if against not in outputs:
             continue
         mismatches = check_exact(m.model, prompts, outputs[m.name], outputs[against], tolerance)

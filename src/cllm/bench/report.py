@@ -231,9 +231,14 @@ def _table(data: dict[str, Any], keys: Sequence[str], title: str | None):
 
 
 def legend_lines(data: dict[str, Any]) -> list[str]:
-    """The legend printed under the methods table(s): one line per column shown."""
+    """The legend printed under the methods table(s): one line per column shown (×AR: over the
+    run's reference, llama.cpp's greedy decoding on a GGUF file)."""
+    legend = dict(LEGEND)
+    if data.get("reference", "target_ar") != "target_ar":
+        legend["×AR"] = (f"tokens/s over {data['reference']}'s (llama.cpp's greedy decoding of the GGUF file), "
+                         "same prompts, same run")
     shown = [SHORT.get(h, h) for _, h, _ in _shown(data, [k for k, _, _ in COLUMNS])]
-    return [f"  {s:>7}  {LEGEND[s]}" for s in shown if s in LEGEND]
+    return [f"  {s:>7}  {legend[s]}" for s in shown if s in legend]
 
 
 def methods_tables(data: dict[str, Any], width: int = 80) -> list:

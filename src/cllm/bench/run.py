@@ -24,7 +24,14 @@ import torch
 import transformers
 
 from cllm.bench import report
-from cllm.bench.config import LLAMACPP_METHODS, BenchConfig, with_references
+from cllm.bench.config import (
+    CHECKPOINT_REFERENCES,
+    GGUF_REFERENCES,
+    LLAMACPP_METHODS,
+    BenchConfig,
+    References,
+    with_references,
+)
 from cllm.bench.llamacpp import llamacpp_runtime, project, shape_costs, skipped_note
 from cllm.bench.log import BenchLog, run_key
 from cllm.bench.methods import Decoded, ForwardCounter, Method, build_methods, engine_decoder
@@ -78,6 +85,7 @@ class _Run:
     val_set: str | None  # the set whose references give the validation loss (None: none)
     runtimes: dict[str, Runtime]  # role -> what our decoders run its model on
     compiled: bool  # whether the target's runtime runs a compiled forward (--compile)
+    refs: References  # what the methods are measured against (a GGUF target: llama.cpp's greedy decoding)
     methods: list[Method] = field(default_factory=list)
     decoded: dict[str, list[Decoded]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -128,8 +136,11 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     for runtime in runtimes.values():
         runtime.prepare()  # as `load_for_decoding` readies it, at the bench's threads
     torch.manual_seed(config.seed)
-    device = next(models.target.parameters()).device
-    machine = {**machine_info(device), "dtype": config.dtype, "seed": config.seed}
+    gguf = models.target is None  # GGUF files: no torch weights, llama.cpp's greedy decoding is the reference
+    device = runtimes["target"].device if gguf else next(models.target.parameters()).device
+    # a GGUF's weights are its file's type ("Q4_1", "all F32"), not --dtype
+    dtype = f"GGUF {runtimes['target'].ftype}" if gguf else config.dtype
+    machine = {**machine_info(device), "dtype": dtype, "seed": config.seed}
     machine["load_warning"] = load_warning(machine["load_average_1min"], machine["cores"], config.threads)
     notes = list(models.notes) + skipped_note(config.methods)  # llama-cpp-python missing: no llamacpp_* methods
     if machine["load_warning"]:
@@ -139,8 +150,9 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
     if config.compile:
         compiled, compile_notes = compile_models(runtimes, progress)
         notes += compile_notes
-    wanted, added = with_references(config.methods)
-    val_set, val_note = validation_set(config)
+    refs = GGUF_REFERENCES if gguf else CHECKPOINT_REFERENCES
+    wanted, added = with_references(config.methods, refs)
+    val_set, val_note = validation_set(config) if not gguf else (None, None)  # no torch model to score
     for note in [*added, *([val_note] if val_note else [])]:
         progress.line(note)
         notes.append(note)
@@ -153,12 +165,12 @@ def _start(config: BenchConfig, models: BenchModels, prompts: list[Prompt] | Non
         if log.note:
             progress.line(log.note)
     return _Run(config, models, progress, log or None, device, machine, notes, wanted, prompts, prints, val_set,
-                runtimes, compiled)
+                runtimes, compiled, refs)
 
 
 def bench_prompts(config: BenchConfig, models: BenchModels) -> list[Prompt]:
     """--prompts encoded, each cut from the left to leave --max-new-tokens in the target's positions."""
-    limit = position_limit(models.target)
+    limit = position_limit(models.verifier("target"))
     if limit is not None and config.max_new_tokens >= limit:
         raise UserError(f"--max-new-tokens {config.max_new_tokens} leaves no room for a prompt in the "
                         f"target's {limit} positions")
@@ -187,8 +199,9 @@ def validation_set(config: BenchConfig) -> tuple[str | None, str | None]:
 
 def open_runtimes(models: BenchModels, config: BenchConfig) -> dict[str, Runtime]:
     """role -> its model on the runtime --runtime names ("auto": each model's own choice;
-    "llamacpp": the model's GGUF export, `cllm.bench.llamacpp.bench_gguf`)."""
-    out = {}
+    "llamacpp": the model's GGUF export, `cllm.bench.llamacpp.bench_gguf`); a GGUF file: the
+    llama.cpp runtime `load_gguf_models` opened it on."""
+    out = {role: fast.model for role, fast in models.gguf.items()}
     for role in ROLES:
         model = getattr(models, role)
         if model is not None:
@@ -214,7 +227,7 @@ def llamacpp_for_cost(config: BenchConfig, models: BenchModels, runtimes: dict[s
 @contextmanager
 def _counting(models: BenchModels, runtimes: dict[str, Runtime]) -> Iterator[dict[str, ForwardCounter]]:
     """role -> a ForwardCounter on its model and runtime, removed when the run ends."""
-    counters = {r: ForwardCounter(getattr(models, r), runtimes[r]) for r in ROLES if getattr(models, r) is not None}
+    counters = {r: ForwardCounter(getattr(models, r), runtimes[r]) for r in ROLES if r in runtimes}
     try:
         yield counters
     finally:
@@ -234,9 +247,12 @@ def _transformers_quiet() -> Iterator[None]:
 
 
 def _time_methods(run: _Run, counters: dict[str, ForwardCounter]) -> None:
-    ours = [m for m in run.wanted if m not in VLLM_METHODS]  # the engines' methods are built apart
-    run.methods = [*build_methods(run.config, run.models, counters, ours),
-                   *vllm_methods(run.config, run.models, run.wanted).values()]
+    if run.models.target is None:  # GGUF files: build_methods refuses every method they cannot run, vLLM's too
+        run.methods = build_methods(run.config, run.models, counters, run.wanted)
+    else:
+        ours = [m for m in run.wanted if m not in VLLM_METHODS]  # the engines' methods are built apart
+        run.methods = [*build_methods(run.config, run.models, counters, ours),
+                       *vllm_methods(run.config, run.models, run.wanted).values()]
     run.decoded, run.seconds = measure(run.methods, run.prompts, repeats=run.config.repeats,
                                        warmup=run.config.warmup, device=run.device, progress=run.progress,
                                        log=run.log)
@@ -246,14 +262,18 @@ def _time_methods(run: _Run, counters: dict[str, ForwardCounter]) -> None:
 def _check_outputs(run: _Run) -> None:
     """Every promise of greedy's tokens, on every prompt; with --quality humaneval-exec, what the
     completions are worth: their HumanEval tests, run."""
-    run.exactness, run.violations = check_promises(run.methods, run.prompts, run.outputs, run.config.tie_tolerance)
+    run.exactness, run.violations = check_promises(run.methods, run.prompts, run.outputs, run.config.tie_tolerance,
+                                                   run.refs)
     if run.config.quality == "humaneval-exec":
         run.quality = humaneval_quality(run.methods, run.prompts, run.outputs, run.models.tokenizer,
                                         run.config.quality_timeout, run.progress)
 
 
 def _sweep(run: _Run, counters: dict[str, ForwardCounter]) -> None:
-    """Tokens per forward against block size, for the models whose greedy output was measured."""
+    """Tokens per forward against block size, for the models whose greedy output was measured
+    (not a GGUF's: its note says so)."""
+    if run.models.target is None:
+        return
     own_ar = {role: run.outputs[f"{role}_ar"] for role in ("target", "cllm") if f"{role}_ar" in run.outputs}
     if run.config.sweep_block_sizes and run.models.cllm is not None and "cllm" not in own_ar:
         run.notes.append("no block-size sweep of the CLLM: cllm_ar (its greedy output) is not among --methods")
@@ -268,7 +288,7 @@ def _result(run: _Run) -> BenchResult:
     if run.log is not None and run.log.reused:
         notes.append(f"resumed: {run.log.reused} of {len(run.methods) * len(run.prompts)} (method, prompt) decodes, "
                      f"with their timings, come from an earlier run of the same settings ({run.log.path})")
-    metrics = all_metrics(run.methods, run.decoded, run.seconds)
+    metrics = all_metrics(run.methods, run.decoded, run.seconds, run.refs)
     quality = dict(run.quality) if run.quality is not None else None
     if quality is not None:
         for name, share in quality.pop("pass_at_1").items():
@@ -283,8 +303,8 @@ def _result(run: _Run) -> BenchResult:
         "sweep": run.sweep,
         "forward_cost": run.forward_cost,
         "exactness": run.exactness,
-        # the promise holds in float32; in lower precision mismatches are reported, not fatal
-        "exactness_enforced": next(run.models.target.parameters()).dtype == torch.float32,
+        "reference": run.refs.ar,  # the method every speedup_vs_ar is relative to
+        "exactness_enforced": _exactness_enforced(run.models),
         "trajectory_prompt": run.trajectory_prompt.id,
         "prompt_ids": [q.id for q in run.prompts],
         "notes": notes,
@@ -295,6 +315,15 @@ def _result(run: _Run) -> BenchResult:
         project(run.shape_cost, metrics)
         data["shape_cost"] = run.shape_cost
     return BenchResult(data, run.prompts, run.outputs, run.trajectories, run.violations)
+
+
+def _exactness_enforced(models: BenchModels) -> bool:
+    """The promise holds in float32; in lower precision mismatches are reported, not fatal. On
+    GGUF files: where a wide forward gives a one-token forward's logits (f32 weights and KV
+    cache: `LlamaCppRuntime.batch_invariant`)."""
+    if models.target is None:
+        return all(fast.model.batch_invariant for fast in models.gguf.values())
+    return next(models.target.parameters()).dtype == torch.float32
 
 
 FORWARD_PREFIX = 128  # cached tokens before a timed forward (a typical position in a completion)
