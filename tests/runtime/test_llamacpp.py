@@ -117,10 +117,19 @@ def test_greedy_and_the_engine_give_llama_cpps_own_greedy_tokens(shipped, role, 
         assert want == llama_cpp_greedy(path, prompts, eos)
     for settings in (dict(RECOMMENDED, draft_table=table), dict(block_size=16, recycle=8, recycle_budget=None,
                                                                   blocks_in_flight=2)):
-        got = decode_each(rt, prompts, eos, **settings)
+        assert decode_each(rt, prompts, eos, **settings) == want  # exact: a quantized file decodes one token a forward
+        got = decode_each(rt, prompts, eos, **{**settings, "exact": False})  # drafts verified by wide forwards anyway
         for prompt, w, g in zip(prompts, want, got, strict=True):
             margin = parting_margin(rt, prompt, w, g)
             assert margin is None or (kind == "q8_0" and margin < Q8_NEAR_TIE), (kind, settings, margin)
+
+
+@pytest.mark.llamacpp
+def test_the_kv_cache_is_f32_for_an_f32_file_and_llama_cpps_f16_for_a_quantized_one(shipped):
+    f32, q8 = runtime(shipped["target", "f32"][0]), runtime(shipped["target", "q8_0"][0])
+    assert f32.f32_cache and f32.batch_invariant
+    assert not q8.f32_cache and not q8.batch_invariant
+    assert "f16 KV cache" in q8.describe()
 
 
 Q8_NEAR_TIE = 0.05  # logits: what a rounding step of a q8_0 activation moved them by here, at most

@@ -45,6 +45,15 @@ class JacobiConfig:
         next k - 1 blocks are fed behind the current block's tail and refined by the same
         forwards, so a block starts from refined drafts, and tokens can become final across
         the block boundary. 1 = one block at a time (the paper).
+    adaptive: greedy, on a runtime that knows what a forward of k tokens costs
+        (`Runtime.step_costs`, measured by `load_for_decoding`): each row feeds, per forward,
+        the width (1 up to the budget) whose tokens made final per cost are best so far
+        (`jacobi.width.Width`), down to one token (plain decoding) where drafts do not pay.
+        Speed only. Without step costs, or when sampling, the width is the budget's.
+    exact: greedy, on a runtime whose wide forwards round differently from one-token forwards
+        (`Runtime.batch_invariant` False: llama.cpp on a quantized file): feed one token per
+        forward, so that the text is greedy decoding's token for token (the drafts off). False:
+        verify drafts there too, faster where they pay, the text then greedy's up to near-ties.
     """
 
     block_size: int = field(default=16, metadata={"help": "Jacobi block size n: tokens solved together (1: greedy "
@@ -63,6 +72,12 @@ class JacobiConfig:
         "at most, the block's tail then drafts (0: no limit; a GPU affords more)"})
     blocks_in_flight: int = field(default=1, metadata={"help": "greedy: blocks drafted at once (multi-block decoding: "
         "the next blocks' drafts ride behind the current one); exact"})
+    exact: bool = field(default=True, metadata={"help": "greedy, on a runtime whose wide forwards round differently "
+        "(llama.cpp on a quantized file): one token per forward, the text greedy's token for token (--exact false: "
+        "verify drafts there too, the text greedy's up to near-ties)"})
+    adaptive: bool = field(default=False, metadata={"help": "greedy: each row feeds per forward the width (1 token "
+        "up to the budget) that has made the most tokens per step cost, from the runtime's measured step cost "
+        "(down to plain decoding where drafts do not pay)"})
 
     def __post_init__(self) -> None:
         if self.recycle_budget == 0:
@@ -105,6 +120,6 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
 # on the 2-core CPU here (benchmarks/). On a GPU, where a wide step costs about a narrow one, a
 # larger block and no budget may pay (block_size=16, recycle_budget=None); `cllm tune` measures.
 RECOMMENDED_CONFIG = JacobiConfig(block_size=4, recycle=8, recycle_width=16, recycle_min_ngram=2,
-                                  recycle_budget=24, blocks_in_flight=1)
+                                  recycle_budget=24, blocks_in_flight=1, adaptive=True)
 # The same as `jacobi_decode` keywords: `jacobi_decode(model, ids, **RECOMMENDED, draft_table=table)`.
 RECOMMENDED = MappingProxyType({k: v for k, v in RECOMMENDED_CONFIG.as_kwargs().items() if k != "guess"})

@@ -28,6 +28,7 @@ from cllm.models.loading import (
 )
 from cllm.runtime import Runtime, open_runtime
 from cllm.runtime.gguf import OUT_TYPE_OF_DTYPE
+from cllm.runtime.stepcost import cached_costs
 
 
 @dataclass
@@ -98,6 +99,8 @@ def load_for_decoding(
     settings = {**RECOMMENDED, **tuned_defaults(name_or_path, device, runtime=decoding.name), "draft_table": table}
     not_compiled = decoding.compile(batches=False) if compile else None
     decoding.prepare()
+    if settings.get("adaptive"):
+        torch_step_costs(decoding, name_or_path, dtype=dtype, device=device, compiled=compile and not not_compiled)
     return DecodingModel(decoding, tokenizer, table, settings, str(name_or_path), module, not_compiled)
 
 
@@ -108,7 +111,8 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
     measured on a GPU are not used on a CPU, nor the other way round; those measured on llama.cpp
     (`decode_defaults_llamacpp.json`) only there."""
     name = DECODE_DEFAULTS_LLAMACPP if runtime == "llamacpp" else DECODE_DEFAULTS
-    file = Path(resolve_folder(name_or_path)) / name
+    folder = gguf.side_folder(name_or_path) if gguf.is_gguf(name_or_path) else Path(resolve_folder(name_or_path))
+    file = folder / name
     if not file.is_file():
         return {}
     try:
@@ -118,6 +122,8 @@ def tuned_defaults(name_or_path: str | os.PathLike, device: str | torch.device =
         raise UserError(f"cannot read {file}: {first_line(exc)} (rerun cllm tune --force)") from None
     if record.get("device") != torch.device(device).type:
         return {}
+    if gguf.is_gguf(name_or_path) and "file" in record and record["file"] != file_identity(name_or_path):
+        return {}  # `cllm tune` measured another file of that name, or this one before it changed
     if (record.get("runtime") == "llamacpp") != (runtime == "llamacpp"):
         return {}
     return {k: v for k, v in settings.items() if k in RECOMMENDED}
@@ -141,7 +147,7 @@ def _load_for_llamacpp(name_or_path: str | os.PathLike, *, dtype: str | torch.dt
         else:
             table = None if draft_table == "auto" else load_draft_table(name_or_path, draft_table,
                                                                          vocab=decoding.vocab_size)
-        tuned = tuned_defaults(side, "cpu", runtime="llamacpp") if side.is_dir() else {}
+        tuned = tuned_defaults(name_or_path, "cpu", runtime="llamacpp")
     else:
         path = resolve_model_path(name_or_path)
         out_type = OUT_TYPE_OF_DTYPE.get(str(dtype).removeprefix("torch."))
@@ -158,4 +164,30 @@ def _load_for_llamacpp(name_or_path: str | os.PathLike, *, dtype: str | torch.dt
                                   f"{'exported now' if written else 'as exported before'} to {file}")
         tuned = tuned_defaults(path, "cpu", runtime="llamacpp")
     settings = {**RECOMMENDED, **tuned, "draft_table": table}
+    # a quantized file decodes one token per forward (`exact`): its step costs are measured only where drafts run
+    if settings.get("adaptive") and (decoding.batch_invariant or not settings.get("exact")):
+        measure_step_costs(decoding, file_identity(decoding.path),
+                           f"{decoding.threads} threads, {'f32' if decoding.f32_cache else 'f16'} KV cache")
     return DecodingModel(decoding, tokenizer, table, settings, str(name_or_path), None, None)
+
+
+def file_identity(path: str | os.PathLike) -> str:
+    """A file's path, size and modification time: what tells a changed file from the one a
+    measurement was made on."""
+    file = Path(path).expanduser().resolve()
+    stat = file.stat()
+    return f"{file} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def torch_step_costs(runtime: Runtime, name_or_path: str | os.PathLike, *, dtype, device, compiled: bool) -> None:
+    """`measure_step_costs` for a checkpoint on a torch runtime (its fingerprint, dtype, device,
+    torch's threads, the compiled or eager forward)."""
+    measure_step_costs(runtime, f"{fingerprint(resolve_model_path(name_or_path))} {dtype} {device}",
+                       f"{torch.get_num_threads()} threads, {'compiled' if compiled else 'eager'}")
+
+
+def measure_step_costs(runtime: Runtime, model: str, setting: str) -> None:
+    """Give the runtime its step costs (`Runtime.step_costs`), which the engine's `adaptive`
+    width is chosen by: measured once per model, setting and machine, then read from the user's
+    cache (`cllm.runtime.stepcost`)."""
+    runtime.step_costs = cached_costs(runtime, model, setting)

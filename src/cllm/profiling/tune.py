@@ -24,6 +24,8 @@ from cllm.core.errors import UserError
 from cllm.core.machine import machine_info, resolve_device
 from cllm.core.outputs import Input, check_new_file, replacing, write_failures
 from cllm.models import DECODE_DEFAULTS, DECODE_DEFAULTS_LLAMACPP, load_for_decoding, load_model, resolve_model_path
+from cllm.models.fast import file_identity
+from cllm.models.gguf import is_gguf, side_folder
 from cllm.profiling.config import TuneConfig
 from cllm.profiling.costs import (
     Defaults,
@@ -49,9 +51,16 @@ def defaults_record(defaults: Defaults, ks: list[int], times_ms: list[float], *,
 
 
 def defaults_file(config: TuneConfig) -> Path:
-    """Where `tune` writes: --out, else decode_defaults.json in the model's own folder; checked
-    before anything is timed (`cllm.core.outputs`: a new file, or any with --force, never one of
-    the model's own files nor a place that cannot be written)."""
+    """Where `tune` writes: --out, else decode_defaults.json in the model's own folder (a GGUF
+    file: its side folder, `cllm.models.gguf.side_folder`); checked before anything is timed
+    (`cllm.core.outputs`: a new file, or any with --force, never one of the model's own files
+    nor a place that cannot be written)."""
+    if is_gguf(config.model):
+        file = Path(config.model).expanduser()
+        if not file.is_file():
+            raise UserError(f"--model {config.model}: no GGUF file there")
+        return check_new_file(defaults_path(config), force=config.force, what="defaults file",
+                              inputs=[Input("--model", file)])
     path = Path(resolve_model_path(config.model))
     if not path.is_dir():
         raise UserError(f"--model {config.model}: tune needs a local checkpoint folder to write beside")
@@ -61,6 +70,8 @@ def defaults_file(config: TuneConfig) -> Path:
 
 def defaults_path(config: TuneConfig) -> Path:
     """--out, else the defaults file of the runtime tuned for in the model's own folder."""
+    if is_gguf(config.model):
+        return Path(config.out) if config.out else side_folder(config.model) / DECODE_DEFAULTS_LLAMACPP
     name = DECODE_DEFAULTS_LLAMACPP if config.runtime == "llamacpp" else DECODE_DEFAULTS
     return Path(config.out) if config.out else Path(resolve_model_path(config.model)) / name
 
@@ -69,11 +80,12 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     """Time the model's step at every k, choose the defaults, write them (`defaults_file`);
     returns the record written."""
     out = defaults_file(config)
-    path = Path(resolve_model_path(config.model))
+    gguf_file = is_gguf(config.model)
+    path = Path(config.model).expanduser() if gguf_file else Path(resolve_model_path(config.model))
     device = resolve_device(config.device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    if config.runtime == "llamacpp":
+    if gguf_file or config.runtime == "llamacpp":
         device = torch.device("cpu")
         runtime = load_for_decoding(path, runtime="llamacpp", dtype=config.dtype, threads=config.threads).model
         threads = runtime.threads
@@ -93,8 +105,11 @@ def tune(config: TuneConfig) -> dict[str, Any]:
     chosen = choose_defaults(config.k, [t / times_ms[0] for t in times_ms], **rule)
     record = defaults_record(chosen, config.k, times_ms, device=device.type, dtype=config.dtype, rule=rule,
                              model=str(path), machine={**machine_info(device), "prefix": prefix, "threads": threads})
-    if config.runtime == "llamacpp":
+    if gguf_file or config.runtime == "llamacpp":
         record["runtime"] = "llamacpp"
+    if gguf_file:  # the file these settings were measured on: a changed file is not given them
+        record["file"] = file_identity(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
     with write_failures(out), replacing(out) as tmp:
         write_json(record, tmp)
     return record

@@ -250,6 +250,8 @@ class TransformersRuntime:
 
     name = "transformers"
     offers_hidden = True
+    step_costs: tuple[float, ...] | None = None  # measured by `cllm.runtime.stepcost`, when asked
+    batch_invariant = True  # float32: a wide forward differs in the last bits at most (near-ties aside)
 
     def __init__(self, model: torch.nn.Module, *, why: str = "asked for", weak: bool = False) -> None:
         # `weak`: the model's own "auto" runtime (`as_runtime`), which must not keep it alive

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ctypes
 import heapq
-import logging
 import os
 import weakref
 from collections.abc import Sequence
@@ -61,6 +60,8 @@ import numpy as np
 import torch
 from packaging.version import Version
 
+from cllm.runtime import llamacpp_log
+from cllm.runtime.gguf_check import check_gguf
 from cllm.runtime.protocol import Forward, check_tree
 
 LLAMA_CPP_RANGE = ("0.3.36", "0.4")  # the low-level API relied on below (llama_memory_*, kv_unified)
@@ -97,8 +98,7 @@ def checked_api():
 
     if not getattr(checked_api, "ready", False):
         llama_cpp.llama_backend_init()
-        # llama.cpp's own log, silent: llama-cpp-python's callback prints its warnings as errors
-        logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
+        llamacpp_log.install(llama_cpp)  # llama.cpp's log to Python's, its errors kept for the one-line refusals
         checked_api.ready = True
     return llama_cpp
 
@@ -227,21 +227,27 @@ class LlamaCppRuntime:
     drafts; `sequences`: its sequences (a row's own and one per tree leaf past the first);
     `streams`: 0, every row unified; N, a server's: also a stream per row for N rows of
     `row_context` cells each (default: `ROW_CONTEXT`, or the model's trained context when
-    shorter), where a row opens when others are open (`open`); `f32_cache`: an f32 KV cache (the
-    default; False: llama.cpp's f16, half the memory, whose attention rounds differently with
-    the number of fed tokens: a wide forward's logits then differ from a one-token forward's by
-    up to ~0.06 on a q8_0 file here); `extra_buffers`: llama.cpp's repacked and AMX weight
-    buffers (`use_extra_bufts`), off by default: its AMX matrix multiply crashed (a segfault) on
+    shorter), where a row opens when others are open (`open`); `f32_cache`: the KV cache's type,
+    f32 (True) or llama.cpp's default f16 (False); None, the default: f32 for a file of f32
+    weights, else f16, so that greedy decoding here gives the tokens of llama.cpp's own greedy
+    decoding of a quantized file (`Llama.generate`, its default context) and of an f32 file
+    given `type_k = type_v = f32`. `batch_invariant`: a wide forward's logits equal a one-token
+    forward's but for their last bits, taken only with f32 weights and cache. llama.cpp computes
+    a forward of several tokens on other kernels than one of one (llamafile's GEMM, not a dot
+    product per token), and 8-bit activations (quantized files) or an f16 cache turn those last
+    bits into other tokens now and then (`scripts/width_numerics.py`); `extra_buffers`: llama.cpp's
+    repacked and AMX weight buffers (`use_extra_bufts`), off by default: its AMX matrix multiply crashed (a segfault) on
     quantized models on an Intel Xeon with AMX (llama-cpp-python 0.3.36). A ValueError names why
     the file cannot be loaded."""
 
     name = "llamacpp"
     offers_hidden = False
+    step_costs: tuple[float, ...] | None = None  # measured by `cllm.runtime.stepcost`, when asked
     device = torch.device("cpu")
 
     def __init__(self, path: str | os.PathLike, *, threads: int = 0, context: int = CONTEXT,
                  sequences: int = SEQUENCES, streams: int = 0, row_context: int | None = None,
-                 f32_cache: bool = True, extra_buffers: bool = False, why: str = "asked for") -> None:
+                 f32_cache: bool | None = None, extra_buffers: bool = False, why: str = "asked for") -> None:
         llama_cpp = self._llama_cpp = checked_api()
         self.path = Path(path)
         if not self.path.is_file():
@@ -252,13 +258,19 @@ class LlamaCppRuntime:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = extra_buffers
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        check_gguf(self.path)  # the header values llama.cpp asserts on (an assert aborts the process)
+        with llamacpp_log.errors() as errors:
+            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
-            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it knows)")
+            raise ValueError(f"llama.cpp could not load {self.path}: {errors.reason() or 'not a GGUF model it knows'}")
         contexts: list = []  # llama.cpp's, freed with the model
         self._finalizer = weakref.finalize(self, _free, llama_cpp, contexts, self._model)
         trained = int(llama_cpp.llama_model_n_ctx_train(self._model))
         self.threads = threads or os.cpu_count() or 1
+        self.ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self._model)).decode()  # "all F32", ...
+        if f32_cache is None:
+            f32_cache = self.ftype == "all F32"
+        self.batch_invariant = f32_cache and self.ftype == "all F32"
         self.f32_cache, self.streams = f32_cache, streams
         made = dict(threads=self.threads, f32_cache=f32_cache, path=self.path)
         self._unified = _Context(llama_cpp, self._model, cells=context, sequences=min(sequences, most),
@@ -276,7 +288,6 @@ class LlamaCppRuntime:
         self.row_context = min(c.row_cells for c in (self._unified, self._streams) if c is not None)
         self.position_limit = min(trained, self.row_context)
         self.max_rows = streams or None  # a server's rows at most; unified only: as many as its sequences hold
-        self.ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self._model)).decode()  # "all F32", ...
         self.forwards = 0
         self.why = why
 

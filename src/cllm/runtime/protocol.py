@@ -106,6 +106,13 @@ class Runtime(Protocol):
     device: torch.device  # where its logits are
     offers_hidden: bool  # whether `hidden=True` gives the last hidden state
     forwards: int  # forwards run by all its sessions so far
+    # what a forward of k fed tokens (one row) costs here, in one-token forwards: step_costs[k - 1]
+    # (`cllm.runtime.stepcost`, set by `load_for_decoding`); None: not measured (a fixed width)
+    step_costs: tuple[float, ...] | None
+    # whether a forward's logits for a token equal, but for their last bits, those of a forward
+    # feeding that token alone (float32 torch forwards; llama.cpp with f32 weights and cache):
+    # where not, greedy decoding with `exact` feeds one token per forward
+    batch_invariant: bool
 
     def session(self) -> Session:
         """A new session, with no row open."""

@@ -46,6 +46,8 @@ def jacobi_generate(
     recycle_min_ngram: int = 2,
     recycle_budget: int | None = 24,
     blocks_in_flight: int = 1,
+    exact: bool = True,
+    adaptive: bool = False,
     draft_table=None,
     guess: str = "prompt",
     **model_kwargs: Any,
@@ -62,7 +64,7 @@ def jacobi_generate(
     out = jacobi_decode(model, input_ids, mask, block_size=block_size, max_new_tokens=max(new, 0),
                         eos_token_id=cfg.eos_token_id, guess=guess, recycle=recycle, recycle_width=recycle_width,
                         recycle_min_ngram=recycle_min_ngram, recycle_budget=recycle_budget,
-                        blocks_in_flight=blocks_in_flight, draft_table=draft_table)
+                        blocks_in_flight=blocks_in_flight, exact=exact, adaptive=adaptive, draft_table=draft_table)
     width = max(map(len, out.new_tokens))
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     tail = torch.full((input_ids.shape[0], width), pad, dtype=input_ids.dtype, device=input_ids.device)

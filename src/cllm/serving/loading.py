@@ -32,6 +32,7 @@ from cllm.models import (
     load_tokenizer,
     resolve_model_path,
 )
+from cllm.models.fast import torch_step_costs
 from cllm.models.gguf import is_gguf
 from cllm.runtime import Runtime, open_runtime
 from cllm.runtime.lean import compiled
@@ -99,6 +100,8 @@ def load_served(model: str, *, dtype: str = "float32", device: str = "cpu", thre
         raise UserError(f"--runtime {runtime}: {first_line(exc)}") from None
     not_compiled = decoding.compile(batches=batches) if compile else None
     decoding.prepare()
+    if not batches:  # one prompt at a time (generate, chat): the adaptive width, as `load_for_decoding` decodes
+        torch_step_costs(decoding, model, dtype=dtype, device=device, compiled=bool(compile and not not_compiled))
     return ServedModel(decoding, TextCodec(tokenizer), table, heads, not_compiled, eagle=head)
 
 

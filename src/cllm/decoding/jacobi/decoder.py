@@ -21,11 +21,14 @@ from cllm.decoding.jacobi.drafters import Drafters
 from cllm.decoding.jacobi.rule import SOURCES, IterationEvent
 from cllm.decoding.jacobi.state import Row, Settings, isolated, make_final, open_blocks, scored
 from cllm.decoding.jacobi.verifiers import choose_verifier
+from cllm.decoding.jacobi.width import Width
 from cllm.decoding.logprobs import TokenLogprob
 from cllm.decoding.sampling import draw, make_sampling
 from cllm.decoding.settings import JacobiConfig
 from cllm.decoding.stats import DecodeOutput, DecodeStats
 from cllm.runtime import Runtime, as_runtime
+
+GUESS_SEED = 0  # greedy decoding's guesses, when no generator is given
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ def jacobi_decode(
             it for what each does) and/or its fields as keywords, which override the config's.
         max_new_tokens: at most this many new tokens per row (the last block may be shorter).
         eos_token_id: a row stops after producing it (or any of them); it is included.
-        generator: seeds the guesses: None (torch's global RNG), one torch.Generator, or one
-            per row (a row's guesses then do not depend on its batch mates).
+        generator: seeds the guesses: None (greedy: a generator per row seeded with
+            `GUESS_SEED`, so the same call verifies the same drafts every time; sampling: torch's
+            global RNG), one torch.Generator, or one per row (a row's guesses then do not depend
+            on its batch mates).
         on_iteration: called with every state of every block of every row (IterationEvent).
         temperature: 0 (greedy, the default) or > 0 to sample; `top_k` / `top_p` restrict the
             sampled distribution as in `sample_decode`. `generator` then also seeds the draws:
@@ -102,7 +107,9 @@ def jacobi_decode(
     # 2. iterate: one batched forward per step; finished rows leave the batch (and the cache)
     for _ in decoder.steps():
         decoder.raise_error(rows)
-    return decoder.finish(rows)
+    out = decoder.finish(rows)
+    decoder.session.close(rows)  # the entries leave the runtime now, not when the session is collected
+    return out
 
 
 class BatchDecoder:
@@ -148,6 +155,10 @@ class BatchDecoder:
         if engine.blocks_in_flight > 1 and sampling is not None:
             raise ValueError("blocks_in_flight is for greedy decoding")
         self.runtime = as_runtime(model)
+        if engine.exact and sampling is None and not self.runtime.batch_invariant:
+            # a wide forward would round differently from greedy's one-token forwards: decode as greedy does
+            engine = replace(engine, block_size=1, recycle=0, blocks_in_flight=1, adaptive=False)
+            draft_table = drafters = None
         self.session = self.runtime.session()  # this decoder's rows, on the runtime's forward
         if drafters is None:
             drafters = Drafters.from_settings(engine, draft_table, sampling is not None)
@@ -157,8 +168,10 @@ class BatchDecoder:
         if draft_table is not None and draft_table.max_token_id >= vocab:
             raise ValueError(f"the draft table holds token id {draft_table.max_token_id}, outside the model's "
                              f"vocabulary of {vocab}")
+        costs = self.runtime.step_costs if engine.adaptive and sampling is None else None
         self.cfg = Settings(**engine.as_kwargs(), eos=eos_set(eos_token_id), vocab_size=vocab,
-                            on_iteration=on_iteration, sampling=sampling, draft_table=draft_table, drafters=drafters)
+                            on_iteration=on_iteration, sampling=sampling, draft_table=draft_table, drafters=drafters,
+                            step_costs=costs)
         self._verifier = choose_verifier(self.cfg)
         self.stats = DecodeStats()  # the counters since the last `take_stats`
         self._active: list[Row] = []  # the running rows, in the session's order
@@ -193,14 +206,18 @@ class BatchDecoder:
             if limit is not None and n + m > limit:
                 raise ValueError(f"prompt length {n} + max_new_tokens {m} exceeds the model's position limit {limit}")
         B = prompt.batch_size
-        generators = row_generators(generator, B)
         cfg = self.cfg
+        generators = row_generators(generator, B)
+        if cfg.sampling is None:  # greedy: unseeded guesses draw from a row's own seeded generator, so that
+            # which tokens a forward verifies (and on a runtime whose numerics follow the forward's width, the
+            # text) never depends on what ran before in the process
+            generators = [torch.Generator().manual_seed(GUESS_SEED) if g is None else g for g in generators]
         ids, out = self.session.open(prompt.rows)
         logits = out.logits[:, -1]  # (B, V)
         self.stats.forward_passes += 1
         rows = [
             Row(index=ids[r], prompt_tokens=prompt.row_tokens(r), generator=generators[r],
-                max_new_tokens=budgets[r], prompt_list=list(prompt.rows[r]), logprobs=keeps[r])
+                max_new_tokens=budgets[r], prompt_list=list(prompt.rows[r]), logprobs=keeps[r], width=self._width())
             for r in range(B)
         ]
         greedy = argmax(logits).tolist() if cfg.sampling is None else None
@@ -235,6 +252,17 @@ class BatchDecoder:
         stats.new_tokens = sum(len(row.known) for row in rows)
         stats.sources = {s: n for s in SOURCES if (n := sum(row.sources.count(s) for row in rows))}
         return DecodeOutput(new_tokens=[row.known for row in rows], forward_passes=stats.forward_passes, stats=stats)
+
+    def _width(self) -> Width | None:
+        """A new row's fed width (`adaptive`, greedy, step costs known): up to the budget, or to
+        the tail alone when nothing is recycled."""
+        cfg = self.cfg
+        if cfg.step_costs is None:
+            return None
+        most = cfg.block_size * cfg.blocks_in_flight
+        if cfg.recycle:
+            most = cfg.recycle_budget or max(most, len(cfg.step_costs))
+        return Width(cfg.step_costs, most)
 
     def set_recycle_budget(self, recycle_budget: int | None) -> None:
         """Change how many tokens a row feeds per forward at most with recycling (the tail
@@ -298,6 +326,9 @@ class BatchDecoder:
             self._active = [by_id[r] for r in self.session.rows()]
         if not self._active:
             return False
+        for row in self._active:  # `adaptive`: each row's width for this forward
+            if row.width is not None:
+                row.width.choose()
         self._verifier.step(self.session, self._active, self.cfg, self.stats)
         for row in self._active:
             row.forwards += 1

@@ -47,6 +47,8 @@ def accepted_length(tail: Sequence[int], outputs: Sequence[int]) -> int:
 
 def jacobi_update(state: Sequence[int], committed: int, outputs: Sequence[int]) -> list[int]:
     """The next block state: final tokens stay, every later position takes the output predicted
-    for it (`outputs` are those of the tail `state[committed-1:]`; the last one points past the
-    block and is not part of the state)."""
-    return list(state[:committed]) + list(outputs[: len(state) - committed])
+    for it (`outputs` are those of the tail `state[committed-1:]`, or of its first
+    len(outputs) tokens when a narrower forward fed only those: the positions past them keep
+    their drafts; the last output points past the block and is not part of the state)."""
+    room = len(state) - committed
+    return list(state[:committed]) + list(outputs[:room]) + list(state[committed + len(outputs) :])

@@ -31,6 +31,7 @@ from cllm.decoding.draft_table import DraftTable
 from cllm.decoding.inputs import finalize
 from cllm.decoding.jacobi.drafters import DraftContext, Drafters, fill
 from cllm.decoding.jacobi.rule import IterationEvent, accepted_length, jacobi_update
+from cllm.decoding.jacobi.width import Width
 from cllm.decoding.logprobs import TokenLogprob, token_logprobs
 from cllm.decoding.sampling import Sampling
 from cllm.decoding.settings import JacobiConfig
@@ -49,6 +50,7 @@ class Settings(JacobiConfig):
     sampling: Sampling | None = None  # None: greedy
     draft_table: DraftTable | None = None  # the model's own n-gram continuations (guesses, drafts)
     drafters: Drafters | None = None  # chosen from the above by the decoder
+    step_costs: tuple[float, ...] | None = None  # c(k), k = 1.. (the runtime's), when `adaptive` uses them
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Row:
     done: bool = False
     error: Exception | None = None  # what stopped this row alone (`isolated`); its batch mates go on
     logprobs: int | None = None  # None: none kept; k: each final token's log-probability and its top k
+    width: Width | None = None  # `adaptive`: how many tokens it feeds per forward (None: the budget's)
     scores: list[TokenLogprob] = field(default_factory=list)  # per final new token, when `logprobs` is set
 
     def history(self) -> list[int]:
@@ -249,8 +252,8 @@ def advance(row: Row, outputs: list[int], cfg: Settings, stats: DecodeStats,
     block = row.block
     # 1. fast-forward: the leading fed tokens that equal their predictions are final, and so is
     #    the output after the last of them (the one token a forward always makes final)
-    if accepted is None:
-        accepted = accepted_length(fed, outputs)
+    if accepted is None:  # a narrower forward fed the tail's first len(outputs) tokens only
+        accepted = accepted_length(fed[: len(outputs)], outputs)
     c = block.committed if block is not None else 0
     # fed[j + 1] is state[c + j], then the drafts past the block (a branch's, else Jacobi's)
     beyond = draft_source or "jacobi"
@@ -263,9 +266,11 @@ def advance(row: Row, outputs: list[int], cfg: Settings, stats: DecodeStats,
     if block is not None:
         old_committed = block.committed
         room = len(block.state) - old_committed  # outputs[room + j] is predicted for ahead[j]
-        row.ahead = list(outputs[room : room + len(row.ahead)])
+        fresh = outputs[room:]  # what a narrower forward did not feed keeps its draft (and origin)
+        row.ahead = list(fresh[: len(row.ahead)]) + row.ahead[len(fresh) :]
         block.state = jacobi_update(block.state, block.committed, outputs)
-        block.origin = block.origin[:old_committed] + ["jacobi"] * room
+        updated = min(room, len(outputs))
+        block.origin = block.origin[:old_committed] + ["jacobi"] * updated + block.origin[old_committed + updated :]
         block.committed = min(len(row.known) - block.start, len(block.state))
         if cfg.blocks_in_flight == 1 and block.committed < len(block.state):
             row.ahead = []  # a recycled draft's surplus waits only for the next block, not fed again

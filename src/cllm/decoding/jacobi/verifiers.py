@@ -57,8 +57,9 @@ class LinearVerifier:
     def step(self, session: Session, rows: list[Row], cfg: Settings, stats: DecodeStats) -> None:
         if cfg.drafters.swap is not None:  # sampling with recycling: a pool draft replaces the Jacobi drafts
             isolated(rows, lambda r, row: swap_in_draft(row, cfg), lambda row: None)
-        # 1. every row's tail; a row that fails (here or below) feeds its last token and keeps nothing
-        tails = isolated(rows, lambda r, row: tail(row), last_token)
+        # 1. every row's tail (its first tokens, for a row feeding narrower: `fed_width`); a row that
+        #    fails (here or below) feeds its last token and keeps nothing
+        tails = isolated(rows, lambda r, row: tail(row)[: fed_width(row)], last_token)
         fed = [len(t) for t in tails]
         for row, n in zip(rows, fed, strict=True):  # a failed row's filler holds no draft
             stats.count_drafts(stats.drafted, draft_origins(row)[: n - 1])
@@ -70,8 +71,8 @@ class LinearVerifier:
         if cfg.sampling is None:
             outputs = argmax(logits).tolist()
             # 3. each row accepts what it can; the session keeps exactly the accepted entries
-            keep = isolated(rows, lambda r, row: scored(row, cfg, logits[r], lambda: advance(
-                row, outputs[r][: fed[r]], cfg, stats)), lambda row: 0)
+            keep = isolated(rows, lambda r, row: scored(row, cfg, logits[r], lambda: observed(row, fed[r], advance(
+                row, outputs[r][: fed[r]], cfg, stats))), lambda row: 0)
         else:
             probs = cfg.sampling.probs(logits)  # (B, L, V)
 
@@ -99,19 +100,28 @@ class TreeVerifier:
             if chained[r]:
                 chain, source = chain_of(row, cfg, cfg.drafters.chain)
                 return Tree.trie(chain, []), [source]
-            t = tail(row)
+            t, budget = tail(row), cfg.recycle_budget
+            if (width := fed_width(row)) is not None:  # this forward's width for the row
+                if width < len(t):  # narrower than its tail: a chain, the pool's best draft in the tail's place
+                    if cfg.drafters.chain is not None and row.block is not None and width > 1:
+                        found = cfg.drafters.chain.propose(row.context(cfg), width - 1)
+                        if found:
+                            set_drafts(row, found[0], cfg.drafters.chain.source)
+                            t = tail(row)
+                    return Tree.trie(t[:width], []), ["jacobi"]
+                budget = width if budget is None else min(width, budget)  # a server may lower the budget
             drafts, kinds = [], []
             # a draft may reach past the tail (its surplus rides as drafts of the next block);
             # between blocks (the tail is the last final token alone) drafts start the next
             # block, unless blocks in flight already hold its drafts; none are looked for when
             # the budget has no room left after the tail (the trie would add none of them)
-            room = cfg.recycle_budget is None or len(t) < cfg.recycle_budget
+            room = budget is None or len(t) < budget
             if room and (row.block is not None or cfg.blocks_in_flight == 1):
                 width = min(cfg.recycle_width, row.max_new_tokens - len(row.known))
                 drafts, kinds = branches(cfg.drafters.tree, row.context(cfg), t, width)
                 if leaves[r] is not None:  # the tail's leaf, and one per draft at most
                     drafts, kinds = drafts[: leaves[r] - 1], kinds[: leaves[r] - 1]
-            return Tree.trie(t, drafts, cfg.recycle_budget), ["jacobi", *kinds]  # kinds: per branch
+            return Tree.trie(t, drafts, budget), ["jacobi", *kinds]  # kinds: per branch
 
         # a row that fails (here or below) feeds its last token and keeps it alone
         built = isolated(rows, trie_of, lambda row: (Tree.trie(last_token(row), []), ["jacobi"]))
@@ -152,11 +162,26 @@ class TreeVerifier:
             elif b > 0:
                 set_drafts(row, [tree.tokens[i] for i in branch[1:]], branch_kinds[r][b])
             advance(row, outputs, cfg, stats, accepted=len(accepted), draft_source=branch_kinds[r][b])
+            if row.width is not None:
+                row.width.observe(len(tree.tokens), accepted)
             return accepted
 
         # final token j came from fed position accepted[j] (the kept indices `accept` returns)
         session.keep(ids, isolated(rows, lambda r, row: scored(row, cfg, logits[r], lambda: accept(r, row),
                                                                positions=lambda kept: kept), lambda row: [0]))
+
+
+def fed_width(row: Row) -> int | None:
+    """How many tokens the row feeds this forward (`adaptive`: its `Width`'s choice, made by the
+    decoder before the step); None: its tail whole and drafts up to the budget."""
+    return None if row.width is None else row.width.width
+
+
+def observed(row: Row, fed: int, accepted: int) -> int:
+    """A chain forward of `fed` tokens kept its first `accepted`: the row's width learns it."""
+    if row.width is not None:
+        row.width.observe(fed, range(accepted))
+    return accepted
 
 
 def chain_of(row: Row, cfg: Settings, drafter: Drafter) -> tuple[list[int], str]:

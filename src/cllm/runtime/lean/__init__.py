@@ -26,6 +26,8 @@ class LeanRuntime:
 
     name = "lean"
     offers_hidden = True
+    step_costs: tuple[float, ...] | None = None  # measured by `cllm.runtime.stepcost`, when asked
+    batch_invariant = True  # float32: a wide forward differs in the last bits at most (near-ties aside)
 
     def __init__(self, model: torch.nn.Module, *, packed: bool = True, graphs: bool = True, path: str | None = None,
                  why: str = "asked for", weak: bool = False) -> None:
