@@ -29,8 +29,9 @@ from tests.tiny import CODE_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "layout_speed.py", "llamacpp_speed.py", "load_test.py",
-                  "scale_table.py", "soak.py"]
+PYTHON_SCRIPTS = ["draft_policy.py", "evaluate_cllm.py", "fetch_reference.py", "layout_speed.py", "llamacpp_speed.py",
+                  "load_test.py", "scale_table.py", "soak.py", "width_numerics.py"]
+# fetch_reference.py is tested in tests/models/test_reference.py
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ["def f(x):", "class A:", "import re"]
@@ -191,6 +192,33 @@ def test_llamacpp_speed_reports_each_method_against_llama_cpps_greedy(tiny, tmp_
         "llama.cpp greedy", "ours greedy", "ours jacobi"]
     for row in result["methods"].values():
         assert row["equal_to_reference"] == 2 and row["tokens_per_second"] > 0 and row["tokens_per_forward"] >= 1
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_speed_takes_a_prompt_file_and_the_peers_beside(tiny, tmp_path):
+    gguf, out = tmp_path / "t.gguf", tmp_path / "speed.json"
+    assert run(sys.executable, "-m", "cllm.cli", "export", "--model", tiny["target"], "--gguf", gguf).returncode == 0
+    done = run(sys.executable, SCRIPTS / "llamacpp_speed.py", gguf, "--threads", "1", "--prompt-file", tiny["prompts"],
+               "--extra", "lookup,relaxed,fixed", "--max-new-tokens", "8", "--rounds", "1", "--json", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["prompts"] == len(PROMPTS) and result["step_costs"][0] == 1.0
+    assert set(result["methods"]) == {"llama.cpp greedy", "ours greedy", "ours jacobi", "ours jacobi, exact=False",
+                                      "ours jacobi, budget 24", "llama.cpp prompt lookup"}
+    for name in ("ours greedy", "ours jacobi", "ours jacobi, exact=False", "ours jacobi, budget 24"):
+        assert result["methods"][name]["equal_to_reference"] == len(PROMPTS)  # an f32 file: exact everywhere
+
+
+@pytest.mark.llamacpp
+def test_width_numerics_reports_each_width_and_cache_type(tiny, tmp_path):
+    gguf = tmp_path / "t.gguf"
+    assert run(sys.executable, "-m", "cllm.cli", "export", "--model", tiny["target"], "--gguf", gguf).returncode == 0
+    done = run(sys.executable, SCRIPTS / "width_numerics.py", gguf, "--threads", "1", "--positions", "4",
+               "--widths", "2,4")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["widths"]) == {f"{c} cache, k={k}" for c in ("f16", "f32") for k in (2, 4)}
+    assert set(report["holes"]) == {"f16 cache", "f32 cache"} and report["ftype"] == "all F32"
 
 
 def test_gpu_profile_sh_parses_and_its_cllm_commands_take_their_flags(tmp_path):
