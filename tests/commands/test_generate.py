@@ -16,6 +16,7 @@ from cllm.cli import main
 from cllm.data.tokenizer import save_tokenizer, train_tokenizer
 from cllm.decoding import JacobiConfig, greedy_decode
 from cllm.models import load_model, load_tokenizer
+from cllm.models.chat import end_of_turn_ids
 from cllm.runtime import open_runtime
 from cllm.serving.completion import DecodeParams, TextCodec, TextStream, complete
 from tests.tiny import CODE_TEXTS
@@ -52,6 +53,7 @@ class Oracle:
     def __init__(self, directory):
         self.model = open_runtime(load_model(directory), "transformers")  # the model's own forward
         self.tokenizer = load_tokenizer(directory)
+        self.stop = end_of_turn_ids(self.tokenizer)  # its eos and generation_config.json's, where a reply ends
 
     def ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
@@ -61,8 +63,7 @@ class Oracle:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def tokens(self, ids: list[int], max_new_tokens: int = NEW) -> list[int]:
-        out = greedy_decode(self.model, torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                            eos_token_id=self.tokenizer.eos_token_id)
+        out = greedy_decode(self.model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=self.stop)
         return out.new_tokens[0]
 
     def text(self, prompt: str | list[int], max_new_tokens: int = NEW) -> str:

@@ -122,7 +122,7 @@ def sse_events(server, path, body) -> list:
 def finish_reason(oracle, ids: list[int], max_new_tokens: int = NEW) -> str:
     """What a greedy completion must report: "stop" when it ends with EOS, else "length"."""
     tokens = oracle.tokens(ids, max_new_tokens)
-    return "stop" if tokens and tokens[-1] == oracle.tokenizer.eos_token_id else "length"
+    return "stop" if tokens and tokens[-1] in oracle.stop else "length"
 
 
 def assert_ok_afterwards(server, oracle):
